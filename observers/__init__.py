@@ -1,0 +1,54 @@
+"""Observer Lab's observer library: quantization observers as small, vectorized torch code.
+
+Typical use::
+
+    import observers as ob
+    spec = ob.QuantSpec(dtype="int4", symmetric=True, strategy="group", group_size=128)
+    obs = ob.create("minmax", spec, kind="weight")
+    obs.observe(w)
+    qp = obs.qparams()
+    w_hat = ob.fake_quantize(w, qp, spec)
+    ob.error_metrics(w, w_hat, qp, spec)
+
+This package imports torch only (no UI libraries).
+"""
+
+from observers import minmax  # noqa: F401  (registers the min-max family)
+from observers.base import Observer, available, create, describe, knobs, observer_class, register
+from observers.formats import FORMATS, ElementFormat, get_format
+from observers.granularity import Flat, flatten
+from observers.metrics import METRIC_KEYS, compare_tensors, error_metrics
+from observers.qparams import QParams, calculate_qparams
+from observers.quantize import dequantize, fake_quantize, quantize
+from observers.spec import QuantSpec
+from observers.suite import SuiteResult, results_frame, run_one, run_suite
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMATS",
+    "METRIC_KEYS",
+    "ElementFormat",
+    "Flat",
+    "Observer",
+    "QParams",
+    "QuantSpec",
+    "SuiteResult",
+    "available",
+    "calculate_qparams",
+    "compare_tensors",
+    "create",
+    "dequantize",
+    "describe",
+    "error_metrics",
+    "fake_quantize",
+    "flatten",
+    "get_format",
+    "knobs",
+    "observer_class",
+    "quantize",
+    "register",
+    "results_frame",
+    "run_one",
+    "run_suite",
+]

@@ -1,0 +1,186 @@
+"""The observer base class and the one registry of observers.
+
+An observer is a small class: it declares its registry ``name``, a one-line ``description``,
+its ``knobs`` with defaults, and implements ``_observe(flat)`` (update statistics from a
+flattened batch) and ``_choose_range()`` (the chosen ``(min, max)`` per qparam group). Input
+checks, flattening, token counting and the range -> qparams rule live here, once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+
+from observers.granularity import Flat, flatten
+from observers.qparams import QParams, calculate_qparams
+from observers.spec import QuantSpec
+
+_REGISTRY: dict[str, type[Observer]] = {}
+
+
+class Observer:
+    """Turns observed tensors into ``QParams``.
+
+    Use: ``obs.observe(x)`` any number of times (calibration batches), then ``obs.qparams()``.
+    Common knob: ``ignore_nonfinite`` (default False): NaN/Inf in ``x`` are an error naming how
+    many, unless this knob is set; they are then replaced by 0, which every range contains, so
+    scales are those of the finite values.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    knobs: ClassVar[dict[str, Any]] = {}
+    kinds: ClassVar[tuple[str, ...]] = ("weight", "activation", "attention")
+    strategies: ClassVar[tuple[str, ...] | None] = None
+    scale_kinds: ClassVar[tuple[str, ...]] = ("float", "e8m0", "e4m3", "pow2")
+
+    def __init__(self, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> None:
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"spec must be a QuantSpec, got {type(spec).__name__}")
+        spec.check_kind(kind)
+        if kind not in self.kinds:
+            raise ValueError(f"observer {self.name!r} works on {', '.join(self.kinds)}, not kind={kind!r}")
+        if self.strategies is not None and spec.strategy not in self.strategies:
+            raise ValueError(
+                f"observer {self.name!r} supports strategy {', '.join(self.strategies)}, not {spec.strategy!r}"
+            )
+        if spec.format.scale_kind not in self.scale_kinds and spec.format.kind != "cast":
+            raise ValueError(f"observer {self.name!r} does not support dtype {spec.dtype!r}")
+        allowed = {**self.all_knobs()}
+        unknown = set(knobs) - set(allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown knob(s) for observer {self.name!r}: {', '.join(sorted(unknown))}; "
+                f"allowed: {', '.join(sorted(allowed)) or 'none'}"
+            )
+        self.spec = spec
+        self.kind = kind
+        self.config = {**allowed, **knobs}
+        for key, value in self.config.items():
+            setattr(self, key, value)
+        self.num_observed_tokens = 0
+        self._qparam_shape: tuple[int, ...] | None = None
+        self._feature_shape: tuple[int, ...] | None = None
+        self._g_idx: torch.Tensor | None = None
+        self.validate_knobs()
+
+    @classmethod
+    def all_knobs(cls) -> dict[str, Any]:
+        """This observer's knobs with defaults, the common ones included."""
+        return {"ignore_nonfinite": False, **cls.knobs}
+
+    def validate_knobs(self) -> None:
+        """Check knob values; subclasses raise ``ValueError`` naming the knob."""
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"observe() needs a torch.Tensor, got {type(x).__name__}")
+        if x.ndim == 0:
+            raise ValueError("observe() needs a tensor with at least one dimension, got a 0-d tensor")
+        if x.numel() == 0:
+            raise ValueError(f"observe() got an empty tensor of shape {tuple(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"observe() needs a floating-point tensor, got {x.dtype}")
+        finite = torch.isfinite(x)
+        bad = int((~finite).sum())
+        if bad:
+            if not self.ignore_nonfinite:
+                raise ValueError(
+                    f"observed tensor has {bad} non-finite value(s) (NaN/Inf) out of {x.numel()}; "
+                    "pass ignore_nonfinite=True to exclude them"
+                )
+            if bad == x.numel():
+                raise ValueError("observed tensor has no finite values")
+            # Zero is inside every quantization range, so it leaves the qparams unchanged.
+            x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return x
+
+    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None) -> None:
+        """Update the statistics with one batch (a weight, or a calibration batch of activations)."""
+        x = self._check_input(x)
+        flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
+        feature_shape = tuple(x.shape[1:]) if self.kind == "weight" else tuple(x.shape[-1:])
+        if self.kind == "attention":
+            feature_shape = (x.shape[1], x.shape[3])
+        if self._feature_shape is not None and feature_shape != self._feature_shape:
+            raise ValueError(
+                f"observed shape changed between calls: features {self._feature_shape} before, {feature_shape} now"
+            )
+        token_wise = self.spec.strategy == "token"
+        if self._qparam_shape is not None and flat.qparam_shape != self._qparam_shape and not token_wise:
+            raise ValueError(
+                f"observed shape changed between calls: qparam shape {self._qparam_shape} before, "
+                f"{flat.qparam_shape} now (tensor shape {tuple(x.shape)})"
+            )
+        if token_wise:
+            self._reset_statistics()
+        self._feature_shape = feature_shape
+        self._qparam_shape = flat.qparam_shape
+        if g_idx is not None and not bool((g_idx == -1).any()):
+            self._g_idx = g_idx.detach().clone()
+        self.num_observed_tokens += flat.num_tokens
+        with torch.no_grad():
+            self._observe(flat)
+
+    def qparams(self) -> QParams:
+        """QParams from everything observed so far."""
+        if self._qparam_shape is None:
+            raise ValueError(f"observer {self.name!r} has observed nothing yet; call observe(x) first")
+        with torch.no_grad():
+            qp = self._qparams()
+        qp.kind = self.kind
+        if self._g_idx is not None:
+            qp.extras["g_idx"] = self._g_idx.to(torch.int64)
+        return qp
+
+    def _qparams(self) -> QParams:
+        min_val, max_val = self._choose_range()
+        return calculate_qparams(min_val, max_val, self.spec)
+
+    def _reset_statistics(self) -> None:
+        """Forget earlier batches: per-token qparams describe the last batch's tokens only."""
+
+    def _observe(self, flat: Flat) -> None:
+        raise NotImplementedError
+
+    def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def register(cls: type[Observer]) -> type[Observer]:
+    """Class decorator: add an observer to the registry under ``cls.name``."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"observer name {cls.name!r} is empty or registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def create(name: str, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> Observer:
+    """A new observer ``name`` for ``spec`` and ``kind`` (weight, activation or attention)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown observer {name!r}; available: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name](spec, kind=kind, **knobs)
+
+
+def available() -> dict[str, str]:
+    """``{name: one-line description}`` of every registered observer."""
+    return {name: cls.description for name, cls in _REGISTRY.items()}
+
+
+def observer_class(name: str) -> type[Observer]:
+    """The registered class (its ``all_knobs()``, ``kinds``, docstring describe it)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown observer {name!r}; available: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def knobs(name: str) -> dict[str, Any]:
+    """The knobs of observer ``name`` with their defaults."""
+    return dict(observer_class(name).all_knobs())
+
+
+def describe(name: str) -> str:
+    """The full docstring of observer ``name`` (rule, knobs, reference)."""
+    return inspect.getdoc(observer_class(name)) or ""

@@ -1,0 +1,90 @@
+"""The min-max family: running, memoryless and moving-average ranges.
+
+All three reduce each batch to a per-group ``(min, max)`` with ``reduce_min_max`` (two fused
+reads of the data) and differ only in how batches combine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from observers.base import Observer, register
+from observers.granularity import Flat, reduce_min_max
+
+
+class _MinMaxBase(Observer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_val: torch.Tensor | None = None
+        self.max_val: torch.Tensor | None = None
+
+    def _reset_statistics(self) -> None:
+        self.min_val = self.max_val = None
+
+    def _observe(self, flat: Flat) -> None:
+        low, high = reduce_min_max(flat)
+        if self.min_val is None:
+            self.min_val, self.max_val = low, high
+        else:
+            self.min_val, self.max_val = self._combine(low, high)
+
+    def _combine(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.min_val, self.max_val
+
+
+@register
+class MinMaxObserver(_MinMaxBase):
+    """Running min of mins and max of maxes over every ``observe`` call.
+
+    Reference: torch.ao ``MinMaxObserver``/``PerChannelMinMaxObserver``, llm-compressor
+    ``static_minmax``, Quark ``PerTensorMinMaxObserver``. No knobs besides ``ignore_nonfinite``.
+    With ``strategy="token"`` the qparams describe the tokens of the last batch.
+    """
+
+    name = "minmax"
+    description = "Running min/max over all calibration batches (torch.ao MinMaxObserver, LC static_minmax)"
+
+    def _combine(self, low, high):
+        return torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
+
+
+@register
+class MemorylessMinMaxObserver(_MinMaxBase):
+    """Min/max of the last ``observe`` call only.
+
+    Reference: llm-compressor ``memoryless_minmax``, its default for weights, which are observed
+    once. No knobs besides ``ignore_nonfinite``.
+    """
+
+    name = "memoryless_minmax"
+    description = "Min/max of the last batch only (LC memoryless_minmax, the usual weight observer)"
+
+    def _combine(self, low, high):
+        return low, high
+
+
+@register
+class MovingAverageMinMaxObserver(_MinMaxBase):
+    """Exponential moving average of per-batch min/max.
+
+    The first call sets the range; later calls do ``m = (1 - c)·m + c·new`` with
+    ``c = averaging_constant`` (default 0.01; 1.0 keeps only the last batch).
+    Reference: torch.ao ``MovingAverageMinMaxObserver`` (and its per-channel twin), llm-compressor
+    ``minmax``.
+    """
+
+    name = "moving_average_minmax"
+    description = "EMA of per-batch min/max, averaging_constant 0.01 (torch.ao MovingAverageMinMax, LC minmax)"
+    knobs = {"averaging_constant": 0.01}
+
+    def validate_knobs(self) -> None:
+        c = self.averaging_constant
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
+            raise ValueError(f"averaging_constant must be in (0, 1], got {c!r}")
+
+    def _combine(self, low, high):
+        c = float(self.averaging_constant)
+        return self.min_val + c * (low - self.min_val), self.max_val + c * (high - self.max_val)

@@ -1,0 +1,171 @@
+"""Quantization parameters, and the rules that turn a chosen range ``(min, max)`` into them.
+
+The rules follow section 2 of the reference doc, where torch.ao, compressed-tensors and Quark
+agree: zero is always inside the range; symmetric scales divide ``amax`` by half the integer
+range (or by ``qmax``, ModelOpt's rule, or by the float format's max); asymmetric zero points are
+``qmin - round(min / scale)``, clamped; scales are at least ``spec.eps`` so a constant or
+all-zero tensor still gives a finite positive scale.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from observers.spec import QuantSpec
+
+_DTYPES = {
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+def tensor_to_dict(t: torch.Tensor) -> dict[str, Any]:
+    """JSON-safe, lossless form of a small tensor: shape, dtype, and data.
+
+    Floats are written as Python floats (an fp32 value converts to a double exactly and a JSON
+    double reads back exactly), plus the raw little-endian bytes in base64 so that a reader can
+    check the bits.
+    """
+    t = t.detach().cpu().contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"cannot serialize tensor of dtype {t.dtype}; supported: {', '.join(_DTYPES)}")
+    return {
+        "shape": list(t.shape),
+        "dtype": name,
+        "data": t.flatten().tolist(),
+        "bytes_b64": base64.b64encode(t.numpy().tobytes()).decode("ascii"),
+    }
+
+
+def tensor_from_dict(d: dict[str, Any]) -> torch.Tensor:
+    """Inverse of ``tensor_to_dict``; clear errors for a missing field or a shape mismatch."""
+    missing = {"shape", "dtype", "data"} - set(d)
+    if missing:
+        raise ValueError(f"serialized tensor lacks field(s): {', '.join(sorted(missing))}")
+    if d["dtype"] not in _DTYPES:
+        raise ValueError(f"serialized tensor has unknown dtype {d['dtype']!r}; allowed: {', '.join(_DTYPES)}")
+    t = torch.tensor(d["data"], dtype=_DTYPES[d["dtype"]])
+    expected = 1
+    for size in d["shape"]:
+        expected *= size
+    if t.numel() != expected:
+        raise ValueError(f"serialized tensor has {t.numel()} values but shape {d['shape']} needs {expected}")
+    return t.reshape(d["shape"])
+
+
+@dataclass
+class QParams:
+    """The result of an observer.
+
+    ``scale`` and ``zero_point`` have the qparam shape of the spec's strategy (see
+    ``observers.granularity``); ``min_val``/``max_val`` are the chosen range, same shape;
+    ``global_scale`` is a one-element fp32 tensor for formats that have one (NVFP4), else None.
+    ``extras`` holds format-specific codes that exports need (e.g. MX exponent codes) and the
+    ``g_idx`` of activation-ordered groups. ``kind`` (weight, activation, attention) says how the
+    qparam shape maps onto the tensor.
+    For NVFP4 the scale that multiplies an element is ``scale / global_scale``.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    global_scale: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    kind: str = "weight"
+
+    @property
+    def effective_scale(self) -> torch.Tensor:
+        """The step size applied to elements (``scale``, divided by ``global_scale`` if any)."""
+        if self.global_scale is None:
+            return self.scale
+        return self.scale / self.global_scale
+
+    def to(self, device: torch.device | str) -> QParams:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QParams(
+            move(self.scale),
+            move(self.zero_point),
+            move(self.min_val),
+            move(self.max_val),
+            move(self.global_scale),
+            {k: move(v) for k, v in self.extras.items()},
+            self.kind,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict; ``from_dict`` restores bit-identical tensors."""
+        return {
+            "scale": tensor_to_dict(self.scale),
+            "zero_point": tensor_to_dict(self.zero_point),
+            "min_val": tensor_to_dict(self.min_val),
+            "max_val": tensor_to_dict(self.max_val),
+            "global_scale": None if self.global_scale is None else tensor_to_dict(self.global_scale),
+            "extras": {k: tensor_to_dict(v) for k, v in self.extras.items()},
+            "kind": self.kind,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QParams:
+        missing = {"scale", "zero_point", "min_val", "max_val"} - set(d)
+        if missing:
+            raise ValueError(f"QParams dict lacks field(s): {', '.join(sorted(missing))}")
+        global_scale = d.get("global_scale")
+        return cls(
+            tensor_from_dict(d["scale"]),
+            tensor_from_dict(d["zero_point"]),
+            tensor_from_dict(d["min_val"]),
+            tensor_from_dict(d["max_val"]),
+            None if global_scale is None else tensor_from_dict(global_scale),
+            {k: tensor_from_dict(v) for k, v in d.get("extras", {}).items()},
+            d.get("kind", "weight"),
+        )
+
+
+def _free_scale(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """fp32 scale for integer and float elements (the section-2 rules)."""
+    fmt = spec.format
+    min_neg = torch.clamp(min_val, max=0.0)
+    max_pos = torch.clamp(max_val, min=0.0)
+    if fmt.kind == "float":
+        amax = torch.maximum(-min_neg, max_pos)
+        scale = (amax / fmt.max_value).clamp_(min=spec.eps)
+        return QParams(scale, torch.zeros_like(scale, dtype=torch.int32), min_val, max_val)
+    qmin, qmax = spec.int_range
+    if spec.symmetric:
+        amax = torch.maximum(-min_neg, max_pos)
+        divisor = (qmax - qmin) / 2 if spec.scale_rule == "half_range" else float(qmax)
+        scale = (amax / divisor).clamp_(min=spec.eps)
+        if fmt.signed:
+            middle = 0
+        elif spec.has_custom_range:
+            middle = (qmin + qmax) // 2
+        else:
+            middle = 2 ** (fmt.bits - 1)
+        zero_point = torch.full_like(scale, middle, dtype=torch.int32)
+    else:
+        scale = ((max_pos - min_neg) / float(qmax - qmin)).clamp_(min=spec.eps)
+        zero_point = (qmin - torch.round(min_neg / scale)).clamp_(qmin, qmax).to(torch.int32)
+    return QParams(scale, zero_point, min_val, max_val)
+
+
+SCALE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor, QuantSpec], QParams]] = {"float": _free_scale}
+"""Range -> qparams rule for each ``ElementFormat.scale_kind``; block formats register theirs."""
+
+
+def calculate_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """QParams for the chosen range ``[min_val, max_val]`` (fp32 tensors in the qparam shape)."""
+    min_val = min_val.float()
+    max_val = max_val.float()
+    if not (torch.isfinite(min_val).all() and torch.isfinite(max_val).all()):
+        raise ValueError("the range given to calculate_qparams is not finite; observe finite data first")
+    return SCALE_RULES[spec.format.scale_kind](min_val, max_val, spec)
