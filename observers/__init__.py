@@ -17,7 +17,8 @@ from observers import minmax  # noqa: F401  (registers the min-max family)
 from observers.base import Observer, available, create, describe, knobs, observer_class, register
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
-from observers.metrics import METRIC_KEYS, compare_tensors, error_metrics
+from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics
+from observers.presets import PRESET_NAMES, preset
 from observers.qparams import QParams, calculate_qparams
 from observers.quantize import dequantize, fake_quantize, quantize
 from observers.spec import QuantSpec
@@ -27,7 +28,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",
+    "HIGHER_IS_BETTER",
     "METRIC_KEYS",
+    "PRESET_NAMES",
     "ElementFormat",
     "Flat",
     "Observer",
@@ -46,6 +49,7 @@ __all__ = [
     "get_format",
     "knobs",
     "observer_class",
+    "preset",
     "quantize",
     "register",
     "results_frame",
