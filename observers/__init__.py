@@ -14,6 +14,7 @@ This package imports torch only (no UI libraries).
 """
 
 from observers import minmax  # noqa: F401  (registers the min-max family)
+from observers.actorder import activation_order_g_idx, column_importance
 from observers.base import Observer, available, create, describe, knobs, observer_class, register
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
@@ -37,8 +38,10 @@ __all__ = [
     "QParams",
     "QuantSpec",
     "SuiteResult",
+    "activation_order_g_idx",
     "available",
     "calculate_qparams",
+    "column_importance",
     "compare_tensors",
     "create",
     "dequantize",

@@ -1,0 +1,249 @@
+"""Run the observer suite over chosen layers of a model: the one code path of the app and CLI.
+
+``analyse(model, layers, config)`` reads each layer's weight, captures the layer's input (and
+optionally output) activations on calibration text, and runs every requested observer on each
+tensor. Results are cached per (tensor, spec, observer, knobs), so a re-run after one knob
+changes recomputes only that observer. ``choose`` picks the best observer per tensor by a metric.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+import observers as ob
+from observers.suite import SuiteResult
+
+TENSOR_KINDS = ("weight", "input", "output")
+_OBSERVER_KIND = {"weight": "weight", "input": "activation", "output": "activation"}
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to run: a spec per tensor kind (``weight``/``input``/``output``; absent = skip),
+    the observers (None = all registered), knob overrides per observer, calibration settings,
+    and whether group weights use activation order (``actorder``)."""
+
+    specs: dict[str, ob.QuantSpec]
+    observers: tuple[str, ...] | None = None
+    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    samples: int = 32
+    seq_len: int = 128
+    texts: tuple[str, ...] | None = None
+    actorder: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.specs) - set(TENSOR_KINDS)
+        if unknown:
+            raise ValueError(f"unknown tensor kind(s) {sorted(unknown)}; allowed: {', '.join(TENSOR_KINDS)}")
+        if not self.specs:
+            raise ValueError("choose at least one tensor kind to analyse (weight, input, output)")
+        for kind, spec in self.specs.items():
+            if not isinstance(spec, ob.QuantSpec):
+                raise ValueError(f"spec for {kind!r} must be a QuantSpec, got {type(spec).__name__}")
+
+    @property
+    def observer_names(self) -> tuple[str, ...]:
+        return tuple(ob.available()) if self.observers is None else tuple(self.observers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "specs": {kind: spec.to_dict() for kind, spec in self.specs.items()},
+            "observers": list(self.observer_names),
+            "knobs": self.knobs,
+            "samples": self.samples,
+            "seq_len": self.seq_len,
+            "texts": None if self.texts is None else list(self.texts),
+            "actorder": self.actorder,
+        }
+
+    def calibration_key(self) -> str:
+        """Changes exactly when the captured activations would change."""
+        payload = {"samples": self.samples, "seq_len": self.seq_len, "texts": self.texts}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TensorAnalysis:
+    """The suite's results on one tensor of one layer."""
+
+    layer: str
+    tensor: str
+    spec: ob.QuantSpec
+    data: torch.Tensor
+    results: list[SuiteResult]
+    g_idx: torch.Tensor | None = None
+
+    def result(self, observer: str) -> SuiteResult:
+        for r in self.results:
+            if r.name == observer:
+                return r
+        raise ValueError(f"observer {observer!r} was not run on {self.layer} {self.tensor}")
+
+    @property
+    def num_tokens(self) -> int:
+        return max((r.num_observed_tokens for r in self.results), default=0)
+
+
+@dataclass
+class Analysis:
+    """Everything one run produced, in run order."""
+
+    source: dict[str, Any]
+    config: RunConfig
+    entries: list[TensorAnalysis]
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def entry(self, layer: str, tensor: str) -> TensorAnalysis:
+        for e in self.entries:
+            if e.layer == layer and e.tensor == tensor:
+                return e
+        raise ValueError(f"no results for layer {layer!r} tensor {tensor!r}")
+
+    def frame(self):
+        """pandas DataFrame: one row per (layer, tensor, observer) with metrics and time."""
+        import pandas as pd
+
+        rows = []
+        for e in self.entries:
+            frame = ob.results_frame(e.results)
+            frame.insert(0, "tensor", e.tensor)
+            frame.insert(0, "layer", e.layer)
+            rows.append(frame)
+        return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+
+
+class ResultCache:
+    """SuiteResults keyed by everything that determines them; lives as long as its owner
+    (the app keeps one per browser session, the CLI one per run)."""
+
+    def __init__(self) -> None:
+        self._store: dict[str, SuiteResult] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(tensor_id: str, spec: ob.QuantSpec, observer: str, knobs: dict[str, Any], extra: str = "") -> str:
+        payload = json.dumps([tensor_id, spec.to_dict(), observer, knobs, extra], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def get_or_run(self, key: str, run: Callable[[], SuiteResult]) -> SuiteResult:
+        if key in self._store:
+            self.hits += 1
+            return self._store[key]
+        self.misses += 1
+        result = run()
+        self._store[key] = result
+        return result
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str, str], torch.Tensor]:
+    """Captured activations as ``{(layer, "input"|"output"): (tokens, hidden)}``."""
+    wants_input = "input" in config.specs or config.actorder
+    wants_output = "output" in config.specs
+    if not (wants_input or wants_output):
+        return {}
+    texts = None if config.texts is None else list(config.texts)
+    captured = model.capture(
+        list(layers), texts=texts, samples=config.samples, seq_len=config.seq_len, outputs=wants_output
+    )
+    found: dict[tuple[str, str], torch.Tensor] = {}
+    for layer, value in captured.items():
+        if isinstance(value, dict):
+            for tensor, data in value.items():
+                found[(layer, tensor)] = data
+        else:
+            found[(layer, "input")] = value
+    return found
+
+
+def _g_idx_for(config: RunConfig, spec: ob.QuantSpec, inputs: torch.Tensor | None) -> torch.Tensor | None:
+    if not config.actorder or spec.strategy != "group" or spec.format.is_block:
+        return None
+    if inputs is None or inputs.shape[0] == 0:
+        return None
+    return ob.activation_order_g_idx(ob.column_importance(inputs), spec.group_size)
+
+
+def analyse(
+    model,
+    layers: Sequence[str],
+    config: RunConfig,
+    progress: ProgressFn | None = None,
+    cache: ResultCache | None = None,
+) -> Analysis:
+    """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model).
+
+    ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
+    Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
+    activation source raises ``ValueError`` before anything runs.
+    """
+    if not layers:
+        raise ValueError("choose at least one layer")
+    cache = cache or ResultCache()
+    start = time.perf_counter()
+    source = dict(getattr(model, "source", {}) or {"name": getattr(model, "name", str(model))})
+    source_id = json.dumps(source, sort_keys=True, default=str)
+    weights = {layer: model.weight(layer) for layer in layers} if "weight" in config.specs or config.actorder else {}
+    activations = _captured(model, layers, config)
+    names = config.observer_names
+    jobs = [(layer, tensor) for layer in layers for tensor in TENSOR_KINDS if tensor in config.specs]
+    total = len(jobs) * len(names)
+    entries: list[TensorAnalysis] = []
+    warnings: list[str] = []
+    step = 0
+    for layer, tensor in jobs:
+        data = weights.get(layer) if tensor == "weight" else activations.get((layer, tensor))
+        if data is None:
+            warnings.append(f"{layer}: no {tensor} activations were captured")
+            step += len(names)
+            continue
+        spec = config.specs[tensor]
+        g_idx = _g_idx_for(config, spec, activations.get((layer, "input"))) if tensor == "weight" else None
+        extra = config.calibration_key() if tensor != "weight" or g_idx is not None else ""
+        results = []
+        for name in names:
+            if progress is not None:
+                progress(step, total, f"{layer} · {tensor} · {name}")
+            step += 1
+            knobs = dict(config.knobs.get(name, {}))
+            key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, extra + str(config.actorder))
+            run = partial(ob.run_one, name, data, spec, _OBSERVER_KIND[tensor], g_idx=g_idx, **knobs)
+            results.append(cache.get_or_run(key, run))
+        entries.append(TensorAnalysis(layer, tensor, spec, data, results, g_idx))
+    if progress is not None:
+        progress(total, total, "done")
+    return Analysis(source, config, entries, time.perf_counter() - start, warnings)
+
+
+def choose(analysis: Analysis, metric: str = "sqnr_db") -> dict[tuple[str, str], str]:
+    """The best observer per (layer, tensor) by ``metric`` (direction from ``ob.HIGHER_IS_BETTER``).
+
+    Observers that errored or gave no value for the metric are skipped; ties keep suite order.
+    """
+    if metric not in ob.HIGHER_IS_BETTER:
+        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    sign = 1.0 if ob.HIGHER_IS_BETTER[metric] else -1.0
+    chosen: dict[tuple[str, str], str] = {}
+    for e in analysis.entries:
+        scored = [
+            (sign * r.metrics[metric], -i, r.name)
+            for i, r in enumerate(e.results)
+            if r.error is None and r.metrics.get(metric) is not None
+        ]
+        if scored:
+            chosen[(e.layer, e.tensor)] = max(scored)[2]
+    return chosen
