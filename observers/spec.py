@@ -108,6 +108,11 @@ class QuantSpec:
                 f"QuantSpec.symmetric=False is not defined for float format {self.dtype!r} "
                 "(compressed-tensors defines no asymmetric float scheme); use symmetric=True"
             )
+        if self.reduce_range and self.symmetric and fmt.kind == "int" and not fmt.signed:
+            raise ValueError(
+                f"QuantSpec.reduce_range=True with symmetric {self.dtype!r} is undefined (its zero point 2^(bits-1) "
+                "would fall outside the reduced range; torch.ao rejects it too); use symmetric=False or a signed dtype"
+            )
         if fmt.scale_kind in ("e8m0", "e4m3", "pow2") and not self.symmetric:
             raise ValueError(f"block format {self.dtype!r} is symmetric only; use symmetric=True")
 
