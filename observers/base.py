@@ -20,6 +20,11 @@ from observers.spec import QuantSpec
 _REGISTRY: dict[str, type[Observer]] = {}
 
 
+class NonFiniteStatistics(Exception):
+    """Raised by ``_observe`` (before changing any state) when its statistics came out NaN/Inf;
+    ``observe`` then handles the input's non-finite values and observes again."""
+
+
 class Observer:
     """Turns observed tensors into ``QParams``.
 
@@ -35,6 +40,7 @@ class Observer:
     kinds: ClassVar[tuple[str, ...]] = ("weight", "activation", "attention")
     strategies: ClassVar[tuple[str, ...] | None] = None
     scale_kinds: ClassVar[tuple[str, ...]] = ("float", "e8m0", "e4m3", "pow2")
+    checks_finite_itself: ClassVar[bool] = False
 
     def __init__(self, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> None:
         if not isinstance(spec, QuantSpec):
@@ -74,7 +80,7 @@ class Observer:
     def validate_knobs(self) -> None:
         """Check knob values; subclasses raise ``ValueError`` naming the knob."""
 
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"observe() needs a torch.Tensor, got {type(x).__name__}")
         if x.ndim == 0:
@@ -83,24 +89,47 @@ class Observer:
             raise ValueError(f"observe() got an empty tensor of shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"observe() needs a floating-point tensor, got {x.dtype}")
+
+    def _without_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself when it is all finite; else an error naming the count, or (with
+        ``ignore_nonfinite``) a copy with NaN/Inf replaced by 0, which every range contains."""
         finite = torch.isfinite(x)
         bad = int((~finite).sum())
-        if bad:
-            if not self.ignore_nonfinite:
-                raise ValueError(
-                    f"observed tensor has {bad} non-finite value(s) (NaN/Inf) out of {x.numel()}; "
-                    "pass ignore_nonfinite=True to exclude them"
-                )
-            if bad == x.numel():
-                raise ValueError("observed tensor has no finite values")
-            # Zero is inside every quantization range, so it leaves the qparams unchanged.
-            x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        return x
+        if not bad:
+            return x
+        if not self.ignore_nonfinite:
+            raise ValueError(
+                f"observed tensor has {bad} non-finite value(s) (NaN/Inf) out of {x.numel()}; "
+                "pass ignore_nonfinite=True to exclude them"
+            )
+        if bad == x.numel():
+            raise ValueError("observed tensor has no finite values")
+        return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None) -> None:
-        """Update the statistics with one batch (a weight, or a calibration batch of activations)."""
-        x = self._check_input(x)
+        """Update the statistics with one batch (a weight, or a calibration batch of activations).
+
+        Non-finite values are detected cheaply: by the observer's own statistics when it sets
+        ``checks_finite_itself`` (min/max propagate NaN/Inf), else by one sum of the tensor;
+        only then is the tensor scanned element by element.
+        """
+        self._check_input(x)
+        if not self.checks_finite_itself and not bool(torch.isfinite(x.sum())):
+            x = self._without_nonfinite(x)
         flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
+        self._check_shapes(x, flat)
+        if g_idx is not None and not bool((g_idx == -1).any()):
+            self._g_idx = g_idx.detach().clone()
+        with torch.no_grad():
+            try:
+                self._observe(flat)
+            except NonFiniteStatistics:
+                x = self._without_nonfinite(x)
+                self._observe(flatten(x, self.spec, self.kind, g_idx=g_idx))
+        self.num_observed_tokens += flat.num_tokens
+
+    def _check_shapes(self, x: torch.Tensor, flat: Flat) -> None:
+        """Features (and qparam shape, except per token) must not change between calls."""
         feature_shape = tuple(x.shape[1:]) if self.kind == "weight" else tuple(x.shape[-1:])
         if self.kind == "attention":
             feature_shape = (x.shape[1], x.shape[3])
@@ -118,11 +147,6 @@ class Observer:
             self._reset_statistics()
         self._feature_shape = feature_shape
         self._qparam_shape = flat.qparam_shape
-        if g_idx is not None and not bool((g_idx == -1).any()):
-            self._g_idx = g_idx.detach().clone()
-        self.num_observed_tokens += flat.num_tokens
-        with torch.no_grad():
-            self._observe(flat)
 
     def qparams(self) -> QParams:
         """QParams from everything observed so far."""

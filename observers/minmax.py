@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from observers.base import Observer, register
+from observers.base import NonFiniteStatistics, Observer, register
 from observers.granularity import Flat, reduce_min_max
 
 
 class _MinMaxBase(Observer):
+    checks_finite_itself = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.min_val: torch.Tensor | None = None
@@ -23,6 +25,8 @@ class _MinMaxBase(Observer):
 
     def _observe(self, flat: Flat) -> None:
         low, high = reduce_min_max(flat)
+        if not bool(torch.isfinite(low).all() & torch.isfinite(high).all()):
+            raise NonFiniteStatistics
         if self.min_val is None:
             self.min_val, self.max_val = low, high
         else:

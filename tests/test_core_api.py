@@ -374,3 +374,17 @@ def test_metrics_edge_cases_are_defined():
     m = ob.compare_tensors(x, torch.tensor([3.0, 3.0]))
     assert m["sqnr_db"] == pytest.approx(20 * math.log10(5.0 / 1.0))
     assert m["mse"] == pytest.approx(0.5) and m["max_abs_error"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["minmax", "memoryless_minmax", "moving_average_minmax"])
+@pytest.mark.parametrize("strategy", ["tensor", "group", "channel"])
+def test_single_nan_is_detected_at_every_granularity(name, strategy):
+    x = torch.randn(4, 256)
+    x[2, 100] = float("nan")
+    spec = ob.QuantSpec("int8", strategy=strategy, group_size=128)
+    obs = ob.create(name, spec)
+    obs.observe(torch.randn(4, 256))
+    with pytest.raises(ValueError, match="1 non-finite"):
+        obs.observe(x)
+    before = obs.qparams().scale.clone()
+    assert torch.isfinite(before).all()

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m bench`` runs every case and prints one table (see BENCHMARKS.md)."""

@@ -1,0 +1,14 @@
+"""``python -m observers``: the headless CLI. The logic lives in ``lab.cli``; it is imported here,
+inside the entry point, so importing the ``observers`` package never pulls in the app layer."""
+
+import sys
+
+
+def _main() -> int:
+    from lab.cli import main
+
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

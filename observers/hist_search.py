@@ -1,0 +1,208 @@
+"""Vectorized searches over a ``RowHistogram``: L2 range search, quantiles, KL (entropy) search.
+
+Everything works in "bin units" (bin ``b`` spans ``[b, b + 1)``) with the density uniform inside
+each bin, on all rows at once, with prefix sums over bins instead of Python loops over bins or
+candidates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from observers.hist_state import RowHistogram
+
+PAIR_BUDGET = 1 << 22
+"""Most (start, end) pairs scored at once; bounds the L2 search's working memory (~40 B a pair)."""
+
+
+def _prefix_moments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefix sums (R, bins + 1) of ``∫ x^k ρ(x) dx`` over whole bins, k = 0, 1, 2."""
+    bins = counts.shape[1]
+    b = torch.arange(bins, dtype=torch.float64, device=counts.device)
+    pad = lambda t: torch.nn.functional.pad(torch.cumsum(t, dim=1), (1, 0))  # noqa: E731
+    return pad(counts), pad(counts * (b + 0.5)), pad(counts * (b * b + b + 1.0 / 3.0))
+
+
+def _screen_pairs(moments, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
+    """Fast L2 estimate for ranges ``[start, end)`` (bin edges, (R, P) fp64).
+
+    Clipped mass is charged exactly (its distance to the end levels); the mass inside the range
+    is charged the uniform rounding noise ``step² / 12``.
+    """
+    p0, p1, p2 = moments
+    bins = p0.shape[1] - 1
+    valid = (start >= 0) & (end <= bins) & (end > start)
+    s_idx = start.clamp(0, bins).long()
+    e_idx = end.clamp(0, bins).long()
+    step = (end - start) / levels
+    first = start + step / 2
+    last = end - step / 2
+    g = lambda p, idx: torch.gather(p, 1, idx)  # noqa: E731
+    total0, total1, total2 = p0[:, -1:], p1[:, -1:], p2[:, -1:]
+    s0, s1, s2 = g(p0, s_idx), g(p1, s_idx), g(p2, s_idx)
+    e0, e1, e2 = g(p0, e_idx), g(p1, e_idx), g(p2, e_idx)
+    left = s2 - 2 * first * s1 + first * first * s0
+    right = (total2 - e2) - 2 * last * (total1 - e1) + last * last * (total0 - e0)
+    inside = (e0 - s0) * step * step / 12
+    score = left + right + inside
+    return torch.where(valid, score, torch.inf)
+
+
+def _cumulative_moments(counts: torch.Tensor, moments, points: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``∫_0^t x^k ρ(x) dx`` at arbitrary ``points`` t (R, ...) in bin units, k = 0, 1, 2."""
+    p0, p1, p2 = moments
+    rows, bins = counts.shape
+    t = points.clamp(0, bins)
+    b = t.floor().clamp_(max=bins - 1)
+    flat_index = b.long().reshape(rows, -1)
+    shape = t.shape
+    c = torch.gather(counts, 1, flat_index).reshape(shape)
+    base = [torch.gather(p, 1, flat_index).reshape(shape) for p in (p0, p1, p2)]
+    g0 = base[0] + c * (t - b)
+    g1 = base[1] + c * (t * t - b * b) / 2
+    g2 = base[2] + c * (t * t * t - b * b * b) / 3
+    return g0, g1, g2
+
+
+def exact_l2(counts: torch.Tensor, moments, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
+    """Expected squared error (bin units²) of a ``levels``-level uniform quantizer on ``[start, end)``.
+
+    The quantizer is torch.ao's model: ``levels`` equal cells over the range, each value goes to
+    its cell's centre, values beyond the range to the first/last centre. ``start``/``end`` (R, K).
+    """
+    bins = counts.shape[1]
+    step = (end - start) / levels
+    j = torch.arange(levels + 1, dtype=torch.float64, device=counts.device)
+    bounds = start.unsqueeze(-1) + j * step.unsqueeze(-1)
+    bounds[..., 0] = 0.0
+    bounds[..., -1] = float(bins)
+    centres = start.unsqueeze(-1) + (j[:-1] + 0.5) * step.unsqueeze(-1)
+    g0, g1, g2 = _cumulative_moments(counts, moments, bounds)
+    d0, d1, d2 = g0.diff(dim=-1), g1.diff(dim=-1), g2.diff(dim=-1)
+    return (d2 - 2 * centres * d1 + centres * centres * d0).sum(dim=-1)
+
+
+def _grid_pairs(step: int, bins: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    edges = torch.arange(0, bins + 1, step, device=device)
+    if int(edges[-1]) != bins:
+        edges = torch.cat([edges, torch.tensor([bins], device=device)])
+    i, j = torch.triu_indices(edges.numel(), edges.numel(), offset=1, device=device)
+    return edges[i].double().unsqueeze(0), edges[j].double().unsqueeze(0)
+
+
+def _window_pairs(start, end, radius: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.arange(-radius, radius + 1, step, dtype=torch.float64, device=start.device)
+    ds, de = torch.meshgrid(offsets, offsets, indexing="ij")
+    return start.unsqueeze(1) + ds.reshape(1, -1), end.unsqueeze(1) + de.reshape(1, -1)
+
+
+def _first_step(rows: int, bins: int) -> int:
+    """Smallest power-of-two grid step whose all-pairs family fits ``PAIR_BUDGET`` for ``rows`` rows."""
+    step = 1
+    while step < bins and rows * ((bins // step + 2) ** 2) // 2 > PAIR_BUDGET:
+        step *= 2
+    return step
+
+
+def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the histogram range ``[start, end)`` (bin edges) with the least L2 quantization error.
+
+    One row: every (start, end) pair of bin edges (about 2.1M for 2048 bins) is scored at once
+    with prefix sums (``_screen_pairs``). Many rows (per-channel): all pairs on a coarse grid of
+    edges, then windows around each row's best at finer steps (8x finer each round), so the pairs
+    per row stay bounded. The ``exact_top`` best pairs of each row are then re-scored with the
+    exact error (``exact_l2``) and the best is kept.
+    """
+    counts = hist.counts
+    rows, bins = counts.shape
+    moments = _prefix_moments(counts)
+    step = _first_step(rows, bins)
+    start, end = _grid_pairs(step, bins, counts.device)
+    start, end = start.expand(rows, -1), end.expand(rows, -1)
+    score = _screen_pairs(moments, start, end, levels)
+    while step > 1:
+        best = score.argmin(dim=1, keepdim=True)
+        radius, step = step, max(1, step // 8)
+        start, end = _window_pairs(start.gather(1, best).squeeze(1), end.gather(1, best).squeeze(1), radius, step)
+        score = _screen_pairs(moments, start, end, levels)
+    top = min(exact_top, score.shape[1])
+    top_idx = score.topk(top, dim=1, largest=False).indices
+    top_start, top_end = start.gather(1, top_idx), end.gather(1, top_idx)
+    exact = exact_l2(counts, moments, top_start, top_end, levels)
+    exact = torch.where(torch.isfinite(score.gather(1, top_idx)), exact, torch.inf)
+    pick = exact.argmin(dim=1, keepdim=True)
+    return top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
+
+
+def value_at_ranks(hist: RowHistogram, ranks: torch.Tensor) -> torch.Tensor:
+    """Estimated value of the element of 0-based rank ``ranks`` (R, K) in each row.
+
+    The ``c`` elements of a bin are taken to sit at the midpoints of ``c`` equal slots of the
+    bin, so each estimate lies inside the bin that holds that element.
+    """
+    counts = hist.counts
+    cdf = torch.cumsum(counts, dim=1)
+    before = cdf - counts
+    ranks = ranks.double()
+    b = torch.searchsorted(cdf.contiguous(), ranks.contiguous(), right=True).clamp_(max=counts.shape[1] - 1)
+    inside = torch.gather(counts, 1, b)
+    offset = (ranks - torch.gather(before, 1, b) + 0.5) / inside.clamp(min=1.0)
+    position = b.double() + offset.clamp(0.0, 1.0)
+    return hist.lo.unsqueeze(1) + position * hist.width.unsqueeze(1)
+
+
+def quantile(hist: RowHistogram, q: torch.Tensor) -> torch.Tensor:
+    """Quantiles ``q`` (K,) in [0, 1] of each row, (R, K), with ``torch.quantile``'s linear rule.
+
+    Rank ``q·(n - 1)`` is interpolated between its two neighbouring order statistics, each located
+    by ``value_at_ranks``; so the estimate is within one bin width of the exact quantile.
+    """
+    total = hist.counts.sum(dim=1, keepdim=True)
+    rank = q.double().unsqueeze(0) * (total - 1)
+    low, high = rank.floor(), rank.ceil()
+    v_low, v_high = value_at_ranks(hist, low), value_at_ranks(hist, high)
+    return v_low + (rank - low) * (v_high - v_low)
+
+
+def kl_divergences(
+    counts: torch.Tensor, quant_bins: int, start_bin: int, stride: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(P‖Q) of TensorRT/ModelOpt's entropy calibration for every candidate end bin, all rows at once.
+
+    For candidate ``i`` (``start_bin .. bins`` by ``stride``): ``P = counts[:i]`` with the clipped
+    tail added to its last bin; ``Q`` merges ``counts[:i]`` into ``quant_bins`` equal runs
+    (source bin ``b`` goes to run ``floor(b·quant_bins / i)``) and spreads each run's total evenly
+    over its non-empty bins (runs may be empty when ``i < quant_bins``). ``Σ P log(P/Q)`` is computed per run from prefix sums of ``c``,
+    ``c·log c`` and of the non-empty indicator, so the cost is O(quant_bins) per candidate.
+    Returns (candidates (C,), divergences (R, C)); ``inf`` where P has mass that Q lacks.
+    """
+    rows, bins = counts.shape
+    device = counts.device
+    cand = torch.arange(start_bin, bins + 1, stride, device=device)
+    pad = lambda t: torch.nn.functional.pad(torch.cumsum(t, dim=1), (1, 0))  # noqa: E731
+    nonzero = (counts > 0).double()
+    c_log_c = torch.where(counts > 0, counts * torch.log(counts.clamp(min=1e-300)), 0.0)
+    pc, pn, pl = pad(counts), pad(nonzero), pad(c_log_c)
+    j = torch.arange(quant_bins + 1, device=device)
+    # Run j covers source bins [ceil(j·i/qb), ceil((j+1)·i/qb)).
+    edges = (j.unsqueeze(0) * cand.unsqueeze(1) + quant_bins - 1) // quant_bins
+    flat = edges.reshape(1, -1).expand(rows, -1)
+    at = lambda p: torch.gather(p, 1, flat).reshape(rows, cand.numel(), quant_bins + 1)  # noqa: E731
+    run_sum, run_nonzero = at(pc).diff(dim=-1), at(pn).diff(dim=-1)
+    total = pc[:, -1:]
+    kept = torch.gather(pc, 1, cand.unsqueeze(0).expand(rows, -1))
+    tail = total - kept
+    last = torch.gather(counts, 1, (cand - 1).unsqueeze(0).expand(rows, -1))
+    level = run_sum / run_nonzero.clamp(min=1.0)
+    # Σ_b P_b log P_b: all bins before the last as they are, the last with the tail added.
+    p_log_p = torch.gather(pl, 1, (cand - 1).unsqueeze(0).expand(rows, -1))
+    last_p = last + tail
+    p_log_p = p_log_p + torch.where(last_p > 0, last_p * torch.log(last_p.clamp(min=1e-300)), 0.0)
+    # Σ_b P_b log Q_b run by run; the tail sits in the last bin, which is in the last run.
+    log_level = torch.where(run_sum > 0, torch.log(level.clamp(min=1e-300)), 0.0)
+    last_run = ((cand - 1) * quant_bins) // cand
+    log_last = torch.gather(log_level, 2, last_run.view(1, -1, 1).expand(rows, -1, 1)).squeeze(-1)
+    p_log_q = (run_sum * log_level).sum(dim=-1) + tail * log_last
+    kl = (p_log_p - p_log_q) / total - torch.log(total) + torch.log(kept.clamp(min=1e-300))
+    impossible = (last == 0) & (tail > 0) | (kept == 0)
+    return cand, torch.where(impossible, torch.inf, kl)

@@ -1,0 +1,135 @@
+"""Running per-row histograms: the shared statistic of the histogram-based observers.
+
+A ``RowHistogram`` holds one histogram per qparam group ("row"): one row for ``tensor``
+granularity, one per channel for ``channel``. Each row has its own range ``[lo, lo + bins·width)``.
+When a batch falls outside a row's range the range grows and the old counts are re-binned: the
+new range starts an integer number of old bins below the old start and its bin width is an
+integer multiple ``k`` of the old one, so every old bin lies inside exactly one new bin and the
+counts move without being split, dropped or shifted (the same alignment torch.ao's
+``HistogramObserver`` uses). Every row is binned in one ``index_add_`` over ``row·bins + bin``;
+no Python loop over rows or bins.
+
+A row whose values were all equal so far has ``width == 0`` and keeps its count at ``lo``; the
+next batch that differs gives it a real range (an all-zero first batch is fine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from observers.granularity import Flat
+
+
+@dataclass
+class RowHistogram:
+    """Histograms of ``R`` rows: ``counts`` (R, bins) fp64, ``lo``/``width`` (R,) fp64.
+
+    ``data_min``/``data_max`` (R,) fp32 bound the histogrammed values exactly (for a ``|x|``
+    histogram ``data_min`` is 0); ``signed_min``/``signed_max`` are the raw values' extremes.
+    """
+
+    counts: torch.Tensor
+    lo: torch.Tensor
+    width: torch.Tensor
+    data_min: torch.Tensor
+    data_max: torch.Tensor
+    signed_min: torch.Tensor
+    signed_max: torch.Tensor
+
+    @property
+    def bins(self) -> int:
+        return self.counts.shape[1]
+
+    def edges(self) -> torch.Tensor:
+        """Bin edges per row, (R, bins + 1) fp64."""
+        steps = torch.arange(self.bins + 1, dtype=torch.float64, device=self.counts.device)
+        return self.lo.unsqueeze(1) + steps * self.width.unsqueeze(1)
+
+    def centers(self) -> torch.Tensor:
+        """Bin centres per row, (R, bins) fp64."""
+        steps = torch.arange(self.bins, dtype=torch.float64, device=self.counts.device) + 0.5
+        return self.lo.unsqueeze(1) + steps * self.width.unsqueeze(1)
+
+
+def rows_of(flat: Flat) -> torch.Tensor:
+    """The values of each qparam group as rows, (R, n), for strategies without padding."""
+    data = flat.data
+    rows = 1
+    for size in flat.qparam_shape:
+        rows *= size
+    return data.movedim(0, -2).reshape(rows, -1)
+
+
+def _bin_into(counts: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, width: torch.Tensor) -> None:
+    """Add ``values`` (R, n) to ``counts`` (R, bins) in place; values beyond the ends go to the end bins."""
+    rows, bins = counts.shape
+    inverse = torch.where(width > 0, 1.0 / torch.where(width > 0, width, 1.0), 0.0)
+    position = (values - lo.float().unsqueeze(1)).mul_(inverse.float().unsqueeze(1))
+    index = position.clamp_(0, bins - 1).to(torch.int32)
+    if rows > 1:
+        offsets = torch.arange(rows, device=values.device, dtype=torch.int32).mul_(bins).unsqueeze(1)
+        index = index.add_(offsets)
+    ones = torch.ones((), dtype=counts.dtype, device=counts.device).expand(index.numel())
+    counts.view(-1).index_add_(0, index.reshape(-1), ones)
+
+
+def _grow(hist: RowHistogram, new_min: torch.Tensor, new_max: torch.Tensor) -> RowHistogram:
+    """Widen every row's range to cover ``[new_min, new_max]`` (fp64) and re-bin its counts."""
+    bins = hist.bins
+    lo, width = hist.lo, hist.width
+    flat_row = width == 0
+    hi = lo + bins * width
+    grows = (new_min < lo) | (new_max > hi)
+    low = torch.minimum(lo, new_min)
+    high = torch.maximum(hi, new_max)
+    safe_width = torch.where(flat_row, 1.0, width)
+    shift = torch.ceil((lo - low) / safe_width)
+    aligned_lo = lo - shift * safe_width
+    factor = torch.ceil((high - aligned_lo) / (bins * safe_width)).clamp_(min=1)
+    new_lo = torch.where(flat_row, low, aligned_lo)
+    new_width = torch.where(flat_row, (high - low) / bins, factor * safe_width)
+    new_lo = torch.where(grows, new_lo, lo)
+    new_width = torch.where(grows, new_width, width)
+    # Old bin centres (a flat row: its one point) land in the new bin that contains the whole old bin.
+    centers = torch.where(flat_row.unsqueeze(1), lo.unsqueeze(1), hist.centers())
+    safe_new = torch.where(new_width > 0, new_width, 1.0).unsqueeze(1)
+    target = ((centers - new_lo.unsqueeze(1)) / safe_new).floor_().clamp_(0, bins - 1).long()
+    rows = hist.counts.shape[0]
+    offsets = torch.arange(rows, device=target.device).mul_(bins).unsqueeze(1)
+    counts = torch.zeros_like(hist.counts).view(-1)
+    counts.index_add_(0, (target + offsets).reshape(-1), hist.counts.reshape(-1))
+    counts = torch.where(grows.unsqueeze(1), counts.view(rows, bins), hist.counts)
+    return RowHistogram(counts, new_lo, new_width, hist.data_min, hist.data_max, hist.signed_min, hist.signed_max)
+
+
+def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, absolute: bool = False) -> RowHistogram:
+    """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0."""
+    rows = rows.float()
+    signed_min, signed_max = rows.amin(dim=1), rows.amax(dim=1)
+    if absolute:
+        rows = rows.abs()
+        batch_min = torch.zeros_like(signed_min)
+        batch_max = torch.maximum(-signed_min, signed_max)
+    else:
+        batch_min, batch_max = signed_min, signed_max
+    if hist is None:
+        lo = batch_min.double()
+        hist = RowHistogram(
+            torch.zeros(rows.shape[0], bins, dtype=torch.float64, device=rows.device),
+            lo,
+            (batch_max.double() - lo) / bins,
+            batch_min,
+            batch_max,
+            signed_min,
+            signed_max,
+        )
+    else:
+        hist = _grow(hist, batch_min.double(), batch_max.double())
+        hist.data_min = torch.minimum(hist.data_min, batch_min)
+        hist.data_max = torch.maximum(hist.data_max, batch_max)
+        hist.signed_min = torch.minimum(hist.signed_min, signed_min)
+        hist.signed_max = torch.maximum(hist.signed_max, signed_max)
+    _bin_into(hist.counts, rows, hist.lo, hist.width)
+    return hist
