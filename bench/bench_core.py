@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
@@ -106,8 +108,8 @@ def scaling(device: str = "cpu") -> list[dict]:
     spec = ob.QuantSpec("int4", strategy="group", group_size=128)
     for millions in (1, 4, 16, 64):
         w = torch.randn(millions * 1024, 1024, device=device)
-        floor = median_seconds(lambda: w.sum(), device)
-        ours = median_seconds(lambda: _observe_qparams("memoryless_minmax", w, spec), device)
+        floor = median_seconds(w.sum, device)
+        ours = median_seconds(partial(_observe_qparams, "memoryless_minmax", w, spec), device)
         rows.append(
             case(
                 f"scaling memoryless_minmax g128 {millions}M elements",
