@@ -167,6 +167,8 @@ def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str
                 found[(layer, tensor)] = data
         else:
             found[(layer, "input")] = value
+    for layer, data in getattr(captured, "outputs", {}).items():
+        found[(layer, "output")] = data
     return found
 
 
@@ -193,9 +195,18 @@ def analyse(
     """
     if not layers:
         raise ValueError("choose at least one layer")
-    cache = cache or ResultCache()
+    cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
-    source = dict(getattr(model, "source", {}) or {"name": getattr(model, "name", str(model))})
+    raw_source = getattr(model, "source", None)
+    source = (
+        dict(raw_source)
+        if isinstance(raw_source, dict)
+        else {
+            "name": getattr(model, "name", str(model)),
+            "source": str(raw_source),
+            "dtype": str(getattr(model, "dtype", "")),
+        }
+    )
     source_id = json.dumps(source, sort_keys=True, default=str)
     weights = {layer: model.weight(layer) for layer in layers} if "weight" in config.specs or config.actorder else {}
     activations = _captured(model, layers, config)

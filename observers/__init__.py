@@ -13,7 +13,9 @@ Typical use::
 This package imports torch only (no UI libraries).
 """
 
-from observers import minmax  # noqa: F401  (registers the min-max family)
+from observers import minmax  # noqa: F401, I001  (registers the min-max family; registry order is display order)
+from observers import histogram, mse_grid  # noqa: F401  (registers the distribution-based observers)
+from observers import blocks  # noqa: F401  (MX/NVFP4/BFP/cast scale rules and their observers)
 from observers.actorder import activation_order_g_idx, column_importance
 from observers.base import Observer, available, create, describe, knobs, observer_class, register
 from observers.formats import FORMATS, ElementFormat, get_format

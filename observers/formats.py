@@ -268,7 +268,7 @@ def round_to_float_grid_(x: torch.Tensor, exp_bits: int, man_bits: int, max_valu
     if x.dtype != torch.float32:
         raise ValueError(f"round_to_float_grid_ needs an fp32 tensor, got {x.dtype}")
     min_field = (2 - 2 ** (exp_bits - 1) + 127) << 23
-    reciprocal_base = (254 + man_bits) << 23
+    exponent_bias = torch.tensor(127 << 23, dtype=torch.int32, device=x.device)
     parts = [x]
     if x.device.type == "cpu" and x.is_contiguous() and x.numel() > _CPU_CHUNK:
         parts = x.view(-1).split(_CPU_CHUNK)
@@ -277,7 +277,8 @@ def round_to_float_grid_(x: torch.Tensor, exp_bits: int, man_bits: int, max_valu
         part.clamp_(-max_value, max_value)
         reciprocal = scratch.view(-1)[: part.numel()].view(part.shape)
         torch.bitwise_and(part.view(torch.int32), _EXPONENT_FIELD, out=reciprocal)
-        reciprocal.clamp_(min=min_field).neg_().add_(reciprocal_base)
+        # bits of 2^(man_bits - e): ((127 + man_bits) - (field - 127)) << 23, kept inside int32
+        torch.sub(exponent_bias, reciprocal.clamp_(min=min_field), out=reciprocal).add_((127 + man_bits) << 23)
         reciprocal_f = reciprocal.view(torch.float32)
         part.mul_(reciprocal_f).round_().div_(reciprocal_f)
     return x

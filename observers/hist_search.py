@@ -12,7 +12,7 @@ import torch
 from observers.hist_state import RowHistogram
 
 PAIR_BUDGET = 1 << 22
-"""Most (start, end) pairs scored at once; bounds the L2 search's working memory (~40 B a pair)."""
+"""Bounds the exact-error polish of the L2 search (cells per round ~ 4x this)."""
 
 
 def _prefix_moments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -23,29 +23,72 @@ def _prefix_moments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return pad(counts), pad(counts * (b + 0.5)), pad(counts * (b * b + b + 1.0 / 3.0))
 
 
-def _screen_pairs(moments, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
-    """Fast L2 estimate for ranges ``[start, end)`` (bin edges, (R, P) fp64).
+def _edge_terms(moments) -> torch.Tensor:
+    """Per-edge coefficients (6, R, bins + 1) of the screening estimate (see ``_screen_pairs``).
 
-    Clipped mass is charged exactly (its distance to the end levels); the mass inside the range
-    is charged the uniform rounding noise ``step² / 12``.
+    With ``u = (end - start) / (2·levels)`` (half a step), the estimate for ``[start, end)`` is
+    ``α(start) + γ(end) + u·(β(start) + δ(end)) + u²·(ε(start) + ζ(end))``: the mass left of
+    ``start`` is charged its squared distance to the first level ``start + u``, the mass right of
+    ``end`` its distance to ``end - u``, the mass inside ``(2u)²/12``. Every term is a sum of
+    non-negative parts, so fp32 is accurate enough for the screen.
     """
     p0, p1, p2 = moments
-    bins = p0.shape[1] - 1
-    valid = (start >= 0) & (end <= bins) & (end > start)
-    s_idx = start.clamp(0, bins).long()
-    e_idx = end.clamp(0, bins).long()
-    step = (end - start) / levels
-    first = start + step / 2
-    last = end - step / 2
-    g = lambda p, idx: torch.gather(p, 1, idx)  # noqa: E731
+    edge = torch.arange(p0.shape[1], dtype=torch.float64, device=p0.device)
     total0, total1, total2 = p0[:, -1:], p1[:, -1:], p2[:, -1:]
-    s0, s1, s2 = g(p0, s_idx), g(p1, s_idx), g(p2, s_idx)
-    e0, e1, e2 = g(p0, e_idx), g(p1, e_idx), g(p2, e_idx)
-    left = s2 - 2 * first * s1 + first * first * s0
-    right = (total2 - e2) - 2 * last * (total1 - e1) + last * last * (total0 - e0)
-    inside = (e0 - s0) * step * step / 12
-    score = left + right + inside
-    return torch.where(valid, score, torch.inf)
+    r0, r1, r2 = total0 - p0, total1 - p1, total2 - p2
+    alpha = p2 - 2 * edge * p1 + edge * edge * p0
+    beta = -2 * (p1 - edge * p0)
+    gamma = r2 - 2 * edge * r1 + edge * edge * r0
+    delta = 2 * (r1 - edge * r0)
+    epsilon = 2.0 / 3.0 * p0
+    zeta = total0 - 2.0 / 3.0 * p0
+    return torch.stack([alpha, beta, epsilon, gamma, delta, zeta]).float()
+
+
+def _combine(at_start: torch.Tensor, at_end: torch.Tensor, half_step: torch.Tensor) -> torch.Tensor:
+    alpha, beta, epsilon = at_start
+    gamma, delta, zeta = at_end
+    return alpha + gamma + half_step * ((beta + delta) + half_step * (epsilon + zeta))
+
+
+def _screen_pairs(terms: torch.Tensor, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
+    """Screening L2 estimate for ranges ``[start, end)`` (bin edges, (R, P) fp64); ``inf`` if invalid."""
+    bins = terms.shape[2] - 1
+    valid = (start >= 0) & (end <= bins) & (end > start)
+    s_idx, e_idx = start.clamp(0, bins).long(), end.clamp(0, bins).long()
+    at_start = torch.stack([torch.gather(t, 1, s_idx) for t in terms[:3]])
+    at_end = torch.stack([torch.gather(t, 1, e_idx) for t in terms[3:]])
+    half_step = ((end - start) / (2 * levels)).float()
+    return torch.where(valid, _combine(at_start, at_end, half_step), torch.inf)
+
+
+def _screen_grid(
+    terms: torch.Tensor, edges: torch.Tensor, levels: int, chunk_elements: int = 1 << 20
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best end for every start among ``edges`` (E,), all pairs: (score, end), each (R, E).
+
+    Blocks of starts are scored against every later edge by broadcasting, in place, in blocks
+    small enough to stay in cache (``chunk_elements`` scores at a time).
+    """
+    rows, count = terms.shape[1], edges.numel()
+    index = edges.long()
+    at_start_all = terms[:3, :, index]
+    at_end_all = terms[3:, :, index]
+    best = torch.full((rows, count), torch.inf, device=terms.device)
+    best_end = torch.full((rows, count), float(edges[-1]), dtype=torch.float64, device=terms.device)
+    block = max(1, chunk_elements // max(1, rows * count))
+    for first in range(0, count - 1, block):
+        last = min(count - 1, first + block)
+        ends = edges[first + 1 :]
+        alpha, beta, epsilon = (t[:, first:last].unsqueeze(2) for t in at_start_all)
+        gamma, delta, zeta = (t[:, first + 1 :].unsqueeze(1) for t in at_end_all)
+        half_step = ((ends.view(1, 1, -1) - edges[first:last].view(1, -1, 1)) / (2 * levels)).float()
+        score = (epsilon + zeta).mul_(half_step).add_(beta).add_(delta).mul_(half_step).add_(alpha).add_(gamma)
+        score.masked_fill_(half_step <= 0, torch.inf)
+        value, which = score.min(dim=2)
+        best[:, first:last] = value
+        best_end[:, first:last] = ends[which]
+    return best, best_end
 
 
 def _cumulative_moments(counts: torch.Tensor, moments, points: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -82,12 +125,11 @@ def exact_l2(counts: torch.Tensor, moments, start: torch.Tensor, end: torch.Tens
     return (d2 - 2 * centres * d1 + centres * centres * d0).sum(dim=-1)
 
 
-def _grid_pairs(step: int, bins: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid_edges(step: int, bins: int, device: torch.device) -> torch.Tensor:
     edges = torch.arange(0, bins + 1, step, device=device)
     if int(edges[-1]) != bins:
         edges = torch.cat([edges, torch.tensor([bins], device=device)])
-    i, j = torch.triu_indices(edges.numel(), edges.numel(), offset=1, device=device)
-    return edges[i].double().unsqueeze(0), edges[j].double().unsqueeze(0)
+    return edges
 
 
 def _window_pairs(start, end, radius: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +138,14 @@ def _window_pairs(start, end, radius: int, step: int) -> tuple[torch.Tensor, tor
     return start.unsqueeze(1) + ds.reshape(1, -1), end.unsqueeze(1) + de.reshape(1, -1)
 
 
+SCREEN_PAIRS = 1 << 18
+"""Most pairs per round of the coarse-to-fine screen: 2048 bins start on a grid of every 4th edge."""
+
+
 def _first_step(rows: int, bins: int) -> int:
-    """Smallest power-of-two grid step whose all-pairs family fits ``PAIR_BUDGET`` for ``rows`` rows."""
+    """Smallest power-of-two grid step whose all-pairs family fits ``SCREEN_PAIRS`` for ``rows`` rows."""
     step = 1
-    while step < bins and rows * ((bins // step + 2) ** 2) // 2 > PAIR_BUDGET:
+    while step < bins and rows * ((bins // step + 2) ** 2) // 2 > SCREEN_PAIRS:
         step *= 2
     return step
 
@@ -107,31 +153,60 @@ def _first_step(rows: int, bins: int) -> int:
 def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the histogram range ``[start, end)`` (bin edges) with the least L2 quantization error.
 
-    One row: every (start, end) pair of bin edges (about 2.1M for 2048 bins) is scored at once
-    with prefix sums (``_screen_pairs``). Many rows (per-channel): all pairs on a coarse grid of
-    edges, then windows around each row's best at finer steps (8x finer each round), so the pairs
-    per row stay bounded. The ``exact_top`` best pairs of each row are then re-scored with the
+    All pairs on a coarse grid of edges (``_first_step``: every 4th edge for one 2048-bin row),
+    then windows around each row's best at finer steps (8x finer each round, down to 1), scored
+    with prefix sums (``_screen_pairs``), so the pairs per row stay bounded.
+    The ``exact_top`` best pairs of each row are then re-scored with the
     exact error (``exact_l2``) and the best is kept.
     """
     counts = hist.counts
     rows, bins = counts.shape
     moments = _prefix_moments(counts)
+    terms = _edge_terms(moments)
     step = _first_step(rows, bins)
-    start, end = _grid_pairs(step, bins, counts.device)
-    start, end = start.expand(rows, -1), end.expand(rows, -1)
-    score = _screen_pairs(moments, start, end, levels)
+    edges = _grid_edges(step, bins, counts.device).double()
+    score, end = _screen_grid(terms, edges, levels)
+    start = edges.unsqueeze(0).expand(rows, -1)
     while step > 1:
         best = score.argmin(dim=1, keepdim=True)
         radius, step = step, max(1, step // 8)
         start, end = _window_pairs(start.gather(1, best).squeeze(1), end.gather(1, best).squeeze(1), radius, step)
-        score = _screen_pairs(moments, start, end, levels)
+        score = _screen_pairs(terms, start, end, levels)
     top = min(exact_top, score.shape[1])
     top_idx = score.topk(top, dim=1, largest=False).indices
     top_start, top_end = start.gather(1, top_idx), end.gather(1, top_idx)
     exact = exact_l2(counts, moments, top_start, top_end, levels)
     exact = torch.where(torch.isfinite(score.gather(1, top_idx)), exact, torch.inf)
     pick = exact.argmin(dim=1, keepdim=True)
-    return top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
+    best_start, best_end = top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
+    return _refine_exact(counts, moments, best_start, best_end, exact.gather(1, pick).squeeze(1), levels)
+
+
+def _refine_exact(counts, moments, start, end, error, levels: int, max_rounds: int = 8):
+    """Exact-error descent: move both ends within a window around each row's best, a few rounds.
+
+    The screen's rounding-noise estimate misjudges spiky histograms (e.g. many exact zeros);
+    this polishes its pick with the exact error. The window shrinks with the number of rows so
+    each round scores at most ~``PAIR_BUDGET · 4`` cells.
+    """
+    rows = counts.shape[0]
+    radius = 1
+    while radius < 8 and rows * (2 * radius + 3) ** 2 * (levels + 1) <= 4 * PAIR_BUDGET:
+        radius += 1
+    for _ in range(max_rounds):
+        cand_start, cand_end = _window_pairs(start, end, radius, 1)
+        bins = counts.shape[1]
+        valid = (cand_start >= 0) & (cand_end <= bins) & (cand_end > cand_start)
+        cand_start, cand_end = cand_start.clamp(0, bins - 1), cand_end.clamp(1, bins)
+        exact = torch.where(valid, exact_l2(counts, moments, cand_start, cand_end, levels), torch.inf)
+        value, pick = exact.min(dim=1, keepdim=True)
+        better = value.squeeze(1) < error
+        if not bool(better.any()):
+            break
+        start = torch.where(better, cand_start.gather(1, pick).squeeze(1), start)
+        end = torch.where(better, cand_end.gather(1, pick).squeeze(1), end)
+        error = torch.where(better, value.squeeze(1), error)
+    return start, end
 
 
 def value_at_ranks(hist: RowHistogram, ranks: torch.Tensor) -> torch.Tensor:
@@ -172,8 +247,9 @@ def kl_divergences(
     For candidate ``i`` (``start_bin .. bins`` by ``stride``): ``P = counts[:i]`` with the clipped
     tail added to its last bin; ``Q`` merges ``counts[:i]`` into ``quant_bins`` equal runs
     (source bin ``b`` goes to run ``floor(b·quant_bins / i)``) and spreads each run's total evenly
-    over its non-empty bins (runs may be empty when ``i < quant_bins``). ``Σ P log(P/Q)`` is computed per run from prefix sums of ``c``,
-    ``c·log c`` and of the non-empty indicator, so the cost is O(quant_bins) per candidate.
+    over its non-empty bins (runs may be empty when ``i < quant_bins``). ``Σ P log(P/Q)`` is
+    computed per run from prefix sums of ``c``, ``c·log c`` and of the non-empty indicator, so the
+    cost is O(quant_bins) per candidate.
     Returns (candidates (C,), divergences (R, C)); ``inf`` where P has mass that Q lacks.
     """
     rows, bins = counts.shape

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from observers.base import NonFiniteStatistics
 from observers.granularity import Flat
+
+_BIN_CHUNK = 1 << 16
+"""Values binned per pass: the int32 index buffer stays in L2."""
 
 
 @dataclass
@@ -63,16 +67,26 @@ def rows_of(flat: Flat) -> torch.Tensor:
 
 
 def _bin_into(counts: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, width: torch.Tensor) -> None:
-    """Add ``values`` (R, n) to ``counts`` (R, bins) in place; values beyond the ends go to the end bins."""
+    """Add ``values`` (R, n) to ``counts`` (R, bins) in place; values beyond the ends go to the end bins.
+
+    Why not ``torch.histc``: on CPU it re-checks every element against the bin edges and takes
+    about twice as long as three vectorized passes plus one ``bincount`` over all rows, run over
+    cache-sized chunks so the index buffer never leaves the cache. The
+    fp32 bin position may put a value that lies within rounding of an edge into the neighbouring
+    bin; the running histogram's guarantees (each value in its bin or a neighbour) allow that.
+    """
     rows, bins = counts.shape
     inverse = torch.where(width > 0, 1.0 / torch.where(width > 0, width, 1.0), 0.0)
-    position = (values - lo.float().unsqueeze(1)).mul_(inverse.float().unsqueeze(1))
-    index = position.clamp_(0, bins - 1).to(torch.int32)
-    if rows > 1:
-        offsets = torch.arange(rows, device=values.device, dtype=torch.int32).mul_(bins).unsqueeze(1)
-        index = index.add_(offsets)
-    ones = torch.ones((), dtype=counts.dtype, device=counts.device).expand(index.numel())
-    counts.view(-1).index_add_(0, index.reshape(-1), ones)
+    scale = inverse.float().unsqueeze(1)
+    shift = (-lo * inverse).float().unsqueeze(1)
+    offsets = torch.arange(rows, device=values.device, dtype=torch.int32).mul_(bins).unsqueeze(1)
+    total = torch.zeros(rows * bins, dtype=torch.int64, device=values.device)
+    step = max(1, _BIN_CHUNK // rows)
+    for first in range(0, values.shape[1], step):
+        part = values[:, first : first + step]
+        index = torch.addcmul(shift, part, scale).clamp_(0, bins - 1).to(torch.int32).add_(offsets)
+        total.add_(torch.bincount(index.reshape(-1), minlength=rows * bins))
+    counts.view(-1).add_(total)
 
 
 def _grow(hist: RowHistogram, new_min: torch.Tensor, new_max: torch.Tensor) -> RowHistogram:
@@ -108,6 +122,8 @@ def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, a
     """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0."""
     rows = rows.float()
     signed_min, signed_max = rows.amin(dim=1), rows.amax(dim=1)
+    if not (bool(torch.isfinite(signed_min).all()) and bool(torch.isfinite(signed_max).all())):
+        raise NonFiniteStatistics("the batch has NaN/Inf values")
     if absolute:
         rows = rows.abs()
         batch_min = torch.zeros_like(signed_min)

@@ -26,6 +26,7 @@ def _positive_int(name: str, value, minimum: int = 1) -> None:
 class _HistogramBase(Observer):
     strategies = ("tensor", "channel")
     scale_kinds = ("float",)
+    checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,12 +66,16 @@ class HistogramObserver(_HistogramBase):
     old counts are re-binned into aligned, wider bins). Every range ``[start, end)`` of bin edges
     is scored with the error of a uniform quantizer of ``qmax - qmin + 1`` levels (torch.ao's
     model: levels at cell centres, density uniform inside a bin, clipped values charged their
-    distance to the end levels): for one histogram all ~2.1M pairs at once with prefix sums
-    (rounding noise estimated as step²/12), then the best 64 re-scored exactly. Per channel,
-    a coarse all-pairs grid is refined by finer windows around each row's best.
+    distance to the end levels): all pairs of a coarse grid of edges (every 4th of 2048 for one
+    histogram, ~130K pairs, coarser per channel) are screened with prefix sums (rounding noise
+    estimated as step²/12), windows around each row's best are screened at finer steps down to
+    single bins, the best 64 are re-scored exactly and polished by an exact-error descent.
     Knobs: ``bins`` 2048.
     Reference: torch.ao ``HistogramObserver``, whose greedy search (moving one end at a time,
-    stopping at the first increase) this replaces; its chosen range's error is never lower.
+    stopping at the first increase) this replaces; on every tested distribution (Gaussian, heavy
+    tails, bimodal, a spike at zero, a lone outlier) its chosen range's error is not lower.
+    Screening every one of the ~2.1M pairs instead found the same range on those, except the
+    spike at zero (4.8% lower error there) at 4x the search time.
     Integer formats only (the L2 model assumes uniform levels; use ``mse`` for floats). Like
     torch.ao, the search is two-sided; symmetric specs then apply the symmetric rule to the range.
     """

@@ -3,7 +3,8 @@
 Pure functions over tensors, like torchao's quant primitives: the tensor is flattened once
 (``observers.granularity``), the scale broadcasts against it, and the result is restored to the
 input's shape and dtype. Integer formats round half to even and clamp to ``[qmin, qmax]``;
-float formats round to the nearest grid value with saturation (``formats.round_to_float_grid``).
+float formats round to the nearest grid value with saturation (``formats.round_to_float_grid_``,
+in place on the freshly divided buffer).
 Arithmetic is fp32 whatever the input dtype.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from observers.formats import round_to_float_grid
+from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, flatten
 from observers.qparams import QParams
 from observers.spec import QuantSpec
@@ -37,8 +38,8 @@ def _element_codes(data: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     scaled = data.float() / scale
     if fmt.kind == "int":
         qmin, qmax = spec.int_range
-        return torch.round(scaled).add_(zero_point).clamp_(qmin, qmax)
-    return round_to_float_grid(scaled, fmt.exp_bits, fmt.man_bits, fmt.max_value)
+        return scaled.round_().add_(zero_point).clamp_(qmin, qmax)
+    return round_to_float_grid_(scaled, fmt.exp_bits, fmt.man_bits, fmt.max_value)
 
 
 def quantize(x: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,7 +53,8 @@ class QuantSpec:
     - ``scale_rule``: symmetric divisor, ``half_range`` ((qmax - qmin) / 2, torch.ao and
       compressed-tensors) or ``qmax`` (ModelOpt's narrow rule).
     - ``scale_rounding``: shared-exponent rounding of MX formats (``floor`` OCP, ``even`` Quark,
-      ``ceil`` ModelOpt); ignored by formats with free scales.
+      ``ceil`` ModelOpt; see ``observers.blocks``); ignored by the other formats (BFP16 always applies
+      its overflow bump, NVFP4 rounds block scales to E4M3).
     - ``eps``: smallest scale (torch.ao clamps to float32 eps), so no scale is ever 0.
     - ``dynamic``: the range is computed at run time per token/group; static qparams are then
       only a summary of the calibration data.
@@ -115,6 +116,8 @@ class QuantSpec:
             )
         if fmt.scale_kind in ("e8m0", "e4m3", "pow2") and not self.symmetric:
             raise ValueError(f"block format {self.dtype!r} is symmetric only; use symmetric=True")
+        if fmt.is_block and self.reduce_range:
+            raise ValueError(f"QuantSpec.reduce_range does not apply to block format {self.dtype!r}")
 
     def _validate_range(self, fmt: ElementFormat) -> None:
         custom = (self.quant_min, self.quant_max)
@@ -122,8 +125,8 @@ class QuantSpec:
             return
         if None in custom:
             raise ValueError("QuantSpec.quant_min and quant_max must be given together")
-        if fmt.kind != "int":
-            raise ValueError(f"QuantSpec.quant_min/quant_max apply to integer formats only, not {self.dtype!r}")
+        if fmt.kind != "int" or fmt.is_block:
+            raise ValueError(f"QuantSpec.quant_min/quant_max apply to plain integer formats only, not {self.dtype!r}")
         full_min, full_max = fmt.int_range()
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in custom):
             raise ValueError(f"QuantSpec.quant_min/quant_max must be integers, got {custom!r}")

@@ -188,7 +188,8 @@ def test_token_counts_across_batches_and_shapes():
     attn.observe(torch.randn(2, 4, 5, 8))
     assert attn.num_observed_tokens == 10
     results = ob.run_suite([torch.randn(4, 16), torch.randn(6, 16)], ob.QuantSpec("int8"), kind="activation")
-    assert {r.num_observed_tokens for r in results} == {10}
+    assert {r.num_observed_tokens for r in results if r.error is None} == {10}
+    assert {r.num_observed_tokens for r in results if r.error is not None} <= {0}
 
 
 def test_token_strategy_describes_last_batch():

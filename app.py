@@ -1,0 +1,21 @@
+"""Observer Lab: the Streamlit app. Run with ``streamlit run app.py``.
+
+This file only sets up the page and the navigation; each page lives in ``pages/`` and calls the
+library (``lab.pipeline``, ``lab.plots``, ``lab.ui``).
+"""
+
+import streamlit as st
+
+st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
+
+PAGES = [
+    st.Page("pages/overview.py", title="Overview", icon=":material/grid_view:", default=True),
+    st.Page("pages/model.py", title="Model", icon=":material/deployed_code:"),
+    st.Page("pages/run.py", title="Run", icon=":material/play_arrow:"),
+    st.Page("pages/ranges.py", title="Ranges", icon=":material/straighten:"),
+    st.Page("pages/scales.py", title="Scales", icon=":material/grid_on:"),
+    st.Page("pages/error.py", title="Error", icon=":material/query_stats:"),
+    st.Page("pages/export.py", title="Choose & export", icon=":material/download:"),
+]
+
+st.navigation(PAGES).run()

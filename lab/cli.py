@@ -1,0 +1,271 @@
+"""``python -m observers``: the lab without a browser.
+
+Subcommands: ``list`` (observers, formats, presets), ``layers MODEL`` and ``run MODEL ...``,
+which calls ``lab.pipeline.analyse`` and ``choose`` exactly as the app does, then writes the
+Observer Lab JSON, optionally an HTML report and a compressed-tensors export. Bad input ends with
+exit code 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import IO, Any
+
+import observers as ob
+
+EXIT_BAD_INPUT = 2
+BAR_WIDTH = 30
+
+
+class CliError(ValueError):
+    """Bad command-line input, reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise CliError(f"{self.prog}: {message}")
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m observers", description="Observer Lab: compare quantization observers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_parser("list", help="observers (with knobs), element formats and presets")
+    layers = commands.add_parser("layers", help="list a model's layers")
+    layers.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
+    layers.add_argument("--filter", default=None, help="glob over layer names, or a regex after 're:'")
+    layers.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    run = commands.add_parser("run", help="run observers on layers and export the chosen qparams")
+    run.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
+    run.add_argument("--layers", required=True, help="comma-separated layer names or patterns (glob, or 're:regex')")
+    scheme = run.add_mutually_exclusive_group(required=True)
+    scheme.add_argument("--format", dest="dtype", help="element format, e.g. int4, int8, fp8_e4m3 (see 'list')")
+    scheme.add_argument("--preset", help=f"compressed-tensors preset: {', '.join(ob.PRESET_NAMES)}")
+    run.add_argument("--strategy", help="tensor, channel, group, token or block")
+    run.add_argument("--group-size", type=int, help="columns per group for --strategy group")
+    run.add_argument("--block-size", help="ROWSxCOLS for --strategy block, e.g. 128x128")
+    sym = run.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
+    run.add_argument("--observers", help="comma-separated observer names (default: all)")
+    run.add_argument("--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)")
+    run.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    run.add_argument("--samples", type=int, default=32, help="calibration samples")
+    run.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sample")
+    run.add_argument("--choose-by", default="sqnr_db", help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
+    run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
+    run.add_argument("--report", help="HTML report to write")
+    run.add_argument(
+        "--allow-uncalibrated",
+        action="store_true",
+        help="export even when some activation tensors saw no calibration tokens (recorded as uncalibrated)",
+    )
+    run.add_argument("--compressed-tensors", dest="ct_dir", help="directory for the compressed-tensors export")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _spec_changes(args: argparse.Namespace) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    if args.strategy is not None:
+        changes["strategy"] = args.strategy
+    if args.group_size is not None:
+        changes["group_size"] = args.group_size
+    if args.block_size is not None:
+        try:
+            rows, cols = (int(v) for v in args.block_size.lower().split("x"))
+        except ValueError:
+            raise CliError(f"--block-size must look like 128x128, got {args.block_size!r}") from None
+        changes["block_size"] = (rows, cols)
+    if args.symmetric is not None:
+        changes["symmetric"] = args.symmetric
+    return changes
+
+
+def specs_from_args(args: argparse.Namespace) -> dict[str, ob.QuantSpec]:
+    """``{tensor kind: QuantSpec}`` from ``--format``/``--preset`` and the spec options."""
+    from lab.pipeline import TENSOR_KINDS
+
+    kinds = _csv(args.kinds) if args.kinds else None
+    unknown = [k for k in kinds or [] if k not in TENSOR_KINDS]
+    if unknown:
+        raise CliError(f"unknown tensor kind(s) {', '.join(unknown)}; choose from {', '.join(TENSOR_KINDS)}")
+    changes = _spec_changes(args)
+    if args.preset is not None:
+        chosen = {k: s for k, s in ob.preset(args.preset).items() if s is not None}
+        if kinds is not None:
+            missing = [k for k in kinds if k not in chosen]
+            if missing:
+                raise CliError(f"preset {args.preset} does not quantize {', '.join(missing)}")
+            chosen = {k: chosen[k] for k in kinds}
+        return {k: spec.replace(**changes) if changes else spec for k, spec in chosen.items()}
+    spec = ob.QuantSpec(**{"dtype": args.dtype, **changes})
+    specs = {kind: spec for kind in kinds or ["weight"]}
+    for kind, spec in specs.items():
+        spec.check_kind("weight" if kind == "weight" else "activation")
+    return specs
+
+
+def select_layers(model: Any, text: str) -> list[str]:
+    """Layers matching any comma-separated name or pattern, in model order; an item that matches
+    no layer with a weight matrix is an error."""
+    matrix_layers = [info for info in model.layers() if len(info.shape) >= 2]
+    from sample_models import filter_layers
+
+    chosen: set[str] = set()
+    for item in _csv(text):
+        found = filter_layers(matrix_layers, item)
+        if not found:
+            raise CliError(f"--layers {item!r} matches no layer with a weight matrix (see 'layers {model.name}')")
+        chosen.update(info.name for info in found)
+    if not chosen:
+        raise CliError("--layers is empty")
+    return [info.name for info in matrix_layers if info.name in chosen]
+
+
+def _observer_names(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(_csv(text))
+    unknown = [n for n in names if n not in ob.available()]
+    if unknown:
+        raise CliError(f"unknown observer(s) {', '.join(unknown)}; available: {', '.join(ob.available())}")
+    if not names:
+        raise CliError("--observers is empty")
+    return names
+
+
+class ProgressBar:
+    """A plain-text progress bar on one terminal line: ``[#####.....] 12/40 label``."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        filled = BAR_WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r[{bar}] {done}/{total} {label[:60]:<60}{end}")
+        self.stream.flush()
+
+
+def _cmd_list(out: IO[str]) -> None:
+    out.write("observers:\n")
+    for name, description in ob.available().items():
+        knobs = ", ".join(f"{k}={v!r}" for k, v in ob.knobs(name).items())
+        out.write(f"  {name:<28} {description}\n  {'':<28} knobs: {knobs}\n")
+    out.write("formats:\n")
+    for name, fmt in ob.FORMATS.items():
+        out.write(f"  {name:<28} {fmt.description}\n")
+    out.write("presets:\n")
+    for name in ob.PRESET_NAMES:
+        parts = [f"{kind}: {'-' if spec is None else _spec_text(spec)}" for kind, spec in ob.preset(name).items()]
+        out.write(f"  {name:<28} {'; '.join(parts)}\n")
+
+
+def _spec_text(spec: ob.QuantSpec) -> str:
+    text = f"{spec.dtype} {'sym' if spec.symmetric else 'asym'} {spec.strategy}"
+    if spec.strategy == "group":
+        text += f" {spec.group_size}"
+    if spec.strategy == "block":
+        text += f" {spec.block_size[0]}x{spec.block_size[1]}"
+    return text + (" dynamic" if spec.dynamic else "")
+
+
+def _cmd_layers(args: argparse.Namespace, out: IO[str]) -> None:
+    from sample_models import open_model
+
+    model = open_model(args.model, device=args.device)
+    infos = model.layers(args.filter)
+    if not infos:
+        raise CliError(f"--filter {args.filter!r} matches no layer of {args.model}")
+    for info in infos:
+        shape = "x".join(map(str, info.shape))
+        out.write(f"{info.name}\t{info.type}\t{shape}\t{info.params}\n")
+
+
+def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    from lab import export
+    from lab.pipeline import RunConfig, analyse, choose
+
+    if args.choose_by not in ob.HIGHER_IS_BETTER:
+        raise CliError(f"unknown metric {args.choose_by!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    config = RunConfig(
+        specs=specs_from_args(args),
+        observers=_observer_names(args.observers),
+        samples=args.samples,
+        seq_len=args.seq_len,
+    )
+    from sample_models import open_model  # after the cheap checks: importing transformers takes seconds
+
+    model = open_model(args.model, device=args.device)
+    layers = select_layers(model, args.layers)
+    analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err))
+    for warning in analysis.warnings:
+        err.write(f"warning: {warning}\n")
+    choices = choose(analysis, args.choose_by)
+    if not choices:
+        raise CliError("no observer produced qparams for these settings: " + _first_error(analysis))
+    export.export_json(
+        analysis,
+        choices,
+        args.out,
+        metric=args.choose_by,
+        source=export.describe_source(model),
+        allow_uncalibrated=args.allow_uncalibrated,
+    )
+    written = [args.out]
+    if args.report:
+        from lab.report import write_report
+
+        written.append(str(write_report(analysis, choices, args.report, metric=args.choose_by)))
+    if args.ct_dir:
+        layer_types = {info.name: info.type for info in model.layers()}
+        result = export.export_compressed_tensors(
+            analysis, choices, args.ct_dir, layer_types=layer_types, allow_uncalibrated=args.allow_uncalibrated
+        )
+        written.append(args.ct_dir)
+        for note in result["notes"]:
+            err.write(f"note: {note}\n")
+    for (layer, tensor), observer in choices.items():
+        value = analysis.entry(layer, tensor).result(observer).metrics.get(args.choose_by)
+        out.write(f"{layer}\t{tensor}\t{observer}\t{args.choose_by}={value:.6g}\n")
+    out.write(f"wrote {', '.join(written)}\n")
+
+
+def _first_error(analysis: Any) -> str:
+    for entry in analysis.entries:
+        for result in entry.results:
+            if result.error:
+                return f"{result.name}: {result.error}"
+    return "nothing was analysed"
+
+
+def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 2 bad input)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "list":
+            _cmd_list(out)
+        elif args.command == "layers":
+            _cmd_layers(args, out)
+        else:
+            _cmd_run(args, out, err)
+    except ValueError as exc:
+        err.write("error: " + " ".join(str(exc).split()) + "\n")
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        err.write(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ") + "\n")
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A single self-contained HTML report of one analysis and its chosen observers.
+
+The file must open offline (on a cluster node, attached to a ticket), so plotly.js is embedded
+inline exactly once, with the first figure, and every later figure reuses it; nothing is loaded
+from a CDN. Figures come from ``lab.plots``, the same functions the app draws, so the report and
+the app show the same pictures.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+from collections.abc import Mapping
+from pathlib import Path
+
+import observers as ob
+from lab import plots
+from lab.pipeline import Analysis
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem; color: #222; }
+table { border-collapse: collapse; margin: 1rem 0; }
+th, td { border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: left; font-size: 0.9rem; }
+th { background: #f3f3f3; }
+.note { color: #666; font-size: 0.9rem; }
+"""
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def _choices_table(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str) -> str:
+    """HTML table: layer, tensor, spec, chosen observer with its metric, runner-up with its metric."""
+    sign = 1.0 if ob.HIGHER_IS_BETTER[metric] else -1.0
+    rows = []
+    for entry in analysis.entries:
+        chosen = choices.get((entry.layer, entry.tensor))
+        if chosen is None:
+            continue
+        ranked = sorted(
+            (r for r in entry.results if r.error is None and r.metrics.get(metric) is not None),
+            key=lambda r: -sign * r.metrics[metric],
+        )
+        runner_up = next((r for r in ranked if r.name != chosen), None)
+        spec = entry.spec
+        detail = f"{spec.dtype} {'sym' if spec.symmetric else 'asym'} {spec.strategy}"
+        if spec.strategy == "group":
+            detail += f" g{spec.group_size}"
+        cells = [
+            entry.layer,
+            entry.tensor,
+            detail,
+            chosen,
+            _fmt(entry.result(chosen).metrics.get(metric)),
+            "" if runner_up is None else runner_up.name,
+            "" if runner_up is None else _fmt(runner_up.metrics.get(metric)),
+        ]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    head = ["layer", "tensor", "spec", "chosen", metric, "runner-up", metric]
+    header = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+    return f"<table>{header}{''.join(rows)}</table>"
+
+
+def write_report(
+    analysis: Analysis, choices: Mapping[tuple[str, str], str], path: str | Path, metric: str = "sqnr_db"
+) -> Path:
+    """Write the report to ``path``: overview heatmap (layers × observers of ``metric``), metric
+    bars, one range histogram per analysed tensor (each observer's chosen range over the data),
+    and the choices table. Returns the path."""
+    if metric not in ob.HIGHER_IS_BETTER:
+        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    frame = analysis.frame()
+    figures = [plots.metric_heatmap(frame, metric), plots.metric_bars(frame, metric)]
+    for entry in analysis.entries:
+        title = f"{plots.tensor_label(entry.layer, entry.tensor)}: values and each observer's range"
+        figures.append(plots.range_histogram(entry.data, entry.results, title=title))
+    blocks = [
+        fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False) for i, fig in enumerate(figures)
+    ]
+    source = analysis.source.get("name") or analysis.source.get("source") or ""
+    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in analysis.warnings)
+    body = [
+        f"<h1>Observer Lab report: {html.escape(str(source))}</h1>",
+        f"<p class='note'>observers {html.escape(ob.__version__)} · {created} · chosen by {html.escape(metric)} · "
+        f"{len(analysis.entries)} tensor(s) · {analysis.seconds:.2f} s</p>",
+        f"<ul class='note'>{warnings}</ul>" if warnings else "",
+        "<h2>Choices</h2>",
+        _choices_table(analysis, choices, metric),
+        "<h2>Overview</h2>",
+        *blocks[:2],
+        "<h2>Ranges per tensor</h2>",
+        *blocks[2:],
+    ]
+    document = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>Observer Lab report</title>"
+        f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+    out = Path(path)
+    out.write_text(document, encoding="utf-8")
+    return out

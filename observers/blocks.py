@@ -1,0 +1,229 @@
+"""Block and low-precision formats: the scale rules of MX, NVFP4 and BFP16, and their observers.
+
+The format rows live in ``observers.formats`` (``family`` MX, NVFP4, BFP, cast); this module adds
+the rule that turns a per-block range into ``QParams`` for each new ``scale_kind`` and registers it
+in ``qparams.SCALE_RULES``, so every range observer (minmax family, mse_grid, histogram) works on
+block formats unchanged. Blocks run along the last dim (the input dim of weights, the hidden dim
+of activations); ``QuantSpec`` makes block formats ``strategy="group"`` with ``group_size`` =
+the format's block size (MX 32, NVFP4 16, BFP16 8), overridable; a ragged last block is padded.
+
+Rules (section 6 of the reference doc):
+
+- ``e8m0`` (MX): one power-of-two scale ``2^e`` per block. ``e`` follows ``spec.scale_rounding``:
+  ``floor`` (OCP) ``e = floor(log2 amax) - emax``; ``even`` (Quark) the same after rounding amax
+  up to the next binade when its mantissa rounds over at the element precision; ``ceil``
+  (ModelOpt) ``e = ceil(log2(amax / max_value))``, which never clips. ``e`` is clamped to
+  ``[-127, 127 - emax]`` (the upper bound keeps the largest element a finite fp32; it only
+  matters for ``|x| >= 2^127``); an all-zero block gets ``e = -127``.
+  MXINT8 elements are int8 codes worth ``code * 2^-6`` of ``2^e``, range ±127, so ``emax = 0``
+  and its ``QParams.scale`` is the code step ``2^(e-6)``. ``QParams.extras["scale_exponent"]``
+  holds the E8M0 codes ``e + 127`` as uint8.
+- ``e4m3`` (NVFP4): fp32 global scale ``448 * 6 / amax_tensor`` and per-block scales
+  ``cast_e4m3(amax_block / 6 * global)``, both in ``QParams`` (``scale`` holds the exact fp32
+  values of E4M3 numbers; the element step is ``scale / global_scale``). ``amax_tensor`` is
+  clamped to ``[spec.eps, 2^127]`` and block scales to at least the smallest E4M3 subnormal
+  ``2^-9``, so an all-zero tensor or block gives finite positive scales and no dequantized value
+  overflows fp32 (values beyond 2^127 saturate).
+- ``pow2`` (BFP16): shared exponent ``E = floor(log2 amax)``, 8-bit mantissas with step
+  ``2^(E - 6)``; when the block's largest value would round to 128 (mantissa >= 127.5/64) ``E``
+  goes up by one for that block only (the overflow bump, which is the ``even`` rule at 6 fraction
+  bits), so codes stay in ±127. ``extras["scale_exponent"]`` holds ``E + 127`` as uint8.
+- ``none`` (fp16/bf16): a plain cast; qparams are scale 1, zero point 0 and the observed range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from observers.base import Observer, register
+from observers.formats import ElementFormat
+from observers.granularity import Flat, reduce_min_max
+from observers.qparams import SCALE_RULES, QParams
+from observers.quantize import _element_codes
+from observers.spec import QuantSpec
+
+E8M0_BIAS = 127
+E8M0_MIN_EXPONENT = -127
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+NVFP4_MAX_TENSOR_AMAX = 2.0**127
+_MANTISSA_MASK = 0x007FFFFF
+
+
+def _amax(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of a range that includes zero."""
+    return torch.maximum(-min_val.clamp(max=0.0), max_val.clamp(min=0.0))
+
+
+def _fp32_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2^exponent`` for integer exponents in ``[-149, 127]``, built from the bits."""
+    exponent = exponent.to(torch.int32)
+    normal = (exponent.clamp(min=-126) + 127) << 23
+    subnormal = torch.bitwise_left_shift(torch.ones_like(exponent), exponent.clamp(-149, -127) + 149)
+    return torch.where(exponent >= -126, normal, subnormal).view(torch.float32)
+
+
+def shared_exponent(amax: torch.Tensor, fmt: ElementFormat, rounding: str) -> torch.Tensor:
+    """Per-block MX exponent ``e`` (int32) of ``amax`` under ``rounding`` (floor, even or ceil).
+
+    Exact: ``floor(log2 amax)`` is the fp32 exponent field, and both bumps compare mantissa bits
+    (``even``: the mantissa rounded half-up to ``fmt.man_bits`` bits carries into the next binade;
+    ``ceil``: the mantissa exceeds that of ``fmt.max_value``). Zero and fp32-subnormal amax take
+    the smallest exponent. Clamped to ``[-127, 127 - emax]``.
+    """
+    if rounding not in ("floor", "even", "ceil"):
+        raise ValueError(f"scale rounding {rounding!r} is not valid; allowed: floor, even, ceil")
+    bits = amax.float().contiguous().view(torch.int32)
+    field = bits >> 23
+    mantissa = bits & _MANTISSA_MASK
+    exponent = field - E8M0_BIAS
+    normal = field > 0
+    if rounding == "even":
+        threshold = (1 << 23) - (1 << (22 - fmt.man_bits))
+        exponent = exponent + (normal & (mantissa >= threshold)).to(torch.int32)
+    elif rounding == "ceil":
+        max_mantissa = _fp32_bits(fmt.max_value) & _MANTISSA_MASK
+        exponent = exponent + (normal & (mantissa > max_mantissa)).to(torch.int32)
+    return (exponent - fmt.emax).clamp(E8M0_MIN_EXPONENT, E8M0_BIAS - fmt.emax)
+
+
+def qparams_from_exponent(
+    exponent: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, fmt: ElementFormat
+) -> QParams:
+    """QParams of power-of-two block scales ``2^exponent`` (MX, BFP).
+
+    Integer elements (MXINT8, BFP16) get ``scale`` = the code step ``2^(exponent - man_bits)``; the
+    uint8 code ``exponent + 127`` goes to ``extras["scale_exponent"]`` for a lossless export.
+    """
+    step_exponent = exponent - fmt.man_bits if fmt.kind == "int" else exponent
+    scale = pow2(step_exponent).reshape(min_val.shape)
+    codes = (exponent + E8M0_BIAS).to(torch.uint8).reshape(min_val.shape)
+    zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    return QParams(scale, zero_point, min_val, max_val, extras={"scale_exponent": codes})
+
+
+def e8m0_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """MX rule: one E8M0 exponent per block, rounded by ``spec.scale_rounding``."""
+    exponent = shared_exponent(_amax(min_val, max_val), spec.format, spec.scale_rounding)
+    return qparams_from_exponent(exponent, min_val, max_val, spec.format)
+
+
+def pow2_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """BFP16 rule: shared exponent with the per-block overflow bump (``spec.scale_rounding`` unused)."""
+    exponent = shared_exponent(_amax(min_val, max_val), spec.format, "even")
+    return qparams_from_exponent(exponent, min_val, max_val, spec.format)
+
+
+def e4m3_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """NVFP4 rule: fp32 global scale per tensor, E4M3 scale per block (values exact in fp32)."""
+    fmt = spec.format
+    amax = _amax(min_val, max_val)
+    tensor_amax = amax.max().clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
+    global_scale = (E4M3_MAX * fmt.max_value / tensor_amax).reshape(1)
+    raw = (amax / fmt.max_value * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    scale = raw.to(torch.float8_e4m3fn).float()
+    zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    return QParams(scale, zero_point, min_val, max_val, global_scale=global_scale)
+
+
+def cast_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """fp16/bf16: no scale (1) and no zero point; the range is kept for display."""
+    scale = torch.ones_like(min_val)
+    return QParams(scale, torch.zeros_like(scale, dtype=torch.int32), min_val, max_val)
+
+
+SCALE_RULES.update({"e8m0": e8m0_qparams, "e4m3": e4m3_qparams, "pow2": pow2_qparams, "none": cast_qparams})
+
+
+@register
+class PlaceholderObserver(Observer):
+    """No range estimation: fp16/bf16 are plain casts (Quark ``PlaceholderObserver``).
+
+    ``qparams()`` gives scale 1, zero point 0 and the running min/max of everything observed,
+    shape ``(1,)``, so the suite still reports the cast's error metrics. Only cast dtypes.
+    """
+
+    name = "placeholder"
+    description = "fp16/bf16 cast only: no scale, reports the data's min/max (Quark PlaceholderObserver)"
+    scale_kinds = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_val: torch.Tensor | None = None
+        self.max_val: torch.Tensor | None = None
+
+    def _observe(self, flat: Flat) -> None:
+        low = flat.data.amin().float().reshape(1)
+        high = flat.data.amax().float().reshape(1)
+        if self.min_val is not None:
+            low, high = torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
+        self.min_val, self.max_val = low, high
+
+    def _reset_statistics(self) -> None:
+        self.min_val = self.max_val = None
+
+    def _qparams(self) -> QParams:
+        return cast_qparams(self.min_val, self.max_val, self.spec)
+
+
+@register
+class MXExponentSearchObserver(Observer):
+    """MX shared exponent chosen by error: per block try ``e, e-1, ..., e-scope`` and keep the lowest SSE.
+
+    ``e`` is the exponent of ``spec.scale_rounding`` (floor by default); a smaller exponent halves
+    the step and clips the block's top values, which wins when a block has one outlier and many
+    small values. All candidates are fake-quantized at once (memory: ``scope + 1`` copies of the
+    batch); ties keep the larger exponent. Memoryless: the qparams describe the last ``observe``
+    call, like llm-compressor's ``memoryless_mse`` (weights are observed once).
+    Knob: ``scope`` (default 2, at most 16). Reference: Quark ``PerBlockMXDiffsObserver``.
+    MX dtypes only.
+    """
+
+    name = "mx_exponent_search"
+    description = "MX: per block, try shared exponents e..e-scope and keep the lowest SSE (Quark PerBlockMXDiffs)"
+    knobs = {"scope": 2}
+    scale_kinds = ("e8m0",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.exponent: torch.Tensor | None = None
+
+    def validate_knobs(self) -> None:
+        if self.spec.format.scale_kind != "e8m0":
+            raise ValueError(f"observer {self.name!r} needs an MX dtype, not {self.spec.dtype!r}")
+        scope = self.scope
+        if isinstance(scope, bool) or not isinstance(scope, int) or not 0 <= scope <= 16:
+            raise ValueError(f"scope must be an integer in [0, 16], got {scope!r}")
+
+    def _reset_statistics(self) -> None:
+        self.exponent = None
+
+    def _observe(self, flat: Flat) -> None:
+        fmt = self.spec.format
+        self.min_val, self.max_val = reduce_min_max(flat)
+        base = shared_exponent(_amax(self.min_val, self.max_val), fmt, self.spec.scale_rounding)
+        offsets = torch.arange(self.scope + 1, device=base.device, dtype=torch.int32)
+        candidates = (base.unsqueeze(0) - offsets.reshape(-1, *([1] * base.ndim))).clamp(min=E8M0_MIN_EXPONENT)
+        sse = self._candidate_sse(flat, candidates)
+        best = sse.argmin(dim=0, keepdim=True)
+        self.exponent = candidates.gather(0, best).squeeze(0)
+
+    def _candidate_sse(self, flat: Flat, candidates: torch.Tensor) -> torch.Tensor:
+        """Sum of squared errors per candidate and block, shape ``candidates.shape``."""
+        fmt = self.spec.format
+        count = candidates.shape[0]
+        step_exponent = candidates - fmt.man_bits if fmt.kind == "int" else candidates
+        scale = pow2(step_exponent).reshape(count, 1, *flat.qparam_shape, 1)
+        data = flat.data.float().unsqueeze(0)
+        codes = _element_codes(data, scale, torch.zeros((), device=data.device), self.spec)
+        error = codes.mul_(scale).sub_(data).square_()
+        if flat.valid is not None:
+            error.mul_(flat.valid)
+        return error.sum(dim=(1, error.ndim - 1))
+
+    def _qparams(self) -> QParams:
+        return qparams_from_exponent(self.exponent, self.min_val, self.max_val, self.spec.format)

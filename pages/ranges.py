@@ -1,0 +1,56 @@
+"""Ranges: the value histogram with every observer's chosen range, per-channel ranges, and the
+per-token vs per-channel view of activations."""
+
+import streamlit as st
+
+from lab import plots, ui
+
+st.title("Ranges")
+analysis = ui.require_analysis()
+entry = ui.tensor_picker(analysis)
+order = ui.observer_order(analysis)
+shown = ui.observer_picker(entry, "ranges_observers")
+c1, c2, c3 = st.columns(3)
+with c1:
+    log_count = ui.widget(st.checkbox, "Log count", "ranges_log", True)
+with c2:
+    absolute = ui.widget(st.checkbox, "Absolute values |x|", "ranges_abs", False)
+with c3:
+    zoom = ui.widget(
+        st.radio, "Zoom", "ranges_zoom", "full", options=["full", "left tail", "right tail"], horizontal=True
+    )
+results = [r for r in entry.results if r.name in shown]
+note = ui.granularity_note(entry.spec)
+if note:
+    st.info(note)
+with ui.guard("Drawing the histogram"):
+    tail = None if zoom == "full" else zoom.split()[0]
+    fig = plots.range_histogram(
+        entry.data,
+        results,
+        log_count=log_count,
+        absolute=absolute,
+        tail=tail,
+        title=f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})",
+        order=order,
+    )
+    st.plotly_chart(fig, theme="streamlit")
+    if tail:
+        st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
+st.dataframe(ui.range_table(results), hide_index=True)
+
+if entry.tensor == "weight":
+    st.subheader("Per-channel ranges")
+    with ui.guard("Drawing per-channel ranges"):
+        st.plotly_chart(
+            plots.channel_range_figure(entry.data, 0, title="min/max per output channel"), theme="streamlit"
+        )
+elif entry.data.shape[0] > 0:
+    st.subheader("Per-token vs per-channel abs-max")
+    with ui.guard("Drawing activation outliers"):
+        st.plotly_chart(plots.token_channel_figure(entry.data), theme="streamlit")
+        st.plotly_chart(
+            plots.channel_range_figure(entry.data, -1, title="min/max per hidden channel"), theme="streamlit"
+        )
+else:
+    st.warning(f"{entry.layer} · {entry.tensor} observed no tokens.")

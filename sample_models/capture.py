@@ -1,0 +1,249 @@
+"""Hook-based activation capture.
+
+Forward hooks record the inputs (and optionally outputs) of chosen layers while calibration
+batches run, keep only real tokens (padding is dropped with the attention mask) and flatten to
+(tokens, features). Fused MoE experts have no module per expert, so one pre-hook on the experts
+module replays the routing for the requested experts; an expert that received no tokens yields
+a (0, features) tensor and a token count of 0. Hooks are removed in ``finally`` blocks, so an
+exception never leaves a hook behind on the shared model, and they record only calls made from
+the capturing thread, so another thread running the same model is never recorded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .calibration import Batch
+from .layers import LayerRef
+
+
+class Activations(dict):
+    """Captured layer inputs, ``{name: (tokens, features)}``, plus what is needed to judge them.
+    Treat the tensors as read-only: layers fed the same tensor (an expert's gate and up
+    projections) may share it.
+
+    Attributes:
+        outputs: ``{name: (tokens, out_features)}`` when outputs were asked for, else empty.
+        token_counts: real tokens each layer saw, before any subsampling; 0 flags a layer (an
+            unrouted expert) whose statistics are meaningless.
+        tokens: real tokens in the calibration batches.
+        kept_fraction: share of tokens kept; below 1 when ``max_bytes`` forced subsampling.
+    """
+
+    def __init__(
+        self,
+        inputs: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        token_counts: dict[str, int],
+        tokens: int,
+        kept_fraction: float,
+    ) -> None:
+        super().__init__(inputs)
+        self.outputs = outputs
+        self.token_counts = token_counts
+        self.tokens = tokens
+        self.kept_fraction = kept_fraction
+
+    @property
+    def subsampled(self) -> bool:
+        return self.kept_fraction < 1.0
+
+
+class _Rows:
+    """The captured rows of one layer input or output.
+
+    Token-major tensors are gathered straight into one buffer sized for every kept token, so each
+    captured byte is written once (fresh memory is the main cost of a capture; concatenating
+    chunks would write it twice). Rows that do not fit that pattern (expert inputs, a module called
+    more than once per forward pass) are kept as chunks and concatenated at the end, after the
+    buffer's rows, so the order is always the order of the calls.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffer: torch.Tensor | None = None
+        self.filled = 0
+        self.chunks: list[torch.Tensor] = []
+
+    def gather(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        if self.chunks or self.filled + len(index) > self.capacity:
+            self.chunks.append(rows.index_select(0, index))
+            return
+        if self.buffer is None:
+            self.buffer = rows.new_empty((self.capacity, rows.shape[1]))
+        torch.index_select(rows, 0, index, out=self.buffer[self.filled : self.filled + len(index)])
+        self.filled += len(index)
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Keep rows the caller owns (a fresh tensor, never a view into the model's tensors)."""
+        self.chunks.append(rows)
+
+    def result(self) -> torch.Tensor | None:
+        parts = ([] if self.buffer is None else [self.buffer[: self.filled]]) + self.chunks
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _Recorder:
+    """Collects the hooked layers' rows for the batch that is running."""
+
+    def __init__(self, want_outputs: bool, capacity: int) -> None:
+        self.want_outputs = want_outputs
+        self.rows: dict[tuple[str, str], _Rows] = defaultdict(lambda: _Rows(capacity))
+        self.counts: dict[str, int] = defaultdict(int)
+        self.batch: Batch | None = None
+        self.kept_index: torch.Tensor | None = None
+        self.valid_count = 0
+        self.thread = threading.get_ident()
+
+    def start(self, batch: Batch) -> None:
+        self.batch = batch
+        self.kept_index = batch.keep.reshape(-1).nonzero().squeeze(1)
+        self.valid_count = int(batch.valid.sum())
+
+    def active(self) -> bool:
+        """Only the thread that installed the hooks is recorded."""
+        return threading.get_ident() == self.thread
+
+    def token_major(self, x: torch.Tensor) -> bool:
+        """True for (batch, seq, ...) tensors and (batch*seq, ...) tensors (inside MoE blocks)."""
+        valid = self.batch.valid
+        return x.shape[: valid.ndim] == valid.shape or x.shape[0] == valid.numel()
+
+    def flat_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid, keep) masks over the batch's flattened tokens."""
+        return self.batch.valid.reshape(-1), self.batch.keep.reshape(-1)
+
+    def record(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Record a module call: real, kept tokens only when positions are known, else every row."""
+        sides = [("input", x), ("output", y)] if self.want_outputs else [("input", x)]
+        if self.token_major(x):
+            self.counts[name] += self.valid_count
+            for side, tensor in sides:
+                self.rows[(name, side)].gather(tensor.reshape(self.batch.valid.numel(), -1), self.kept_index)
+            return
+        self.counts[name] += x.shape[0]
+        for side, tensor in sides:
+            self.rows[(name, side)].append(tensor.reshape(-1, tensor.shape[-1]).clone())
+
+    def record_rows(self, name: str, count: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Record rows already selected by the caller (one expert's tokens)."""
+        self.counts[name] += count
+        self.rows[(name, "input")].append(x)
+        if self.want_outputs:
+            self.rows[(name, "output")].append(y)
+
+    def result(self, name: str, side: str) -> torch.Tensor | None:
+        rows = self.rows.get((name, side))
+        return None if rows is None else rows.result()
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def _module_hook(recorder: _Recorder, name: str):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not recorder.active():
+            return
+        y = output[0] if isinstance(output, tuple) else output
+        recorder.record(name, _first_tensor(args, kwargs), y)
+
+    return hook
+
+
+def _experts_hook(recorder: _Recorder, wanted: dict[int, dict[str, str]]):
+    """One pre-hook per fused experts module; ``wanted`` maps expert -> {projection: layer name}."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not recorder.active():
+            return
+        names = ("hidden_states", "top_k_index")
+        hidden, top_k_index = (args[i] if len(args) > i else kwargs[key] for i, key in enumerate(names))
+        if recorder.token_major(hidden):
+            valid, keep = recorder.flat_masks()
+        else:
+            valid = keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for expert, projections in wanted.items():
+            routed = (top_k_index == expert).any(dim=-1)
+            count = int((routed & valid).sum())
+            per_projection = _expert_io(module, expert, hidden[routed & keep])
+            for projection, name in projections.items():
+                x, y = per_projection[projection]
+                recorder.record_rows(name, count, x, y)
+
+    return hook
+
+
+def _expert_io(module: nn.Module, expert: int, x: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs and outputs of one expert's three projections for the tokens routed to it."""
+    refs = {p: LayerRef(module, expert, p) for p in ("gate_proj", "up_proj", "down_proj")}
+    gate = F.linear(x, refs["gate_proj"].weight(), refs["gate_proj"].bias())
+    up = F.linear(x, refs["up_proj"].weight(), refs["up_proj"].bias())
+    apply_gate = getattr(module, "_apply_gate", None)
+    hidden = apply_gate(torch.cat([gate, up], dim=-1)) if apply_gate else module.act_fn(gate) * up
+    down = F.linear(hidden, refs["down_proj"].weight(), refs["down_proj"].bias())
+    return {"gate_proj": (x, gate), "up_proj": (x, up), "down_proj": (hidden, down)}
+
+
+@contextmanager
+def hooks_installed(recorder: _Recorder, refs: dict[str, LayerRef]) -> Iterator[None]:
+    """Install capture hooks for ``refs`` and remove them on exit, whatever happens."""
+    handles: list[RemovableHandle] = []
+    experts: dict[nn.Module, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    try:
+        for name, ref in refs.items():
+            if ref.expert is None:
+                handles.append(ref.module.register_forward_hook(_module_hook(recorder, name), with_kwargs=True))
+            else:
+                experts[ref.module][ref.expert][ref.projection] = name
+        for module, wanted in experts.items():
+            handles.append(module.register_forward_pre_hook(_experts_hook(recorder, dict(wanted)), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def forward_kwargs(model: nn.Module, batch: Batch) -> dict:
+    """Arguments for one calibration forward pass; the KV cache is off unless asked for."""
+    kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def capture_activations(
+    model: nn.Module, refs: dict[str, LayerRef], batches: list[Batch], outputs: bool, kept_fraction: float
+) -> Activations:
+    """Run ``batches`` through ``model`` and return the hooked layers' activations."""
+    kept = int(sum(int(batch.keep.sum()) for batch in batches))
+    recorder = _Recorder(outputs, kept)
+    with hooks_installed(recorder, refs), torch.no_grad():
+        for batch in batches:
+            recorder.start(batch)
+            model(**forward_kwargs(model, batch))
+    tokens = int(sum(int(batch.valid.sum()) for batch in batches))
+    inputs = {name: _or_empty(recorder.result(name, "input"), ref, "input") for name, ref in refs.items()}
+    outs = {name: _or_empty(recorder.result(name, "output"), ref, "output") for name, ref in refs.items()}
+    counts = {name: recorder.counts.get(name, 0) for name in refs}
+    return Activations(inputs, outs if outputs else {}, counts, tokens, kept_fraction)
+
+
+def _or_empty(rows: torch.Tensor | None, ref: LayerRef, side: str) -> torch.Tensor:
+    """A layer that never ran gives an empty (0, features) tensor."""
+    if rows is not None:
+        return rows
+    weight = ref.weight()
+    features = weight.shape[1] if side == "input" else weight.shape[0]
+    return weight.new_empty((0, features))

@@ -1,0 +1,21 @@
+"""Errors raised by the model side.
+
+All are ValueError subclasses so that a UI can catch one family of errors for anything the user
+typed or uploaded, and every message names the file, directory or layer at fault.
+"""
+
+
+class ModelSourceError(ValueError):
+    """A model source (name, directory, file or hub id) cannot be opened or read."""
+
+
+class FileTooLargeError(ModelSourceError):
+    """A single-file load is larger than the caller's ``max_file_bytes`` limit."""
+
+
+class LayerNotFoundError(ValueError):
+    """A layer or attention-block name does not exist in the opened model."""
+
+
+class ActivationsUnavailableError(ValueError):
+    """Activations were asked of a source that has weights only (a bare weights file)."""

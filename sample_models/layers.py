@@ -1,0 +1,163 @@
+"""Layer descriptions, layer filters and the mapping from layer names to weights in a module.
+
+A "layer" is anything with a weight matrix an observer can look at: nn.Linear, transformers'
+Conv1D (GPT-2 style, stored transposed), nn.Conv2d, nn.Embedding, any other module with a 2-D
+``weight`` (MoE routers), and each expert projection of a fused MoE experts module. Weights are
+always reported and returned as (out, in) so that per-channel observers see the same layout
+whatever the storage.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+LAYER_TYPES = (nn.Linear, Conv1D, nn.Conv2d, nn.Embedding)
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_TYPE = "ExpertLinear"
+_EXPERT_NAME = re.compile(r"^(?P<block>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One listed layer: its name, module type, weight shape as (out, in, ...) and parameter count
+    (weight plus bias)."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    params: int
+
+
+def filter_layers(infos: Iterable[LayerInfo], pattern: str | None) -> list[LayerInfo]:
+    """Select layers by name.
+
+    Rule: ``None`` selects everything; a pattern starting with ``re:`` is a Python regular
+    expression matched from the start of the name (the compressed-tensors ``targets``
+    convention, so filters can be pasted into exports); anything else is a shell glob over the
+    whole name, where ``*`` also crosses dots (``*.mlp.down_proj``); a plain name matches itself.
+    """
+    if pattern is None:
+        return list(infos)
+    if pattern.startswith("re:"):
+        try:
+            regex = re.compile(pattern[3:])
+        except re.error as err:
+            raise ValueError(f"invalid regular expression in layer filter {pattern!r}: {err}") from err
+        return [info for info in infos if regex.match(info.name)]
+    return [info for info in infos if fnmatch.fnmatchcase(info.name, pattern)]
+
+
+def io_widths(info: LayerInfo) -> tuple[int, int]:
+    """Features per token of a layer's (input, output), used to budget activation memory."""
+    if info.type == "Embedding":
+        return 1, info.shape[1]
+    return info.shape[1], info.shape[0]
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """True for a transformers MoE experts module storing all experts as 3-D parameters in the
+    concatenated, non-transposed layout (Mixtral, Qwen2-MoE and most others in transformers 5)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.ndim == 3
+        and down.ndim == 3
+        and not getattr(module, "is_transposed", False)
+        and getattr(module, "is_concatenated", True)
+    )
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """Where a listed layer lives in a built module: a module, or one projection of one expert of
+    a fused experts module."""
+
+    module: nn.Module
+    expert: int | None = None
+    projection: str | None = None
+
+    @property
+    def type_name(self) -> str:
+        return EXPERT_TYPE if self.expert is not None else type(self.module).__name__
+
+    def weight(self) -> torch.Tensor:
+        """The weight as (out, in, ...), a view of the module's parameter."""
+        if self.expert is None:
+            weight = self.module.weight
+            return weight.t() if isinstance(self.module, Conv1D) else weight
+        if self.projection == "down_proj":
+            return self.module.down_proj[self.expert]
+        gate_up = self.module.gate_up_proj[self.expert]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if self.projection == "gate_proj" else gate_up[half:]
+
+    def bias(self) -> torch.Tensor | None:
+        """The bias vector, or None when the layer has none."""
+        if self.expert is None:
+            bias = getattr(self.module, "bias", None)
+            return bias if isinstance(bias, torch.Tensor) else None
+        if self.projection == "down_proj":
+            bias = getattr(self.module, "down_proj_bias", None)
+            return None if bias is None else bias[self.expert]
+        bias = getattr(self.module, "gate_up_proj_bias", None)
+        if bias is None:
+            return None
+        half = bias.shape[-1] // 2
+        row = bias[self.expert]
+        return row[:half] if self.projection == "gate_proj" else row[half:]
+
+    def info(self, name: str) -> LayerInfo:
+        weight = self.weight()
+        bias = self.bias()
+        params = weight.numel() + (0 if bias is None else bias.numel())
+        return LayerInfo(name, self.type_name, tuple(weight.shape), params)
+
+
+def _has_matrix_weight(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.ndim == 2
+
+
+def module_layer_refs(root: nn.Module) -> dict[str, LayerRef]:
+    """Every layer of a built module, in module order, with experts split into virtual layers
+    named ``<experts>.<index>.<gate_proj|up_proj|down_proj>``."""
+    refs: dict[str, LayerRef] = {}
+    for name, module in root.named_modules():
+        if is_fused_experts(module):
+            for expert in range(module.gate_up_proj.shape[0]):
+                for projection in EXPERT_PROJECTIONS:
+                    refs[f"{name}.{expert}.{projection}"] = LayerRef(module, expert, projection)
+        elif name and (isinstance(module, LAYER_TYPES) or _has_matrix_weight(module)):
+            refs[name] = LayerRef(module)
+    return refs
+
+
+def resolve_layer(root: nn.Module, name: str) -> LayerRef | None:
+    """The layer called ``name`` in ``root``, or None; cheaper than listing every layer."""
+    match = _EXPERT_NAME.match(name)
+    if match:
+        block = _submodule(root, match["block"])
+        if block is not None and is_fused_experts(block):
+            expert = int(match["expert"])
+            if expert < block.gate_up_proj.shape[0]:
+                return LayerRef(block, expert, match["proj"])
+    module = _submodule(root, name)
+    if module is not None and name and (isinstance(module, LAYER_TYPES) or _has_matrix_weight(module)):
+        return LayerRef(module)
+    return None
+
+
+def _submodule(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None

@@ -1,0 +1,251 @@
+"""The opened model: one object the app, the CLI and the checks use for every source.
+
+It composes a weight store (listing and lazy weights) with an optional runtime (the executable
+module and its tokenizer, built on first use). The object is meant to be shared read-only: weights
+are returned as fresh tensors, captures hold a per-model lock, and capture hooks record only the
+thread that installed them, so concurrent callers never see each other's activations.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable
+from functools import cached_property
+from typing import Generic, TypeVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from .calibration import check_knobs, make_batches, plan_batches, token_windows
+from .capture import Activations, capture_activations
+from .errors import ActivationsUnavailableError, LayerNotFoundError
+from .kv import attention_blocks, attention_kind, capture_kv_states, head_dim_of, split_heads
+from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer
+from .stores import WeightStore
+
+T = TypeVar("T")
+DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_BATCH_SIZE = 8
+QUERY_NAMES = ("q_proj", "query")
+KV_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
+class Lazy(Generic[T]):
+    """A value built once, on first use, even when several threads ask at the same time."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._value: T | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        if self._value is None:
+            with self._lock:
+                if self._value is None:
+                    self._value = self._factory()
+        return self._value
+
+
+class Runtime:
+    """What activations need: the executable module and its tokenizer, both lazy."""
+
+    def __init__(
+        self, build_module: Callable[[], nn.Module], build_tokenizer: Callable[[], PreTrainedTokenizerBase]
+    ) -> None:
+        self.module = Lazy(build_module)
+        self.tokenizer = Lazy(build_tokenizer)
+
+
+class Model:
+    """An opened model source.
+
+    Attributes:
+        name: short name shown in the UI (built-in name, directory name, file name, hub id).
+        source: where it came from (path or id).
+        description: one line for the UI; says "synthetic" for the built-in random decoders.
+        config: the transformers config, or None for a bare weights file.
+        device, dtype: where and in which precision weights are returned and captures run.
+        supports_activations: False for a bare weights file (no architecture, no tokenizer).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        source: str,
+        description: str,
+        store: WeightStore,
+        runtime: Runtime | None,
+        config: PretrainedConfig | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.description = description
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self._store = store
+        self._runtime = runtime
+        self._capture_lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, device={self.device}, dtype={self.dtype})"
+
+    @property
+    def supports_activations(self) -> bool:
+        return self._runtime is not None
+
+    def layers(self, pattern: str | None = None) -> list[LayerInfo]:
+        """Layers in model order, filtered by ``pattern`` (see ``layers.filter_layers``: glob, or
+        a regex after ``re:``; None lists all)."""
+        return filter_layers(self._store.infos(), pattern)
+
+    def layer(self, name: str) -> LayerInfo:
+        """One layer's description; LayerNotFoundError (with close matches) if absent."""
+        info = self._index.get(name)
+        if info is None:
+            raise self._not_found(name)
+        return info
+
+    @cached_property
+    def _index(self) -> dict[str, LayerInfo]:
+        return {info.name: info for info in self._store.infos()}
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The layer's weight as (out, in, ...), in the model dtype on the model device. Read
+        lazily from disk for checkpoints; a copy for in-memory models, so callers may modify it."""
+        self.layer(name)
+        return self._store.weight(name)
+
+    def bias(self, name: str) -> torch.Tensor | None:
+        """The layer's bias, or None."""
+        self.layer(name)
+        return self._store.bias(name)
+
+    def module(self) -> nn.Module:
+        """The executable model (built or loaded on first call). Treat it as read-only."""
+        return self._require_runtime().module.get()
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer that turns calibration text into tokens (loaded on first call)."""
+        return self._require_runtime().tokenizer.get()
+
+    def capture(
+        self,
+        names: list[str] | str,
+        texts: list[str] | str | None = None,
+        samples: int = 32,
+        seq_len: int = 128,
+        outputs: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> Activations:
+        """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
+        as ``{name: (tokens, features)}`` without padding tokens.
+
+        ``texts=None`` uses the built-in paragraphs; long texts are split into ``seq_len``
+        windows and the first ``samples`` windows are used. When the result would exceed
+        ``max_bytes`` a random subset of tokens is kept and a CaptureSubsampledWarning is issued
+        (``result.kept_fraction`` records it). ``result.token_counts`` gives the real tokens each
+        layer saw: 0 for an expert the router never chose.
+        """
+        names = [names] if isinstance(names, str) else list(names)
+        if not names:
+            raise ValueError("choose at least one layer to capture")
+        with self._capture_lock:
+            module = self.module()
+            refs = {name: self._layer_ref(module, name) for name in names}
+            widths = [io_widths(ref.info(name)) for name, ref in refs.items()]
+            per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
+            batches, fraction = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
+            return capture_activations(module, refs, batches, outputs, fraction)
+
+    def attention_blocks(self) -> list[str]:
+        """Names of attention blocks ``capture_kv`` accepts (e.g. ``model.layers.0.self_attn``)."""
+        return attention_blocks(self.module())
+
+    def capture_kv(
+        self,
+        blocks: list[str] | str,
+        texts: list[str] | str | None = None,
+        samples: int = 32,
+        seq_len: int = 128,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Key and value states of attention blocks, per head:
+        ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``. Keys are taken as the KV
+        cache holds them (after RoPE), with ``num_key_value_heads`` heads under grouped-query
+        attention. Same calibration knobs as ``capture``."""
+        blocks = [blocks] if isinstance(blocks, str) else list(blocks)
+        if not blocks:
+            raise ValueError("choose at least one attention block")
+        with self._capture_lock:
+            module = self.module()
+            found = {name: self._attention_block(module, name) for name in blocks}
+            per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
+            batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
+            return capture_kv_states(module, self.config, found, batches)
+
+    def head_view(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A captured q/k/v projection output (tokens, heads * head_dim) as
+        (1, heads, tokens, head_dim), using the config's head size."""
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in QUERY_NAMES + KV_NAMES or self.config is None:
+            raise ValueError(f"{name!r} is not a query/key/value projection with a known head size")
+        return split_heads(x, head_dim_of(self.config))
+
+    def _batches(self, texts, samples, seq_len, batch_size, per_token, max_bytes):
+        check_knobs(samples, seq_len, batch_size, getattr(self.config, "max_position_embeddings", None))
+        tokenizer = self.tokenizer()
+        windows = token_windows(tokenizer, texts, samples, seq_len)
+        return plan_batches(make_batches(tokenizer, windows, batch_size, self.device), per_token, max_bytes)
+
+    def _require_runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise ActivationsUnavailableError(
+                f"{self.source} holds weights only (no config, no tokenizer): activations are unavailable; "
+                "open the model directory instead"
+            )
+        return self._runtime
+
+    def _layer_ref(self, module: nn.Module, name: str) -> LayerRef:
+        ref = resolve_layer(module, name)
+        if ref is not None:
+            return ref
+        if name in self._index:
+            raise LayerNotFoundError(
+                f"layer {name!r} is stored in {self.source} but is not a module of the loaded "
+                f"{type(module).__name__} (transformers renames or fuses it when loading), so its "
+                "activations cannot be captured; capture the loaded model's names instead"
+            )
+        raise self._not_found(name)
+
+    def _attention_block(self, module: nn.Module, name: str) -> nn.Module:
+        try:
+            block = module.get_submodule(name)
+        except AttributeError:
+            block = None
+        if block is None or attention_kind(block) is None:
+            close = difflib.get_close_matches(name, attention_blocks(module), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise LayerNotFoundError(f"no attention block named {name!r} in {self.source}{hint}")
+        return block
+
+    def _not_found(self, name: str) -> LayerNotFoundError:
+        close = difflib.get_close_matches(name, list(self._index), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return LayerNotFoundError(f"no layer named {name!r} in {self.source}{hint}")
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _kv_width(block: nn.Module) -> int:
+    projection = getattr(block, "k_proj", None) or block.key
+    return projection.out_features

@@ -1,0 +1,170 @@
+"""The app in a real browser: ``streamlit run`` in a subprocess, Debian's Chromium driven by
+Playwright through model → run → ranges → scales → error → overview → export. Asserts that the
+plots rendered and that no exception box appeared; screenshots go to ``test-artifacts/``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key)$"
+SLOW_MS = 240_000
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"streamlit exited early with code {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"streamlit did not answer on {url} within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def app_url() -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
+    command += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = (ARTIFACTS / "streamlit.log").open("w")
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("chromium is not installed: run `apt-get install -y chromium` (CI's .ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.goto(app_url)
+        tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
+        yield tab
+        browser.close()
+
+
+def _go(tab, title: str) -> None:
+    tab.locator('[data-testid="stSidebarNav"]').get_by_text(title, exact=True).click()
+    tab.get_by_role("heading", name=title).first.wait_for(timeout=SLOW_MS)
+
+
+def _settle(tab) -> None:
+    """Let the script run finish and the browser draw (a click while a run is still going can be
+    answered with the widget values of before that run)."""
+    tab.wait_for_timeout(1500)
+
+
+def _see(tab, text: str) -> None:
+    tab.get_by_text(text).first.wait_for(timeout=SLOW_MS)
+    _settle(tab)
+
+
+def _shot(tab, name: str) -> None:
+    tab.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _no_exception(tab) -> None:
+    assert tab.locator('[data-testid="stException"]').count() == 0
+    assert tab.locator('[data-testid="stAlertContentError"]').count() == 0
+
+
+def _plots(tab, at_least: int = 1) -> int:
+    tab.locator(".js-plotly-plot").nth(at_least - 1).wait_for(timeout=SLOW_MS)
+    return tab.locator(".js-plotly-plot").count()
+
+
+def _fill(tab, label: str, value: str) -> None:
+    box = tab.get_by_label(label, exact=True)
+    box.fill(value)
+    box.press("Enter")
+
+
+def test_model_run_ranges_export_in_a_browser(page):
+    tab = page
+    _see(tab, "Go to Model")
+    _settle(tab)
+    _shot(tab, "0_home")
+
+    _go(tab, "Model")
+    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
+    _fill(tab, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", LAYER_REGEX)
+    _see(tab, "Select all 2 shown")
+    tab.get_by_role("button", name="Clear selection").click()
+    _see(tab, "0 layer(s) selected.")
+    tab.get_by_role("button", name="Select all 2 shown").click()
+    _see(tab, "2 layer(s) selected.")
+    _fill(tab, "Samples", "4")
+    _fill(tab, "Sequence length (tokens)", "32")
+    tab.wait_for_function(
+        "() => [...document.querySelectorAll('input')].some(i => i.getAttribute('aria-label') === "
+        "'Sequence length (tokens)' && i.value === '32')",
+        timeout=SLOW_MS,
+    )
+    _settle(tab)
+    _no_exception(tab)
+    _shot(tab, "1_model")
+
+    _go(tab, "Run")
+    tab.get_by_role("button", name="Run", exact=True).click()
+    tab.get_by_text("Results for 4 tensors").wait_for(timeout=SLOW_MS)
+    _no_exception(tab)
+    _shot(tab, "2_run")
+
+    for title, shot, minimum in (
+        ("Ranges", "3_ranges", 2),
+        ("Scales", "4_scales", 2),
+        ("Error", "5_error", 2),
+        ("Overview", "6_overview", 1),
+    ):
+        _go(tab, title)
+        assert _plots(tab, minimum) >= minimum
+        _settle(tab)
+        _no_exception(tab)
+        _shot(tab, shot)
+
+    _go(tab, "Choose & export")
+    tab.get_by_role("button", name="Observer Lab JSON").wait_for(timeout=SLOW_MS)
+    assert tab.get_by_role("button", name="compressed-tensors (zip)").count() == 1
+    _settle(tab)
+    _no_exception(tab)
+    _shot(tab, "7_export")

@@ -1,0 +1,409 @@
+"""Observer Lab JSON export/import and the compressed-tensors export (checked with the real package)."""
+
+import copy
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+
+import jsonschema
+import pytest
+import torch
+from compressed_tensors.compressors.mx_utils import compress_mx_scale
+from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+from safetensors import safe_open
+
+import observers as ob
+from lab import export as ex
+from lab.pipeline import Analysis, RunConfig, TensorAnalysis, analyse, choose
+from observers.suite import SuiteResult
+
+OBSERVERS = ("minmax", "memoryless_minmax", "moving_average_minmax")
+
+
+@dataclass(frozen=True)
+class Info:
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    params: int = 0
+
+
+class FakeModel:
+    """The part of a sample_models model the pipeline and apply_choices use, with fixed data;
+    ``zero.proj`` has an all-zero weight, so its weight SQNR is +inf."""
+
+    name = "fake"
+    source = "fake-model"
+
+    def __init__(self, shapes: dict[str, tuple[int, int]] | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        shapes = shapes or {"blk.q_proj": (16, 64), "blk.k_proj": (8, 64), "zero.proj": (8, 64)}
+        self.weights = {n: torch.randn(s, generator=g) * 0.05 for n, s in shapes.items()}
+        if "zero.proj" in self.weights:
+            self.weights["zero.proj"].zero_()
+        self.inputs = [torch.randn(20, 64, generator=g) * (i + 1) for i in range(2)]
+
+    def layers(self, pattern=None):
+        return [Info(n, "Linear", tuple(w.shape)) for n, w in self.weights.items()]
+
+    def weight(self, name):
+        return self.weights[name].clone()
+
+    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False):
+        x = torch.cat(self.inputs)
+        return {n: {"input": x, "output": x @ self.weights[n].T} if outputs else x for n in names}
+
+
+def _analysis(specs=None, observers=OBSERVERS, model=None) -> tuple[FakeModel, Analysis]:
+    model = model or FakeModel()
+    specs = specs or {
+        "weight": ob.QuantSpec(dtype="int4", symmetric=False, strategy="group", group_size=32),
+        "input": ob.QuantSpec(dtype="int8"),
+    }
+    return model, analyse(model, list(model.weights), RunConfig(specs=specs, observers=observers))
+
+
+@pytest.fixture(scope="module")
+def run():
+    model, analysis = _analysis()
+    choices = choose(analysis)
+    text = io.StringIO()
+    document = ex.export_json(analysis, choices, text, source=ex.describe_source(model))
+    return model, analysis, choices, document, text.getvalue()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_round_trip_restores_choices_and_bit_identical_qparams(run):
+    model, analysis, choices, _, text = run
+    loaded = ex.load_json(io.StringIO(text))
+    assert loaded.choices == choices
+    restored = ex.apply_choices(loaded, model)
+    assert restored["choices"] == choices
+    for key, observer in choices.items():
+        original = analysis.entry(*key).result(observer).qparams
+        back = restored["qparams"][key]
+        for name in ("scale", "zero_point", "min_val", "max_val"):
+            a, b = getattr(original, name), getattr(back, name)
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(_bits(a), _bits(b)), (key, name)
+        assert restored["specs"][key] == analysis.entry(*key).spec
+
+
+def test_user_override_is_exported_with_best_other_as_runner_up(run):
+    _, analysis, choices, _, _ = run
+    key = ("blk.q_proj", "weight")
+    override = {**choices, key: "moving_average_minmax"}
+    document = ex.build_document(analysis, override)
+    record = next(e for e in document["entries"] if (e["layer"], e["tensor"]) == key)
+    assert record["chosen"]["observer"] == "moving_average_minmax"
+    entry = analysis.entry(*key)
+    best_other = max(
+        (r for r in entry.results if r.name != "moving_average_minmax"), key=lambda r: r.metrics["sqnr_db"]
+    )
+    assert record["runner_up"]["observer"] == best_other.name
+    assert record["runner_up"]["metrics"]["sqnr_db"] == best_other.metrics["sqnr_db"]
+
+
+def test_infinite_sqnr_is_written_as_string_and_read_back(run):
+    _, analysis, _, document, text = run
+    record = next(e for e in document["entries"] if e["layer"] == "zero.proj" and e["tensor"] == "weight")
+    assert record["chosen"]["metrics"]["sqnr_db"] == "inf"
+    assert "Infinity" not in text and "NaN" not in text
+    loaded = ex.load_json(io.StringIO(text))
+    entry = next(e for e in loaded.entries if e.layer == "zero.proj" and e.tensor == "weight")
+    assert entry.metrics["sqnr_db"] == math.inf
+
+
+def test_file_records_source_version_and_specs(run, tmp_path):
+    model, analysis, choices, _, _ = run
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not really weights")
+    model_on_disk = FakeModel()
+    model_on_disk.source = str(tmp_path)
+    source = ex.describe_source(model_on_disk)
+    assert source["kind"] == "directory"
+    assert source["files"] == [
+        {"name": "model.safetensors", "sha256": hashlib.sha256(b"not really weights").hexdigest()}
+    ]
+    path = tmp_path / "q.json"
+    document = ex.export_json(analysis, choices, path, source=source)
+    assert document["format"] == "observer-lab-qparams" and document["version"] == 1
+    assert document["library"]["version"] == ob.__version__
+    assert document["entries"][0]["spec"] == analysis.entries[0].spec.to_dict()
+    assert ex.load_json(path).source == source
+
+
+def test_produced_file_validates_against_the_schema(run):
+    document = json.loads(run[4])
+    jsonschema.Draft202012Validator.check_schema(ex.schema())
+    jsonschema.validate(document, ex.schema(), cls=jsonschema.Draft202012Validator)
+
+
+def _broken(document, edit):
+    broken = copy.deepcopy(document)
+    edit(broken)
+    return json.dumps(broken)
+
+
+def _error_of(text: str) -> str:
+    with pytest.raises(ValueError) as info:
+        ex.load_json(io.StringIO(text))
+    return str(info.value)
+
+
+def test_other_version_and_missing_fields_are_all_listed(run):
+    document = json.loads(run[4])
+
+    def edit(d):
+        d["version"] = 2
+        del d["metric"]
+        del d["entries"][0]["spec"]
+
+    message = _error_of(_broken(document, edit))
+    assert "version 2" in message
+    assert "'metric' is a required property" in message
+    assert "'spec' is a required property" in message
+
+
+def test_bad_tensor_data_spec_and_observer_are_all_listed(run):
+    document = json.loads(run[4])
+
+    def edit(d):
+        d["entries"][0]["qparams"]["scale"]["data"] = d["entries"][0]["qparams"]["scale"]["data"][:-1]
+        d["entries"][1]["spec"]["strategy"] = "group"
+        d["entries"][1]["spec"]["group_size"] = None
+        d["entries"][2]["chosen"]["observer"] = "no_such_observer"
+
+    message = _error_of(_broken(document, edit))
+    assert "entries/0" in message and "bad qparams" in message
+    assert "entries/1" in message and "group_size is required" in message
+    assert "'no_such_observer' is not in this library" in message
+
+
+@pytest.mark.parametrize("text", ["not json", "[]", '{"format": "something-else", "version": 1}'])
+def test_non_lab_files_are_rejected(text):
+    assert _error_of(text)
+
+
+def test_wrong_model_lists_unknown_layer_and_every_shape_mismatch(run):
+    loaded = ex.load_json(io.StringIO(run[4]))
+    other = FakeModel({"blk.q_proj": (16, 96), "blk.k_proj": (8, 64)})
+    with pytest.raises(ValueError) as info:
+        ex.apply_choices(loaded, other)
+    message = str(info.value)
+    assert "the model has no layer 'zero.proj'" in message
+    assert "blk.q_proj weight: file has weight shape [16, 64], model has [16, 96]" in message
+    assert "blk.q_proj weight: scale has shape [16, 2], the layer needs [16, 3]" in message
+    assert "blk.k_proj" not in message
+
+
+def test_expected_qparam_shape_matches_observers():
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=32)
+    w = torch.randn(10, 70)
+    observer = ob.create("minmax", spec)
+    observer.observe(w)
+    assert ex.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
+    assert ex.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
+    assert ex.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
+    assert ex.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
+
+
+def test_export_rejects_choices_outside_the_analysis(run):
+    _, analysis, choices, _, _ = run
+    bad = {**choices, ("nope", "weight"): "minmax", ("blk.q_proj", "weight"): "entropy_not_run"}
+    with pytest.raises(ValueError) as info:
+        ex.build_document(analysis, bad)
+    assert "nope weight: not in the analysis" in str(info.value)
+    assert "'entropy_not_run' was not run" in str(info.value)
+
+
+# ---------------------------------------------------------------- compressed-tensors
+
+
+def _read_safetensors(path):
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+def test_compressed_tensors_config_parses_and_tensors_match_ct_layout(run, tmp_path):
+    model, analysis, choices, _, _ = run
+    layer_types = {info.name: info.type for info in model.layers()}
+    result = ex.export_compressed_tensors(analysis, choices, tmp_path, layer_types=layer_types)
+    wrapped = json.loads((tmp_path / "quantization_config.json").read_text())
+    config = QuantizationConfig.model_validate(wrapped["quantization_config"])
+    scheme = config.config_groups["group_0"]
+    assert scheme.targets == ["Linear"] and config.ignore == []
+    assert scheme.weights.num_bits == 4 and scheme.weights.symmetric is False and scheme.weights.group_size == 32
+    tensors = _read_safetensors(tmp_path / "qparams.safetensors")
+    for layer in model.weights:
+        linear = torch.nn.Linear(64, model.weights[layer].shape[0], bias=False)
+        initialize_qparams(linear, "weight", scheme.weights, linear.weight.shape, torch.float32)
+        initialize_qparams(linear, "input", scheme.input_activations, linear.weight.shape[-1:], torch.float32)
+        # compressed-tensors drops symmetric zero points at save time: the input (int8 sym) has none.
+        expected = {
+            f"{layer}.{n}": p for n, p in linear.named_parameters() if n != "weight" and n != "input_zero_point"
+        }
+        ours = {k: v for k, v in tensors.items() if k.startswith(layer + ".")}
+        assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in expected.items()}
+        qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams
+        w = model.weights[layer]
+        spec = analysis.entry(layer, "weight").spec
+        theirs = ct_fake_quantize(w, ours[f"{layer}.weight_scale"], ours[f"{layer}.weight_zero_point"], scheme.weights)
+        torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, spec), rtol=0, atol=1e-7)
+    assert result["tensors"][f"{layer}.weight_zero_point"]["dtype"] == "int8"
+    assert (tmp_path / "observer_lab_notes.txt").read_text().splitlines() == result["notes"]
+
+
+def test_compressed_tensors_targets_layer_names_without_model_listing(run):
+    _, analysis, choices, _, _ = run
+    built = ex.build_compressed_tensors(analysis, choices)
+    assert built["quantization_config"]["config_groups"]["group_0"]["targets"] == [
+        "blk.q_proj",
+        "blk.k_proj",
+        "zero.proj",
+    ]
+
+
+def test_linear_target_ignores_the_model_layers_not_analysed(run):
+    _, analysis, choices, _, _ = run
+    types = {
+        "blk.q_proj": "Linear",
+        "blk.k_proj": "Linear",
+        "zero.proj": "Linear",
+        "lm_head": "Linear",
+        "emb": "Embedding",
+    }
+    config = ex.build_compressed_tensors(analysis, choices, types)["quantization_config"]
+    assert config["config_groups"]["group_0"]["targets"] == ["Linear"]
+    assert config["ignore"] == ["lm_head"]
+
+
+def test_observer_differing_from_group_is_noted(run):
+    _, analysis, choices, _, _ = run
+    override = {**choices, ("blk.k_proj", "weight"): "moving_average_minmax"}
+    built = ex.build_compressed_tensors(analysis, override)
+    weights = built["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["observer"] == "static_minmax"
+    assert any("blk.k_proj weight: chose 'moving_average_minmax'" in n for n in built["notes"])
+    # the saved qparams are those of the choice, not of the group's observer
+    chosen = analysis.entry("blk.k_proj", "weight").result("moving_average_minmax").qparams
+    assert torch.equal(built["tensors"]["blk.k_proj.weight_scale"], chosen.scale)
+
+
+@pytest.mark.parametrize(
+    ("spec", "tensor", "reason"),
+    [
+        (ob.QuantSpec(dtype="fp8_e5m2"), "weight", "no fp8_e5m2 element type"),
+        (ob.QuantSpec(dtype="fp6_e3m2"), "weight", "no fp6_e3m2 element type"),
+        (ob.QuantSpec(dtype="bfp16"), "weight", "no bfp16 element type"),
+        (ob.QuantSpec(dtype="mxint8"), "weight", "no mxint8 element type"),
+        (ob.QuantSpec(dtype="fp16"), "weight", "placeholder"),
+        (ob.QuantSpec(strategy="channel", ch_axis=1), "weight", "output channels (ch_axis 0) only"),
+        (ob.QuantSpec(strategy="channel"), "input", "output channels (ch_axis 0) only"),
+        (ob.QuantSpec(reduce_range=True), "weight", "reduce_range"),
+        (ob.QuantSpec(scale_rule="qmax"), "weight", "scale_rule 'qmax'"),
+        (ob.QuantSpec(dtype="mxfp4", group_size=64), "weight", "group size 64"),
+    ],
+)
+def test_settings_without_ct_equivalent_give_reasons(spec, tensor, reason):
+    args, reasons = ex.ct_args(spec, tensor)
+    assert args is None
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_unsupported_layer_is_noted_and_left_out(tmp_path):
+    model, analysis = _analysis({"weight": ob.QuantSpec(dtype="fp8_e5m2"), "input": ob.QuantSpec(dtype="fp8_e4m3")})
+    built = ex.build_compressed_tensors(analysis, choose(analysis))
+    scheme = built["quantization_config"]["config_groups"]["group_0"]
+    assert scheme["weights"] is None and scheme["input_activations"]["type"] == "float"
+    assert not any(name.endswith("weight_scale") for name in built["tensors"])
+    assert any("no fp8_e5m2 element type; not exported" in n for n in built["notes"])
+    QuantizationConfig.model_validate(built["quantization_config"])
+
+
+def test_uint8_asymmetric_maps_to_ct_int8_with_shifted_zero_point():
+    model, analysis = _analysis({"weight": ob.QuantSpec(dtype="uint8", symmetric=False, strategy="channel")})
+    choices = choose(analysis)
+    built = ex.build_compressed_tensors(analysis, choices)
+    config = QuantizationConfig.model_validate(built["quantization_config"])
+    args = config.config_groups["group_0"].weights
+    layer = "blk.q_proj"
+    qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams
+    zp = built["tensors"][f"{layer}.weight_zero_point"]
+    assert zp.dtype == torch.int8
+    assert torch.equal(zp.to(torch.int32), qp.zero_point - 128)
+    w = model.weights[layer]
+    theirs = ct_fake_quantize(w, built["tensors"][f"{layer}.weight_scale"], zp, args)
+    torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, analysis.entry(layer, "weight").spec), rtol=0, atol=1e-7)
+
+
+def _hand_analysis(spec: ob.QuantSpec, qp: ob.QParams, data: torch.Tensor, tensor: str = "weight") -> Analysis:
+    """An analysis holding one hand-made result, to check the writer's conventions for block formats
+    independently of the observers that compute their scales."""
+    result = SuiteResult("minmax", qp, {"sqnr_db": 20.0}, 0.0, {"ignore_nonfinite": False})
+    entry = TensorAnalysis("blk.q_proj", tensor, spec, data, [result])
+    return Analysis({"name": "hand"}, RunConfig(specs={tensor: spec}, observers=("minmax",)), [entry])
+
+
+def test_mx_scales_are_e8m0_codes_as_compressed_tensors_encodes_them():
+    codes = torch.randint(110, 135, (16, 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    scale = torch.exp2(codes.float() - 127)
+    qp = ob.QParams(scale, torch.zeros_like(scale, dtype=torch.int32), -scale, scale, extras={"scale_exponent": codes})
+    analysis = _hand_analysis(ob.QuantSpec(dtype="mxfp4"), qp, torch.randn(16, 64))
+    built = ex.build_compressed_tensors(analysis, {("blk.q_proj", "weight"): "minmax"})
+    config = QuantizationConfig.model_validate(built["quantization_config"])
+    args = config.config_groups["group_0"].weights
+    assert (args.num_bits, args.group_size, args.scale_dtype) == (4, 32, torch.uint8)
+    written = built["tensors"]["blk.q_proj.weight_scale"]
+    assert written.dtype == torch.uint8 and torch.equal(written, compress_mx_scale(scale, torch.uint8))
+    assert set(built["tensors"]) == {"blk.q_proj.weight_scale"}
+
+
+def test_nvfp4_writes_fp8_block_scales_and_global_scale(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    scale = (torch.rand(16, 4, generator=g) * 400 + 1).to(torch.float8_e4m3fn).float()
+    global_scale = torch.tensor([1234.5])
+    qp = ob.QParams(scale, torch.zeros_like(scale, dtype=torch.int32), -scale, scale, global_scale)
+    analysis = _hand_analysis(ob.QuantSpec(dtype="nvfp4"), qp, torch.randn(16, 64))
+    result = ex.export_compressed_tensors(analysis, {("blk.q_proj", "weight"): "minmax"}, tmp_path)
+    config = QuantizationConfig.model_validate(result["quantization_config"])
+    assert config.config_groups["group_0"].weights.strategy == "tensor_group"
+    tensors = _read_safetensors(tmp_path / "qparams.safetensors")
+    assert tensors["blk.q_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    assert torch.equal(tensors["blk.q_proj.weight_scale"].float(), scale)
+    assert tensors["blk.q_proj.weight_global_scale"].dtype == torch.float32
+    assert torch.equal(tensors["blk.q_proj.weight_global_scale"], global_scale)
+
+
+def test_nvfp4_dynamic_input_keeps_only_its_global_scale():
+    scale = torch.ones(4)
+    qp = ob.QParams(scale, torch.zeros(4, dtype=torch.int32), -scale, scale, torch.tensor([3.0]), kind="activation")
+    analysis = _hand_analysis(ob.QuantSpec(dtype="nvfp4", dynamic=True), qp, torch.randn(8, 64), tensor="input")
+    built = ex.build_compressed_tensors(analysis, {("blk.q_proj", "input"): "minmax"})
+    config = QuantizationConfig.model_validate(built["quantization_config"])
+    assert config.config_groups["group_0"].input_activations.dynamic == "local"
+    assert set(built["tensors"]) == {"blk.q_proj.input_global_scale"}
+
+
+@pytest.mark.parametrize("dtype", ["mxfp4", "mxfp8_e4m3", "nvfp4"])
+def test_block_formats_from_real_observers_fake_quantize_like_compressed_tensors(dtype):
+    model, analysis = _analysis({"weight": ob.QuantSpec(dtype=dtype)})
+    choices = choose(analysis)
+    built = ex.build_compressed_tensors(analysis, choices)
+    args = QuantizationConfig.model_validate(built["quantization_config"]).config_groups["group_0"].weights
+    layer = "blk.q_proj"
+    scale = built["tensors"][f"{layer}.weight_scale"]
+    # compressed-tensors' decompressors turn stored scales back into floats before fake-quantizing
+    float_scale = torch.exp2(scale.float() - 127) if scale.dtype == torch.uint8 else scale.float()
+    global_scale = built["tensors"].get(f"{layer}.weight_global_scale")
+    w = model.weights[layer]
+    theirs = ct_fake_quantize(w, float_scale, torch.zeros_like(float_scale), args, global_scale=global_scale)
+    qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams
+    torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, analysis.entry(layer, "weight").spec), rtol=0, atol=1e-6)
