@@ -180,6 +180,14 @@ def _g_idx_for(config: RunConfig, spec: ob.QuantSpec, inputs: torch.Tensor | Non
     return ob.activation_order_g_idx(ob.column_importance(inputs), spec.group_size)
 
 
+def _importance_for(tensor: str, inputs: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-column importance for weight observers that take one (``imatrix_mse``): the mean
+    squared captured input, when the layer's inputs were captured."""
+    if tensor != "weight" or inputs is None or inputs.numel() == 0:
+        return None
+    return ob.column_importance(inputs)
+
+
 def analyse(
     model,
     layers: Sequence[str],
@@ -223,8 +231,10 @@ def analyse(
             step += len(names)
             continue
         spec = config.specs[tensor]
-        g_idx = _g_idx_for(config, spec, activations.get((layer, "input"))) if tensor == "weight" else None
+        inputs = activations.get((layer, "input"))
+        g_idx = _g_idx_for(config, spec, inputs) if tensor == "weight" else None
         extra = config.calibration_key() if tensor != "weight" or g_idx is not None else ""
+        importance = _importance_for(tensor, inputs)
         results = []
         for name in names:
             if progress is not None:
@@ -232,6 +242,11 @@ def analyse(
             step += 1
             knobs = dict(config.knobs.get(name, {}))
             key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, extra + str(config.actorder))
+            if importance is not None and "importance" in ob.knobs(name) and "importance" not in knobs:
+                key = cache.key(
+                    f"{source_id}|{layer}|{tensor}", spec, name, knobs, f"importance|{config.calibration_key()}"
+                )
+                knobs["importance"] = importance
             run = partial(ob.run_one, name, data, spec, _OBSERVER_KIND[tensor], g_idx=g_idx, **knobs)
             results.append(cache.get_or_run(key, run))
         entries.append(TensorAnalysis(layer, tensor, spec, data, results, g_idx))

@@ -367,22 +367,12 @@ class MovingAverageMSEGridObserver(_GridBase):
         return self.min_val + c * (low - self.min_val), self.max_val + c * (high - self.max_val)
 
 
-def importance_from_inputs(inputs: torch.Tensor) -> torch.Tensor:
-    """Mean squared activation of each input column, (in,) fp32: the ``importance`` of ``imatrix_mse``.
-
-    ``inputs`` are a layer's captured inputs ``(..., in)``; leading dims are tokens.
-    """
-    if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0 or inputs.numel() == 0:
-        raise ValueError("importance_from_inputs needs a non-empty tensor of layer inputs (..., in)")
-    return inputs.detach().reshape(-1, inputs.shape[-1]).float().square().mean(dim=0)
-
-
 @register
 class IMatrixMSEObserver(_GridBase):
     """``mse_grid`` for weights with each input column's error weighted by its importance.
 
     Rule: as ``mse_grid``, error ``Σ importance[col]·|fake_quant(w) - w|^norm`` per group, where
-    ``importance`` (knob, shape ``(in,)``, e.g. ``importance_from_inputs(captured_inputs)``) is the
+    ``importance`` (knob, shape ``(in,)``, e.g. ``observers.column_importance(captured_inputs)``) is the
     mean squared input activation of each column. Without ``importance`` it warns and runs plain
     ``mse_grid``. Knobs: those of ``mse_grid`` plus ``importance`` (None).
     Reference: llm-compressor ``imatrix_mse``.

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import observers as ob
+from observers.actorder import column_importance
 from observers.granularity import flatten, reduce_min_max
-from observers.mse_grid import importance_from_inputs, mse_grid_search
+from observers.mse_grid import mse_grid_search
 
 
 def naive_lc_search(x, spec, kind="weight", maxshrink=0.2, grid=100, patience=5, norm=2.4, expand=1.0, col_weight=None):
@@ -143,7 +144,7 @@ def test_imatrix_weights_errors_by_column_importance():
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
     w = torch.randn(8, 64)
     inputs = torch.randn(100, 64) * torch.linspace(0.1, 5, 64)
-    importance = importance_from_inputs(inputs)
+    importance = column_importance(inputs)
     assert torch.allclose(importance, inputs.square().mean(0))
     obs = ob.create("imatrix_mse", spec, importance=importance)
     obs.observe(w)

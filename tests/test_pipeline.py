@@ -1,0 +1,84 @@
+"""lab.pipeline: the analysis path of the app and CLI, on a small stand-in model."""
+
+import warnings
+
+import pytest
+import torch
+
+import observers as ob
+from lab.pipeline import ResultCache, RunConfig, analyse, choose
+
+
+class _Model:
+    """Just the interface analyse() uses: name/source, weight(), capture()."""
+
+    name = "stand-in"
+    source = {"kind": "test", "name": "stand-in"}
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.weights = {"fc": torch.randn(16, 64, generator=g)}
+        scale = torch.ones(64)
+        scale[:4] = 40.0
+        self.inputs = {"fc": torch.randn(200, 64, generator=g) * scale}
+        self.captures = 0
+
+    def weight(self, name):
+        return self.weights[name]
+
+    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False):
+        self.captures += 1
+        return {n: self.inputs[n] for n in names}
+
+
+def test_imatrix_gets_importance_from_captured_inputs():
+    spec = ob.QuantSpec("int4", strategy="group", group_size=16)
+    config = RunConfig(specs={"weight": spec, "input": ob.QuantSpec("int8")}, observers=("mse_grid", "imatrix_mse"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analysis = analyse(_Model(), ["fc"], config)
+    result = analysis.entry("fc", "weight").result("imatrix_mse")
+    assert result.error is None
+    assert torch.equal(result.knobs["importance"], ob.column_importance(_Model().inputs["fc"]))
+    plain = analysis.entry("fc", "weight").result("mse_grid")
+    assert not torch.equal(result.qparams.scale, plain.qparams.scale)
+
+
+def test_weights_only_imatrix_falls_back_with_warning():
+    config = RunConfig(specs={"weight": ob.QuantSpec("int4", strategy="channel")}, observers=("imatrix_mse",))
+    with pytest.warns(UserWarning, match="importance"):
+        analysis = analyse(_Model(), ["fc"], config)
+    assert analysis.entry("fc", "weight").results[0].error is None
+
+
+def test_actorder_groups_weight_columns_by_input_importance():
+    spec = ob.QuantSpec("int4", strategy="group", group_size=16)
+    model = _Model()
+    analysis = analyse(model, ["fc"], RunConfig(specs={"weight": spec}, observers=("minmax",), actorder=True))
+    entry = analysis.entry("fc", "weight")
+    assert entry.g_idx is not None and entry.g_idx[:4].tolist() == [0, 0, 0, 0]
+    assert torch.equal(entry.results[0].qparams.extras["g_idx"], entry.g_idx)
+
+
+def test_cache_reruns_only_changed_observer_and_choose_picks_best():
+    model = _Model()
+    cache = ResultCache()
+    spec = ob.QuantSpec("int8")
+    config = RunConfig(specs={"weight": spec}, observers=("minmax", "moving_average_minmax", "percentile"))
+    first = analyse(model, ["fc"], config, cache=cache)
+    assert (cache.hits, cache.misses) == (0, 3)
+    changed = RunConfig(specs={"weight": spec}, observers=config.observers, knobs={"percentile": {"percentile": 99.0}})
+    analyse(model, ["fc"], changed, cache=cache)
+    assert (cache.hits, cache.misses) == (2, 4)
+    best = choose(first, "sqnr_db")[("fc", "weight")]
+    scores = {r.name: r.metrics["sqnr_db"] for r in first.entries[0].results}
+    assert scores[best] == max(scores.values())
+    with pytest.raises(ValueError, match="unknown metric"):
+        choose(first, "speed")
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="tensor kind"):
+        RunConfig(specs={"bias": ob.QuantSpec("int8")})
+    with pytest.raises(ValueError, match="at least one layer"):
+        analyse(_Model(), [], RunConfig(specs={"weight": ob.QuantSpec("int8")}))
