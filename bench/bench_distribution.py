@@ -1,8 +1,9 @@
 """Distribution-based observers: mse_grid, entropy and histogram against their references.
 
 References that are not in the project's venv (llm-compressor, ModelOpt) are timed in a separate
-interpreter, ``$OBSERVER_LAB_REF_PYTHON`` (default ``/tmp/benchvenv/bin/python``), that has them
-installed; the tensor travels through a temporary file and only the timed call is measured there.
+interpreter, ``$OBSERVER_LAB_REF_PYTHON`` (default ``.bench-venv/bin/python``, made by
+``bench/setup_refs.sh``), that has them installed; the tensor travels through a temporary
+file and only the timed call is measured there.
 Where that interpreter or package is missing the case says "missing: ..." and times a naive
 Python-loop reimplementation instead, labelled as such (never as the reference).
 """
@@ -24,7 +25,9 @@ from bench.common import activation_batches, case, llm_weight, median_seconds
 from observers.granularity import flatten, reduce_min_max
 from observers.hist_search import kl_divergences
 
-REF_PYTHON = os.environ.get("OBSERVER_LAB_REF_PYTHON", "/tmp/benchvenv/bin/python")
+REF_PYTHON = os.environ.get(
+    "OBSERVER_LAB_REF_PYTHON", str(Path(__file__).resolve().parent.parent / ".bench-venv" / "bin" / "python")
+)
 
 _LC_SCRIPT = """
 import sys, time, statistics, torch
