@@ -20,7 +20,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +124,6 @@ class ModelRequest:
     source: str
     device: str = "auto"
     dtype: str = "fp32"
-    label: str = ""
-
-    @property
-    def key(self) -> str:
-        return f"{self.source}|{self.device}|{self.dtype}"
 
 
 def gpu_name() -> str | None:
@@ -591,7 +586,7 @@ def apply_preset() -> None:
     for role, spec in (("weight", specs["weight"]), ("act", specs.get("input"))):
         if spec is None:
             continue
-        for key, value in SpecSettings.from_spec(spec).__dict__.items():
+        for key, value in asdict(SpecSettings.from_spec(spec)).items():
             set_value(f"{role}_{key}", value)
     set_value("want_input", specs.get("input") is not None)
 

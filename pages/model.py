@@ -57,7 +57,7 @@ with ui.guard("Filtering layers"):
     if not shown:
         st.error(f"No layer matches {text!r}. Try a shorter word, a glob like `*mlp*`, or clear the filter.")
 all_names = {i.name for i in model.layers()}
-st.dataframe(ui.layer_frame(shown), hide_index=True, height=240)
+st.dataframe(ui.layer_frame(shown), hide_index=True, height=240 if len(shown) > 6 else "auto")
 pick_all, clear = st.columns([1, 1])
 if pick_all.button(f"Select all {len(shown)} shown", disabled=not shown):
     ui.set_value("layers", list(dict.fromkeys(ui.current("layers", []) + [i.name for i in shown])))

@@ -259,3 +259,127 @@ def test_json_export_is_valid_json(ran):
     analysis = ran.session_state[ui.ANALYSIS]
     document = json.load(io.StringIO(ui.json_export(analysis, choose(analysis), "sqnr_db", None)))
     assert len(document["entries"]) == len(analysis.entries)
+
+
+# ---------------------------------------------------------------- lab.ui helpers without a browser
+
+
+def test_layer_pattern_and_default_layers():
+    from sample_models import LayerInfo
+
+    assert ui.layer_pattern("  ") is None
+    assert ui.layer_pattern("dense") == "*dense*"
+    assert ui.layer_pattern("*.dense") == "*.dense"
+    assert ui.layer_pattern("re:enc.*") == "re:enc.*"
+    infos = [LayerInfo("emb", "Embedding", (10, 4), 40)] + [LayerInfo(f"l{i}", "Linear", (4, 4), 16) for i in range(8)]
+    assert ui.default_layer_names(infos) == [f"l{i}" for i in range(6)]
+    assert ui.default_layer_names(infos[:1]) == ["emb"]
+
+
+def test_spec_settings_set_only_what_the_format_uses():
+    assert ui.SpecSettings("int4", False, "group", group_size=64).spec() == ob.QuantSpec(
+        dtype="int4", symmetric=False, strategy="group", group_size=64
+    )
+    assert ui.SpecSettings("int8", True, "block", block_rows=32, block_cols=16).spec().block_size == (32, 16)
+    assert ui.SpecSettings("fp8_e4m3", False, "channel").spec().symmetric is True
+    for name in ob.PRESET_NAMES:
+        for spec in ob.preset(name).values():
+            if spec is not None:
+                assert ui.SpecSettings.from_spec(spec).spec() == spec, name
+    with pytest.raises(ValueError):
+        ui.SpecSettings("int8", True, "group", group_size=0).spec()
+
+
+def test_formats_grouped_by_family_cover_every_dtype_once():
+    groups = ui.formats_by_family()
+    flat = [name for names in groups.values() for name in names]
+    assert sorted(flat) == sorted(ob.FORMATS) and len(flat) == len(set(flat))
+    known = [f for f in ui.FAMILY_ORDER if f in groups]
+    assert list(groups)[: len(known)] == known
+
+
+def test_knob_helpers():
+    assert [ui.knob_kind(v) for v in (True, 3, 0.5, "x", None)] == ["bool", "int", "float", "text", "text"]
+    assert ui.parse_knob("", None) is None and ui.parse_knob("12", None) == 12 and ui.parse_knob("0.5", None) == 0.5
+    assert ui.parse_knob("1, 2.5", (1, 2)) == (1, 2.5)
+    assert ui.knob_text((1, 2)) == "1, 2" and ui.knob_text(None) == ""
+    name = next(n for n in ob.available() if any(isinstance(v, float) for v in ob.knobs(n).values()))
+    knob, default = next((k, v) for k, v in ob.knobs(name).items() if isinstance(v, float))
+    assert ui.knob_overrides({name: dict(ob.knobs(name))}) == {}
+    assert ui.knob_overrides({name: {**ob.knobs(name), knob: default / 2}}) == {name: {knob: default / 2}}
+
+
+def test_explain_says_what_to_do():
+    from sample_models import LayerNotFoundError, ModelSourceError
+
+    assert "fewer layers" in ui.explain(MemoryError("boom"))
+    assert "'auto' or 'cpu'" in ui.explain(ValueError("device 'cuda' requested but CUDA is not available"))
+    assert "built-in sample" in ui.explain(ModelSourceError("x is not a model"))
+    assert "Model page" in ui.explain(LayerNotFoundError("no layer 'x'"))
+    assert ui.explain(RuntimeError("odd")) == "RuntimeError: odd"
+
+
+def test_token_warnings_flag_empty_and_tiny_activations():
+    from lab.pipeline import Analysis, RunConfig, TensorAnalysis
+
+    spec = ob.QuantSpec()
+    entries = [
+        TensorAnalysis("e0", "input", spec, torch.zeros(0, 8), ob.run_suite(torch.zeros(0, 8) + 1, spec, ["minmax"])),
+        TensorAnalysis(
+            "e1", "input", spec, torch.ones(3, 8), ob.run_suite(torch.ones(3, 8), spec, ["minmax"], "activation")
+        ),
+        TensorAnalysis("e2", "input", spec, torch.ones(64, 8), []),
+        TensorAnalysis("w", "weight", spec, torch.ones(2, 8), []),
+    ]
+    notes = ui.token_warnings(Analysis({}, RunConfig(specs={"input": spec}), entries))
+    assert len(notes) == 2
+    assert "e0 · input: no tokens" in notes[0] and "only 3 tokens" in notes[1]
+
+
+def test_best_mask_follows_metric_direction():
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {
+            "layer": ["a", "a", "b", "b"],
+            "tensor": ["weight"] * 4,
+            "observer": ["x", "y", "x", "y"],
+            "sqnr_db": [10.0, 20.0, 5.0, None],
+            "mse": [1.0, 2.0, 3.0, 1.0],
+        }
+    )
+    assert ui.best_mask(frame, "sqnr_db").tolist() == [False, True, True, False]
+    assert ui.best_mask(frame, "mse").tolist() == [True, False, False, True]
+
+
+def test_capturing_model_memoizes_one_capture():
+    calls = []
+
+    class Model:
+        source = "m"
+
+        def capture(self, names, **kwargs):
+            calls.append((tuple(names), kwargs))
+            return {"x": len(calls)}
+
+    store: dict = {}
+    wrapped = ui.CapturingModel(Model(), store)
+    assert wrapped.capture(["a"], samples=4) == {"x": 1}
+    assert wrapped.capture(["a"], samples=4) == {"x": 1}
+    assert wrapped.capture(["a"], samples=8) == {"x": 2}
+    assert wrapped.source == "m" and len(calls) == 2
+
+
+def test_layer_output_error_toggle_shows_three_modes_per_observer(ran):
+    _page(ran, "error")
+    assert _plotly_count(ran) == 2  # metric bars, error histogram
+    ran.toggle(key="w:layer_output").set_value(True).run()
+    _ok(ran)
+    assert _plotly_count(ran) == 3  # plus the layer-output bars
+    analysis = ran.session_state[ui.ANALYSIS]
+    rows = ui.layer_output_rows(ui.open_shared_model("minilm", "auto", "fp32"), analysis, ["minmax", "percentile"])
+    assert len(rows) == len(LAYERS) * 2 * 3
+    assert set(rows["quantized"]) == {"weight only", "activation only", "both"}
+    both = rows.set_index(["layer", "observer", "quantized"])["sqnr_db"]
+    for layer in LAYERS:
+        assert both[(layer, "minmax", "both")] <= both[(layer, "minmax", "weight only")] + 1.0
