@@ -711,23 +711,29 @@ def model_source(model) -> dict[str, Any]:
     return memo[key]
 
 
-def json_export(analysis: Analysis, choices: dict, metric: str, model) -> str:
-    """The Observer Lab JSON of ``choices`` as text (``lab.export.export_json``)."""
+def json_export(analysis: Analysis, choices: dict, metric: str, model, allow_uncalibrated: bool = False) -> str:
+    """The Observer Lab JSON of ``choices`` as text (``lab.export.export_json``); tensors that
+    saw no calibration tokens make it raise unless ``allow_uncalibrated``."""
     from lab.export import export_json
 
     buffer = io.StringIO()
-    export_json(analysis, choices, buffer, metric, source=model_source(model) if model is not None else None)
+    source = model_source(model) if model is not None else None
+    export_json(analysis, choices, buffer, metric, source=source, allow_uncalibrated=allow_uncalibrated)
     return buffer.getvalue()
 
 
-def compressed_tensors_zip(analysis: Analysis, choices: dict, model) -> tuple[bytes, list[str]]:
+def compressed_tensors_zip(
+    analysis: Analysis, choices: dict, model, allow_uncalibrated: bool = False
+) -> tuple[bytes, list[str]]:
     """A zip of ``lab.export.export_compressed_tensors``' files (config, qparams.safetensors,
     notes), and the notes on what compressed-tensors cannot express."""
     from lab.export import export_compressed_tensors
 
     layer_types = {i.name: i.type for i in model.layers()} if model is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        written = export_compressed_tensors(analysis, choices, tmp, layer_types=layer_types)
+        written = export_compressed_tensors(
+            analysis, choices, tmp, layer_types=layer_types, allow_uncalibrated=allow_uncalibrated
+        )
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
             for path in written["files"].values():

@@ -7,6 +7,7 @@ import streamlit as st
 
 import observers as ob
 from lab import plots, ui
+from lab.export import uncalibrated
 from lab.pipeline import choose
 
 st.title("Choose & export")
@@ -62,17 +63,26 @@ overridden = int((summary["observer"] != summary["best"]).sum())
 st.caption(f"{len(choices)} tensor(s) chosen, {overridden} differ from the best by {metric}.")
 
 st.subheader("Export")
+never_calibrated = uncalibrated(analysis)
+allow_uncalibrated = False
+if never_calibrated:
+    st.warning(
+        "These activation tensors saw no calibration tokens, so they have no qparams: "
+        + ", ".join(f"{e.layer} {e.tensor}" for e in never_calibrated)
+        + ". Export refuses them unless you record them as uncalibrated (or calibrate with other text)."
+    )
+    allow_uncalibrated = st.checkbox("Record them as uncalibrated (no qparams) and export the rest")
 c1, c2, c3 = st.columns(3)
 with c1, ui.guard("JSON export"):
     st.download_button(
         "Observer Lab JSON",
-        ui.json_export(analysis, choices, metric, model),
+        ui.json_export(analysis, choices, metric, model, allow_uncalibrated),
         file_name="observer_lab.json",
         mime="application/json",
         icon=":material/download:",
     )
 with c2, ui.guard("compressed-tensors export"):
-    archive, notes = ui.compressed_tensors_zip(analysis, choices, model)
+    archive, notes = ui.compressed_tensors_zip(analysis, choices, model, allow_uncalibrated)
     st.download_button(
         "compressed-tensors (zip)",
         archive,

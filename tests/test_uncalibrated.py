@@ -55,3 +55,16 @@ def test_compressed_tensors_export_refuses_then_notes(tmp_path):
     assert any("experts.1 input: saw no calibration tokens" in note for note in result["notes"])
     assert "experts.1.input_scale" not in result["tensors"]
     assert "experts.0.input_scale" in result["tensors"]
+
+
+def test_app_export_helpers_refuse_unless_opted_in():
+    from lab import ui
+
+    analysis = _analysis()
+    choices = choose(analysis)
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        ui.json_export(analysis, choices, "sqnr_db", None)
+    document = json.loads(ui.json_export(analysis, choices, "sqnr_db", None, allow_uncalibrated=True))
+    assert document["uncalibrated"][0]["layer"] == "experts.1"
+    _, notes = ui.compressed_tensors_zip(analysis, choices, None, allow_uncalibrated=True)
+    assert any("experts.1 input" in note for note in notes)
