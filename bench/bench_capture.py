@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.common import case
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches, token_windows
 
@@ -61,6 +62,21 @@ def bench_capture(device: str = "cpu", repeats: int = 5) -> dict[str, float]:
 
     medians = _median_seconds({"forward_s": forward, "capture_s": capture}, model.device, repeats)
     return {**medians, "ratio": medians["capture_s"] / medians["forward_s"]}
+
+
+def cases(device: str = "cpu") -> list[dict]:
+    """The capture case as a row of the ``python -m bench`` table (floor: the plain forward)."""
+    result = bench_capture(device)
+    return [
+        case(
+            f"capture all Linear inputs, MiniLM {SAMPLES}x{SEQ_LEN} tokens",
+            result["capture_s"],
+            None,
+            "",
+            result["forward_s"],
+            f"floor = one plain forward; target <= 2x: {'met' if result['ratio'] <= 2 else 'not met'}",
+        )
+    ]
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from observers.granularity import Flat, flatten
+from observers.granularity import Flat, all_finite, flatten
 from observers.qparams import QParams, calculate_qparams
 from observers.spec import QuantSpec
 
@@ -114,7 +114,7 @@ class Observer:
         only then is the tensor scanned element by element.
         """
         self._check_input(x)
-        if not self.checks_finite_itself and not bool(torch.isfinite(x.sum())):
+        if not self.checks_finite_itself and not all_finite(x):
             x = self._without_nonfinite(x)
         flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
         self._check_shapes(x, flat)

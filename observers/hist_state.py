@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from observers.base import NonFiniteStatistics
-from observers.granularity import Flat
+from observers.granularity import Flat, all_finite
 
 _BIN_CHUNK = 1 << 16
 """Values binned per pass: the int32 index buffer stays in L2."""
@@ -122,7 +122,7 @@ def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, a
     """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0."""
     rows = rows.float()
     signed_min, signed_max = rows.amin(dim=1), rows.amax(dim=1)
-    if not (bool(torch.isfinite(signed_min).all()) and bool(torch.isfinite(signed_max).all())):
+    if not (all_finite(signed_min) and all_finite(signed_max)):
         raise NonFiniteStatistics("the batch has NaN/Inf values")
     if absolute:
         rows = rows.abs()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from observers.base import NonFiniteStatistics, Observer, register
-from observers.granularity import Flat, reduce_min_max
+from observers.granularity import Flat, all_finite, reduce_min_max
 
 
 class _MinMaxBase(Observer):
@@ -25,7 +25,7 @@ class _MinMaxBase(Observer):
 
     def _observe(self, flat: Flat) -> None:
         low, high = reduce_min_max(flat)
-        if not bool(torch.isfinite(low).all() & torch.isfinite(high).all()):
+        if not (all_finite(low) and all_finite(high)):
             raise NonFiniteStatistics
         if self.min_val is None:
             self.min_val, self.max_val = low, high

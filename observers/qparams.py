@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from observers.granularity import all_finite
 from observers.spec import QuantSpec
 
 _DTYPES = {
@@ -166,6 +167,6 @@ def calculate_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantS
     """QParams for the chosen range ``[min_val, max_val]`` (fp32 tensors in the qparam shape)."""
     min_val = min_val.float()
     max_val = max_val.float()
-    if not (torch.isfinite(min_val).all() and torch.isfinite(max_val).all()):
+    if not (all_finite(min_val) and all_finite(max_val)):
         raise ValueError("the range given to calculate_qparams is not finite; observe finite data first")
     return SCALE_RULES[spec.format.scale_kind](min_val, max_val, spec)
