@@ -51,6 +51,7 @@ def app_url() -> Iterator[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
     command += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
+    command += ["--server.fileWatcherType", "none"]  # a repo-local .venv overflows inotify
     ARTIFACTS.mkdir(exist_ok=True)
     log = (ARTIFACTS / "streamlit.log").open("w")
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -164,6 +165,7 @@ def test_model_run_ranges_export_in_a_browser(page):
 
     _go(tab, "Choose & export")
     tab.get_by_role("button", name="Observer Lab JSON").wait_for(timeout=SLOW_MS)
+    tab.get_by_role("button", name="compressed-tensors (zip)").wait_for(timeout=SLOW_MS)
     assert tab.get_by_role("button", name="compressed-tensors (zip)").count() == 1
     _settle(tab)
     _no_exception(tab)
