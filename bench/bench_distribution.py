@@ -33,7 +33,7 @@ _LC_SCRIPT = """
 import sys, time, statistics, torch
 from compressed_tensors.quantization import QuantizationArgs
 from llmcompressor.observers import Observer
-w = torch.load(sys.argv[1])
+w = torch.load(sys.argv[1], weights_only=True)
 args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
 def run():
     obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args)
@@ -50,7 +50,7 @@ print(statistics.median(times))
 _MO_SCRIPT = """
 import sys, time, statistics, torch
 from modelopt.torch.quantization.calib.histogram import HistogramCalibrator
-x = torch.load(sys.argv[1])
+x = torch.load(sys.argv[1], weights_only=True)
 def run():
     calib = HistogramCalibrator(num_bits=8, axis=None, unsigned=False, num_bins=2048)
     calib.collect(x)
@@ -125,7 +125,7 @@ def _mse_grid_case(device: str) -> dict:
         same = float((_naive_lc_loop(w, spec) == scale).double().mean())
         return case(name, ours_s, naive_s, f"{ref}; timed naive Python loop (ours)", floor, f"identical {same:.4%}")
     words, out = ref
-    lc_scale = torch.load(out).to(scale.device).reshape(scale.shape)
+    lc_scale = torch.load(out, weights_only=True).to(scale.device).reshape(scale.shape)
     same = float((lc_scale == scale).double().mean())
     rel = float(((lc_scale - scale).abs() / scale).max())
     return case(
