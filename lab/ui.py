@@ -29,6 +29,7 @@ import streamlit as st
 import torch
 
 import observers as ob
+from lab import plots
 from lab.pipeline import Analysis, ResultCache, RunConfig, analyse, choose
 
 ANALYSIS = "analysis"
@@ -66,6 +67,13 @@ def widget(fn: Callable[..., Any], label: str, name: str, default: Any, **kwargs
     value = fn(label, key=key, **kwargs)
     st.session_state[name] = value
     return value
+
+
+def metric_select(label: str, name: str) -> str:
+    """A persistent selectbox over ``ob.METRIC_KEYS`` (default SQNR), labelled for people."""
+    return widget(
+        st.selectbox, label, name, "sqnr_db", options=list(ob.METRIC_KEYS), format_func=plots.METRIC_LABELS.get
+    )
 
 
 def current(name: str, default: Any) -> Any:
@@ -676,13 +684,12 @@ def granularity_note(spec: ob.QuantSpec) -> str | None:
 
 def range_table(results: Sequence) -> pd.DataFrame:
     """Per observer: the tensor-wide chosen range, share of values clipped and SQNR."""
-    from lab.plots import envelope
 
     rows = []
     for r in results:
         if r.qparams is None:
             continue
-        lo, hi = envelope(r)
+        lo, hi = plots.envelope(r)
         clip = r.metrics.get("clip_ratio")
         rows.append(
             {

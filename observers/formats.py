@@ -9,7 +9,7 @@ in every observer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -104,19 +104,12 @@ def _float(name: str, exp_bits: int, man_bits: int, max_value: float) -> Element
 
 
 def _mx(name: str, exp_bits: int, man_bits: int, max_value: float) -> ElementFormat:
-    element = f"E{exp_bits}M{man_bits}"
-    return ElementFormat(
-        name,
-        "float",
-        1 + exp_bits + man_bits,
-        True,
-        exp_bits,
-        man_bits,
-        max_value,
+    return replace(
+        _float(name, exp_bits, man_bits, max_value),
         scale_kind="e8m0",
         block_size=32,
         family="MX",
-        description=f"OCP MX: {element} elements, blocks of 32 sharing an E8M0 power-of-two scale",
+        description=f"OCP MX: E{exp_bits}M{man_bits} elements, blocks of 32 sharing an E8M0 power-of-two scale",
     )
 
 

@@ -2,7 +2,6 @@
 
 import streamlit as st
 
-import observers as ob
 from lab import plots, ui
 
 st.title("Error")
@@ -10,9 +9,7 @@ analysis = ui.require_analysis()
 order = ui.observer_order(analysis)
 for note in ui.token_warnings(analysis):
     st.warning(note)
-metric = ui.widget(
-    st.selectbox, "Best by", "metric", "sqnr_db", options=list(ob.METRIC_KEYS), format_func=plots.METRIC_LABELS.get
-)
+metric = ui.metric_select("Best by", "metric")
 table = ui.error_table(analysis)
 st.caption("The best observer per layer · tensor is highlighted. Click a column header to sort.")
 st.dataframe(ui.highlight_best(table, metric), hide_index=True)

@@ -5,7 +5,6 @@ import hashlib
 
 import streamlit as st
 
-import observers as ob
 from lab import plots, ui
 from lab.export import uncalibrated
 from lab.pipeline import choose
@@ -15,14 +14,7 @@ analysis = ui.require_analysis()
 model = None
 with ui.guard("Opening the model"):
     model = ui.current_model()
-metric = ui.widget(
-    st.selectbox,
-    "Default choice: best by",
-    "metric",
-    "sqnr_db",
-    options=list(ob.METRIC_KEYS),
-    format_func=plots.METRIC_LABELS.get,
-)
+metric = ui.metric_select("Default choice: best by", "metric")
 
 with st.expander("Import a previous export"):
     upload = st.file_uploader("Observer Lab JSON", type=["json"], key="import_file")

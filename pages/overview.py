@@ -2,7 +2,6 @@
 
 import streamlit as st
 
-import observers as ob
 from lab import plots, ui
 
 st.title("Overview")
@@ -20,14 +19,7 @@ if analysis is None:
     st.page_link("pages/model.py", label="Go to Model", icon=":material/deployed_code:")
     st.stop()
 
-metric = ui.widget(
-    st.selectbox,
-    "Metric",
-    "overview_metric",
-    "sqnr_db",
-    options=list(ob.METRIC_KEYS),
-    format_func=plots.METRIC_LABELS.get,
-)
+metric = ui.metric_select("Metric", "overview_metric")
 frame = ui.error_table(analysis)
 st.caption(
     f"{analysis.source.get('name', '')}: {len(ui.tensor_keys(analysis))} tensors × "
