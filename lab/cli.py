@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import IO, Any
 
 import observers as ob
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
     run.add_argument("--observers", help="comma-separated observer names (default: all)")
     run.add_argument("--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)")
+    run.add_argument(
+        "--kv-cache", dest="kv_dtype", help="also analyse key/value states of attention blocks in this format"
+    )
+    run.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
+    run.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
     run.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     run.add_argument("--samples", type=int, default=32, help="calibration samples")
     run.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sample")
@@ -109,6 +115,34 @@ def specs_from_args(args: argparse.Namespace) -> dict[str, ob.QuantSpec]:
     for kind, spec in specs.items():
         spec.check_kind("weight" if kind == "weight" else "activation")
     return specs
+
+
+def kv_spec_from_args(args: argparse.Namespace) -> ob.QuantSpec | None:
+    """The KV-cache spec of ``--kv-cache``/``--kv-per-head``, or None without ``--kv-cache``."""
+    if args.kv_dtype is None:
+        if args.kv_per_head or args.attention:
+            raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
+        return None
+    return ob.QuantSpec(dtype=args.kv_dtype, strategy="channel" if args.kv_per_head else "tensor")
+
+
+def select_attention(model: Any, text: str | None) -> list[str]:
+    """Attention blocks matching any comma-separated name or pattern (all when ``text`` is None),
+    in model order; an item that matches no attention block is an error."""
+    from sample_models import filter_layers
+
+    blocks = [SimpleNamespace(name=name) for name in model.attention_blocks()]
+    if not blocks:
+        raise CliError(f"{model.name} has no attention block whose keys and values can be captured")
+    if text is None:
+        return [block.name for block in blocks]
+    chosen: set[str] = set()
+    for item in _csv(text):
+        found = filter_layers(blocks, item)
+        if not found:
+            raise CliError(f"--attention {item!r} matches no attention block of {model.name}")
+        chosen.update(block.name for block in found)
+    return [block.name for block in blocks if block.name in chosen]
 
 
 def select_layers(model: Any, text: str) -> list[str]:
@@ -195,8 +229,12 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
 
     if args.choose_by not in ob.HIGHER_IS_BETTER:
         raise CliError(f"unknown metric {args.choose_by!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    specs = specs_from_args(args)
+    kv_spec = kv_spec_from_args(args)
+    if kv_spec is not None:
+        specs["kv"] = kv_spec
     config = RunConfig(
-        specs=specs_from_args(args),
+        specs=specs,
         observers=_observer_names(args.observers),
         samples=args.samples,
         seq_len=args.seq_len,
@@ -205,7 +243,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
 
     model = open_model(args.model, device=args.device)
     layers = select_layers(model, args.layers)
-    analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err))
+    attention = select_attention(model, args.attention) if kv_spec is not None else []
+    analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
     choices = choose(analysis, args.choose_by)
@@ -227,7 +266,12 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     if args.ct_dir:
         layer_types = {info.name: info.type for info in model.layers()}
         result = export.export_compressed_tensors(
-            analysis, choices, args.ct_dir, layer_types=layer_types, allow_uncalibrated=args.allow_uncalibrated
+            analysis,
+            choices,
+            args.ct_dir,
+            layer_types=layer_types,
+            allow_uncalibrated=args.allow_uncalibrated,
+            attention_blocks=model.attention_blocks() if attention else None,
         )
         written.append(args.ct_dir)
         for note in result["notes"]:

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import IO, Any
 import torch
 
 import observers as ob
-from lab.pipeline import TENSOR_KINDS, Analysis, TensorAnalysis
+from lab.pipeline import KV_TENSORS, TENSOR_KINDS, Analysis, TensorAnalysis
 from observers.suite import SuiteResult
 
 FORMAT_NAME = "observer-lab-qparams"
@@ -405,19 +405,32 @@ def load_json(path_or_file: str | Path | IO) -> LabFile:
     return parse_document(document)
 
 
-def _layer_shapes(model: Any) -> dict[str, tuple[int, ...]]:
-    """``{layer name: weight shape (out, in, ...)}`` from ``model.layers()``."""
-    return {info.name: tuple(info.shape) for info in model.layers()}
+def _layer_shapes(model: Any, entries: Sequence[LabEntry]) -> dict[str, tuple[int, ...]]:
+    """``{layer name: weight shape (out, in, ...)}`` from ``model.layers()``, plus ``{attention
+    block: (kv_heads, head_dim)}`` when the file has key/value entries and the model can run."""
+    shapes = {info.name: tuple(info.shape) for info in model.layers()}
+    if any(e.tensor in KV_TENSORS for e in entries):
+        try:
+            blocks = model.attention_blocks()
+        except (AttributeError, ValueError):
+            blocks = []
+        shapes |= {block: tuple(model.kv_shape(block)) for block in blocks}
+    return shapes
 
 
 def expected_qparam_shape(
     spec: ob.QuantSpec, tensor: str, weight_shape: tuple[int, ...], g_idx: torch.Tensor | None = None
 ) -> tuple[int, ...] | None:
-    """The qparam shape ``spec`` gives on this layer's weight, input or output (None when it
-    depends on the calibration data: per-token). Computed on a meta tensor, so no memory is used."""
+    """The qparam shape ``spec`` gives on this layer's weight, input or output, or on an
+    attention block's keys or values (``tensor`` ``k``/``v``, ``weight_shape`` then
+    ``(kv_heads, head_dim)``); None when it depends on the calibration data (per-token).
+    Computed on a meta tensor, so no memory is used."""
     if spec.strategy == "token":
         return None
-    if tensor == "weight":
+    if tensor in KV_TENSORS:
+        heads, head_dim = weight_shape
+        shape, kind = (1, heads, 1, head_dim), "attention"
+    elif tensor == "weight":
         shape, kind = weight_shape, "weight"
     else:
         width = weight_shape[1] if tensor == "input" else weight_shape[0]
@@ -429,7 +442,8 @@ def expected_qparam_shape(
 def _model_problems(entry: LabEntry, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     where = f"{entry.layer} {entry.tensor}"
     if entry.layer not in shapes:
-        return [f"{where}: the model has no layer {entry.layer!r}"]
+        what = "attention block" if entry.tensor in KV_TENSORS else "layer"
+        return [f"{where}: the model has no {what} {entry.layer!r}"]
     weight_shape = shapes[entry.layer]
     if len(weight_shape) < 2:
         return [f"{where}: layer weight shape {list(weight_shape)} is not a matrix"]
@@ -456,7 +470,7 @@ def apply_choices(lab_file: LabFile, model: Any) -> dict[str, dict[tuple[str, st
     or qparam shape that does not fit the layer: one ``ValueError`` listing every problem, and
     nothing is returned.
     """
-    shapes = _layer_shapes(model)
+    shapes = _layer_shapes(model, lab_file.entries)
     problems = [p for entry in lab_file.entries for p in _model_problems(entry, shapes)]
     if problems:
         raise ValueError("the file does not fit this model:\n  - " + "\n  - ".join(problems))
@@ -522,9 +536,10 @@ def ct_args(spec: ob.QuantSpec, tensor: str) -> tuple[dict[str, Any] | None, lis
         reasons.append("a custom quant_min/quant_max has no compressed-tensors equivalent")
     if fmt.kind == "int" and spec.symmetric and spec.scale_rule != "half_range":
         reasons.append(f"scale_rule {spec.scale_rule!r} differs from compressed-tensors' (max - min) / 2 divisor")
-    if spec.strategy == "channel" and (tensor != "weight" or spec.channel_axis("weight") != 0):
+    kv = tensor in KV_TENSORS
+    if spec.strategy == "channel" and not kv and (tensor != "weight" or spec.channel_axis("weight") != 0):
         reasons.append("compressed-tensors has channel scales for weight output channels (ch_axis 0) only")
-    if tensor != "weight" and spec.strategy not in _ACTIVATION_STRATEGIES:
+    if tensor not in ("weight", *KV_TENSORS) and spec.strategy not in _ACTIVATION_STRATEGIES:
         reasons.append(f"compressed-tensors has no {spec.strategy} strategy for activations")
     if block is not None and spec.group_size != block[1]:
         reasons.append(f"{spec.dtype} with group size {spec.group_size} (compressed-tensors uses {block[1]})")
@@ -540,7 +555,8 @@ def ct_args(spec: ob.QuantSpec, tensor: str) -> tuple[dict[str, Any] | None, lis
             args["dynamic"] = "local"
         return args, reasons
     kind, bits = element
-    args |= {"num_bits": bits, "type": kind, "strategy": spec.strategy}
+    strategy = "attn_head" if kv and spec.strategy == "channel" else spec.strategy
+    args |= {"num_bits": bits, "type": kind, "strategy": strategy}
     if spec.strategy == "group":
         args["group_size"] = spec.group_size
     if spec.strategy == "block":
@@ -569,6 +585,8 @@ class _CtLayer:
 def _ct_layers(selected: list[tuple[TensorAnalysis, str]], notes: list[str]) -> list[_CtLayer]:
     layers: dict[str, _CtLayer] = {}
     for entry, observer in selected:
+        if entry.tensor in KV_TENSORS:
+            continue
         item = layers.setdefault(entry.layer, _CtLayer(entry.layer, {}, {}, {}, {}))
         args, reasons = ct_args(entry.spec, entry.tensor)
         if args is not None and entry.g_idx is not None:
@@ -615,6 +633,14 @@ def _scheme(members: list[_CtLayer], targets: list[str], notes: list[str]) -> di
     return scheme
 
 
+def _ct_zero_point(qp: ob.QParams, spec: ob.QuantSpec, num_bits: int) -> torch.Tensor:
+    """Zero points as compressed-tensors' signed int8; uint formats shift by ``2^(bits-1)``."""
+    zero_point = qp.zero_point.to(torch.int32)
+    if not spec.format.signed:
+        zero_point = zero_point - 2 ** (num_bits - 1)
+    return zero_point.to(torch.int8)
+
+
 def _ct_tensors(item: _CtLayer, args_by_kind: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
     """The qparam tensors of one layer, named and typed as compressed-tensors stores them."""
     tensors: dict[str, torch.Tensor] = {}
@@ -637,11 +663,55 @@ def _ct_tensors(item: _CtLayer, args_by_kind: dict[str, dict[str, Any]]) -> dict
             scale = qp.scale.float()
         tensors[f"{base}_scale"] = scale.contiguous()
         if not args["symmetric"]:
-            zero_point = qp.zero_point.to(torch.int32)
-            if not entry.spec.format.signed:
-                zero_point = zero_point - 2 ** (args["num_bits"] - 1)
-            tensors[f"{base}_zero_point"] = zero_point.to(torch.int8).contiguous()
+            tensors[f"{base}_zero_point"] = _ct_zero_point(qp, entry.spec, args["num_bits"]).contiguous()
     return tensors
+
+
+def _kv_cache_scheme(
+    selected: list[tuple[TensorAnalysis, str]], notes: list[str], attention_blocks: Sequence[str] | None
+) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """compressed-tensors' ``kv_cache_scheme`` (one ``QuantizationArgs`` for every attention
+    block's keys and values) and the ``<block>.k_scale`` / ``<block>.v_scale`` tensors, shaped as
+    compressed-tensors registers them: ``(1,)`` per tensor, ``(kv_heads, 1, 1)`` per head."""
+    kv = [(entry, observer) for entry, observer in selected if entry.tensor in KV_TENSORS]
+    if not kv:
+        return None, {}
+    analysed = {entry.layer for entry, _ in kv}
+    missing = [block for block in attention_blocks or [] if block not in analysed]
+    if missing:
+        notes.append(
+            "kv_cache_scheme applies to every attention block, but these were not analysed and have no "
+            f"k_scale/v_scale: {', '.join(missing)}"
+        )
+    args, reasons = ct_args(kv[0][0].spec, "k")
+    notes.extend(f"key/value states: {reason}" + ("; not exported" if args is None else "") for reason in reasons)
+    if args is None:
+        return None, {}
+    counts = Counter(observer for _, observer in kv)
+    observer = counts.most_common(1)[0][0]
+    if args["dynamic"] is not True:
+        knobs = next(e.result(o).knobs for e, o in kv if o == observer)
+        ct_name, kwargs = _ct_observer(observer, knobs)
+        args = {**args, "observer": ct_name, "observer_kwargs": kwargs}
+    if observer not in CT_OBSERVER_NAMES:
+        notes.append(f"kv observer {observer!r} has no llm-compressor equivalent; recorded by its lab name")
+    notes.extend(
+        f"{entry.layer} {entry.tensor}: chose {chosen!r} but kv_cache_scheme records {observer!r} "
+        "(compressed-tensors has one KV-cache observer; the saved scales are those of the choice)"
+        for entry, chosen in kv
+        if chosen != observer
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    if args["dynamic"] is not False:
+        return args, tensors
+    for entry, chosen in kv:
+        qp = entry.result(chosen).qparams.to("cpu")
+        shape = (-1, 1, 1) if args["strategy"] == "attn_head" else (1,)
+        base = f"{entry.layer}.{entry.tensor}"
+        tensors[f"{base}_scale"] = qp.scale.float().reshape(shape).contiguous()
+        if not args["symmetric"]:
+            tensors[f"{base}_zero_point"] = _ct_zero_point(qp, entry.spec, args["num_bits"]).reshape(shape).contiguous()
+    return args, tensors
 
 
 def build_compressed_tensors(
@@ -649,8 +719,13 @@ def build_compressed_tensors(
     choices: Mapping[tuple[str, str], str],
     layer_types: Mapping[str, str] | None = None,
     allow_uncalibrated: bool = False,
+    attention_blocks: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """``{"quantization_config", "tensors", "notes"}`` for ``choices`` without writing files.
+
+    Chosen key/value states (tensors ``k``/``v`` of attention blocks) become the config's
+    ``kv_cache_scheme`` and ``<block>.k_scale`` / ``<block>.v_scale`` tensors; given the model's
+    ``attention_blocks``, the notes list those left without scales.
 
     Activation tensors that saw no calibration tokens make this raise unless
     ``allow_uncalibrated``; they are then left out and listed in the notes.
@@ -666,18 +741,19 @@ def build_compressed_tensors(
     ]
     selected = _check_choices(analysis, choices)
     items = _ct_layers(selected, notes)
-    if not items:
+    kv_cache_scheme, kv_tensors = _kv_cache_scheme(selected, notes, attention_blocks)
+    if not items and kv_cache_scheme is None:
         raise ValueError("no chosen setting has a compressed-tensors equivalent:\n  - " + "\n  - ".join(notes))
     groups: dict[str, list[_CtLayer]] = {}
     for item in items:
         groups.setdefault(_group_key(item), []).append(item)
     ignore: list[str] = []
     config_groups: dict[str, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}
     analysed = {item.layer for item in items}
     one_linear_group = (
         layer_types is not None and len(groups) == 1 and all(layer_types.get(n) == "Linear" for n in analysed)
     )
+    tensors: dict[str, torch.Tensor] = dict(kv_tensors)
     for index, members in enumerate(groups.values()):
         if one_linear_group:
             targets = ["Linear"]
@@ -699,7 +775,7 @@ def build_compressed_tensors(
         "quantization_status": "frozen",
         "config_groups": config_groups,
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
     }
     return {"quantization_config": config, "tensors": tensors, "notes": list(dict.fromkeys(notes))}
 
@@ -710,17 +786,19 @@ def export_compressed_tensors(
     out_dir: str | Path,
     layer_types: Mapping[str, str] | None = None,
     allow_uncalibrated: bool = False,
+    attention_blocks: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Write ``out_dir/quantization_config.json`` (``{"quantization_config": ...}``, ready to
     merge into a model's config.json), ``out_dir/qparams.safetensors`` (``<module>.weight_scale``,
     ``.weight_zero_point`` for asymmetric schemes only, ``.weight_global_scale``, ``.input_scale``,
-    ...) and ``out_dir/observer_lab_notes.txt`` (what could not be expressed).
+    ..., ``<attention block>.k_scale`` / ``.v_scale``) and ``out_dir/observer_lab_notes.txt``
+    (what could not be expressed).
 
     Returns ``{"quantization_config", "notes", "tensors": {name: {"dtype", "shape"}}, "files"}``.
     """
     from safetensors.torch import save_file
 
-    built = build_compressed_tensors(analysis, choices, layer_types, allow_uncalibrated)
+    built = build_compressed_tensors(analysis, choices, layer_types, allow_uncalibrated, attention_blocks)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"config": out / CT_CONFIG_FILE, "tensors": out / CT_TENSORS_FILE, "notes": out / CT_NOTES_FILE}

@@ -1,8 +1,9 @@
 """Run the observer suite over chosen layers of a model: the one code path of the app and CLI.
 
-``analyse(model, layers, config)`` reads each layer's weight, captures the layer's input (and
-optionally output) activations on calibration text, and runs every requested observer on each
-tensor. Results are cached per (tensor, spec, observer, knobs), so a re-run after one knob
+``analyse(model, layers, config, attention=blocks)`` reads each layer's weight, captures the
+layer's input (and optionally output) activations on calibration text, captures the key and value
+states of the chosen attention blocks (the tensors a KV cache holds), and runs every requested
+observer on each tensor. Results are cached per (tensor, spec, observer, knobs), so a re-run after one knob
 changes recomputes only that observer. ``choose`` picks the best observer per tensor by a metric.
 """
 
@@ -22,15 +23,18 @@ import observers as ob
 from observers.suite import SuiteResult
 
 TENSOR_KINDS = ("weight", "input", "output")
-_OBSERVER_KIND = {"weight": "weight", "input": "activation", "output": "activation"}
+KV_TENSORS = ("k", "v")
+SPEC_KEYS = (*TENSOR_KINDS, "kv")
+_OBSERVER_KIND = {"weight": "weight", "input": "activation", "output": "activation", "k": "attention", "v": "attention"}
 
 ProgressFn = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What to run: a spec per tensor kind (``weight``/``input``/``output``; absent = skip),
-    the observers (None = all registered), knob overrides per observer, calibration settings,
+    """What to run: a spec per tensor kind (``weight``/``input``/``output`` of layers, ``kv`` for
+    the key and value states of attention blocks, as one KV-cache scheme covers both; absent =
+    skip), the observers (None = all registered), knob overrides per observer, calibration settings,
     and whether group weights use activation order (``actorder``)."""
 
     specs: dict[str, ob.QuantSpec]
@@ -42,14 +46,16 @@ class RunConfig:
     actorder: bool = False
 
     def __post_init__(self) -> None:
-        unknown = set(self.specs) - set(TENSOR_KINDS)
+        unknown = set(self.specs) - set(SPEC_KEYS)
         if unknown:
-            raise ValueError(f"unknown tensor kind(s) {sorted(unknown)}; allowed: {', '.join(TENSOR_KINDS)}")
+            raise ValueError(f"unknown tensor kind(s) {sorted(unknown)}; allowed: {', '.join(SPEC_KEYS)}")
         if not self.specs:
-            raise ValueError("choose at least one tensor kind to analyse (weight, input, output)")
+            raise ValueError("choose at least one tensor kind to analyse (weight, input, output, kv)")
         for kind, spec in self.specs.items():
             if not isinstance(spec, ob.QuantSpec):
                 raise ValueError(f"spec for {kind!r} must be a QuantSpec, got {type(spec).__name__}")
+        if "kv" in self.specs:
+            self.specs["kv"].check_kind("attention")
 
     @property
     def observer_names(self) -> tuple[str, ...]:
@@ -91,7 +97,13 @@ class TensorAnalysis:
 
     @property
     def num_tokens(self) -> int:
-        return max((r.num_observed_tokens for r in self.results), default=0)
+        """Calibration tokens in ``data`` (0 for weights): rows of an activation, sequence
+        positions of attention states ``(batch, heads, seq, head_dim)``."""
+        if self.tensor == "weight":
+            return 0
+        if self.tensor in KV_TENSORS:
+            return int(self.data.shape[0] * self.data.shape[2])
+        return int(self.data.shape[0])
 
 
 @dataclass
@@ -172,6 +184,15 @@ def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str
     return found
 
 
+def _captured_kv(model, attention: Sequence[str], config: RunConfig) -> dict[tuple[str, str], torch.Tensor]:
+    """Key and value states as ``{(block, "k"|"v"): (1, kv_heads, tokens, head_dim)}``."""
+    if not attention:
+        return {}
+    texts = None if config.texts is None else list(config.texts)
+    states = model.capture_kv(list(attention), texts=texts, samples=config.samples, seq_len=config.seq_len)
+    return {(block, which): data for block, pair in states.items() for which, data in pair.items()}
+
+
 def _g_idx_for(config: RunConfig, spec: ob.QuantSpec, inputs: torch.Tensor | None) -> torch.Tensor | None:
     if not config.actorder or spec.strategy != "group" or spec.format.is_block:
         return None
@@ -194,15 +215,25 @@ def analyse(
     config: RunConfig,
     progress: ProgressFn | None = None,
     cache: ResultCache | None = None,
+    attention: Sequence[str] = (),
 ) -> Analysis:
-    """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model).
+    """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model), and its ``kv`` spec
+    on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
+    ``(block, "v")``, observed as ``kind="attention"``).
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
     activation source raises ``ValueError`` before anything runs.
     """
-    if not layers:
+    layer_kinds = [kind for kind in TENSOR_KINDS if kind in config.specs]
+    if attention and "kv" not in config.specs:
+        raise ValueError("attention blocks were chosen but no KV-cache spec: add a 'kv' spec to the run config")
+    if "kv" in config.specs and not attention:
+        raise ValueError("a KV-cache spec needs at least one attention block to capture keys and values from")
+    if layer_kinds and not layers:
         raise ValueError("choose at least one layer")
+    if not layers and not attention:
+        raise ValueError("choose at least one layer or attention block")
     cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
     raw_source = getattr(model, "source", None)
@@ -217,9 +248,11 @@ def analyse(
     )
     source_id = json.dumps(source, sort_keys=True, default=str)
     weights = {layer: model.weight(layer) for layer in layers} if "weight" in config.specs or config.actorder else {}
-    activations = _captured(model, layers, config)
+    activations = _captured(model, layers, config) if layers else {}
+    activations |= _captured_kv(model, attention, config)
     names = config.observer_names
-    jobs = [(layer, tensor) for layer in layers for tensor in TENSOR_KINDS if tensor in config.specs]
+    jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
+    jobs += [(block, which) for block in attention for which in KV_TENSORS]
     total = len(jobs) * len(names)
     entries: list[TensorAnalysis] = []
     warnings: list[str] = []
@@ -230,7 +263,7 @@ def analyse(
             warnings.append(f"{layer}: no {tensor} activations were captured")
             step += len(names)
             continue
-        spec = config.specs[tensor]
+        spec = config.specs["kv" if tensor in KV_TENSORS else tensor]
         inputs = activations.get((layer, "input"))
         g_idx = _g_idx_for(config, spec, inputs) if tensor == "weight" else None
         extra = config.calibration_key() if tensor != "weight" or g_idx is not None else ""

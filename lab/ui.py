@@ -30,7 +30,7 @@ import torch
 
 import observers as ob
 from lab import plots
-from lab.pipeline import Analysis, ResultCache, RunConfig, analyse, choose
+from lab.pipeline import KV_TENSORS, Analysis, ResultCache, RunConfig, analyse, choose
 
 ANALYSIS = "analysis"
 RESULT_CACHE = "result_cache"
@@ -41,6 +41,8 @@ LINEAR_TYPES = ("Linear", "Conv1D", "ExpertLinear")
 FAMILY_ORDER = ("integer", "float", "MX", "NVFP4", "BFP", "cast")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
 ACTIVATION_STRATEGIES = ("tensor", "channel", "group", "token")
+KV_STRATEGIES = ("tensor", "channel")
+WANT_KINDS = ("weight", "input", "output", "kv")
 FEW_TOKENS = 16
 UPLOAD_DIR = Path(tempfile.gettempdir()) / "observer_lab_uploads"
 
@@ -218,6 +220,11 @@ def dtype_options() -> list[str]:
     return [name for names in formats_by_family().values() for name in names]
 
 
+def kv_dtype_options() -> list[str]:
+    """Formats a KV cache can use: one scale per tensor or head, so no block formats."""
+    return [name for name in dtype_options() if not ob.get_format(name).is_block]
+
+
 def dtype_label(name: str) -> str:
     fmt = ob.get_format(name)
     return f"{getattr(fmt, 'family', 'other')} · {name}"
@@ -341,12 +348,19 @@ class CapturingModel:
         return getattr(self._model, name)
 
     def capture(self, names: list[str], **kwargs: Any):
+        return self._memo("capture", names, kwargs)
+
+    def capture_kv(self, blocks: list[str], **kwargs: Any):
+        return self._memo("capture_kv", blocks, kwargs)
+
+    def _memo(self, method: str, names: list[str], kwargs: dict[str, Any]):
         key = repr((getattr(self._model, "source", ""), str(getattr(self._model, "dtype", "")), names, kwargs))
-        if self._store.get("key") != key:
-            self._store.clear()
-            self._store["value"] = self._model.capture(names, **kwargs)
-            self._store["key"] = key
-        return self._store["value"]
+        slot = self._store.setdefault(method, {})
+        if slot.get("key") != key:
+            slot.clear()
+            slot["value"] = getattr(self._model, method)(names, **kwargs)
+            slot["key"] = key
+        return slot["value"]
 
 
 @dataclass
@@ -360,7 +374,11 @@ class RunOutcome:
 
 
 def run_analysis(
-    model, layers: Sequence[str], config: RunConfig, progress: Callable[[int, int, str], None] | None = None
+    model,
+    layers: Sequence[str],
+    config: RunConfig,
+    progress: Callable[[int, int, str], None] | None = None,
+    attention: Sequence[str] = (),
 ) -> RunOutcome:
     """``analyse`` with this session's result cache and capture memo; capture warnings (e.g.
     tokens subsampled to stay under the memory cap) are returned, not printed."""
@@ -369,7 +387,7 @@ def run_analysis(
     wrapped = CapturingModel(model, keep(CAPTURE_CACHE, {}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        analysis = analyse(wrapped, list(layers), config, progress=progress, cache=cache)
+        analysis = analyse(wrapped, list(layers), config, progress=progress, cache=cache, attention=list(attention))
     notes = list(analysis.warnings) + sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)})
     return RunOutcome(analysis, cache.hits - hits, cache.misses - misses, notes)
 
@@ -432,7 +450,7 @@ def token_warnings(analysis: Analysis, few: int = FEW_TOKENS) -> list[str]:
     for e in analysis.entries:
         if e.tensor == "weight":
             continue
-        tokens = int(e.data.shape[0]) if e.data.ndim >= 2 else e.num_tokens
+        tokens = e.num_tokens
         if tokens == 0:
             notes.append(f"{e.layer} · {e.tensor}: no tokens observed (an expert the router never chose?)")
         elif tokens < few:
@@ -501,13 +519,21 @@ def layer_output_rows(model, analysis: Analysis, observers: Sequence[str]) -> pd
 
 
 def wanted_tensors(model) -> dict[str, bool]:
-    """The Model page's "what to analyse" ticks; activations only where the model can run."""
-    wants = {
-        kind: bool(st.session_state.get(f"want_{kind}", kind != "output")) for kind in ("weight", "input", "output")
-    }
+    """The Model page's "what to analyse" ticks (``weight``, ``input``, ``output``, ``kv``);
+    activations and key/value states only where the model can run."""
+    wants = {kind: bool(st.session_state.get(f"want_{kind}", kind in ("weight", "input"))) for kind in WANT_KINDS}
     if model is None or not model.supports_activations:
-        wants["input"] = wants["output"] = False
+        wants["input"] = wants["output"] = wants["kv"] = False
     return wants
+
+
+def attention_choice(model) -> list[str]:
+    """The attention blocks chosen on the Model page whose keys and values are analysed (none
+    unless the "Key/value states" tick is on)."""
+    if not wanted_tensors(model)["kv"]:
+        return []
+    available = set(model.attention_blocks())
+    return [name for name in st.session_state.get("attention", []) if name in available]
 
 
 def calibration_texts() -> tuple[str, ...] | None:
@@ -523,11 +549,23 @@ def calibration_texts() -> tuple[str, ...] | None:
 # ---------------------------------------------------------------- run page widgets
 
 
-def spec_editor(role: str, strategies: Sequence[str], default: SpecSettings) -> SpecSettings:
+def spec_editor(
+    role: str,
+    strategies: Sequence[str],
+    default: SpecSettings,
+    dtypes: Sequence[str] | None = None,
+    strategy_labels: dict[str, str] | None = None,
+) -> SpecSettings:
     """Widgets for one spec (format by family, symmetric, granularity, group/block size, MX
-    rounding); values persist under ``<role>_<field>``."""
+    rounding); values persist under ``<role>_<field>``. ``dtypes`` limits the formats offered,
+    ``strategy_labels`` renames granularities (``channel`` is "per head" for KV states)."""
     dtype = widget(
-        st.selectbox, "Format", f"{role}_dtype", default.dtype, options=dtype_options(), format_func=dtype_label
+        st.selectbox,
+        "Format",
+        f"{role}_dtype",
+        default.dtype,
+        options=list(dtypes or dtype_options()),
+        format_func=dtype_label,
     )
     fmt = ob.get_format(dtype)
     st.caption(fmt.description or fmt.name)
@@ -547,8 +585,14 @@ def spec_editor(role: str, strategies: Sequence[str], default: SpecSettings) -> 
         st.caption(f"Block format: one scale per {fmt.block_size} consecutive values along the last dimension.")
         settings.strategy = "group"
     else:
+        labels = strategy_labels or {}
         settings.strategy = widget(
-            st.selectbox, "Granularity", f"{role}_strategy", default.strategy, options=list(strategies)
+            st.selectbox,
+            "Granularity",
+            f"{role}_strategy",
+            default.strategy,
+            options=list(strategies),
+            format_func=lambda name: labels.get(name, name),
         )
     if settings.strategy == "group" and not fmt.is_block:
         settings.group_size = widget(
@@ -618,7 +662,7 @@ def knob_editor(observer: str) -> dict[str, Any]:
     return values
 
 
-def run_with_status(model, layers: Sequence[str], config: RunConfig) -> RunOutcome:
+def run_with_status(model, layers: Sequence[str], config: RunConfig, attention: Sequence[str] = ()) -> RunOutcome:
     """``run_analysis`` inside an ``st.status`` box with a progress bar (steps done, elapsed
     seconds, current layer · tensor · observer)."""
     with st.status("Capturing activations and running observers…", expanded=True) as status:
@@ -629,7 +673,7 @@ def run_with_status(model, layers: Sequence[str], config: RunConfig) -> RunOutco
             bar.progress(done / total if total else 1.0, text=progress_text(done, total, label, timer.elapsed))
 
         try:
-            outcome = run_analysis(model, layers, config, progress)
+            outcome = run_analysis(model, layers, config, progress, attention)
         except Exception:
             status.update(label="Run failed", state="error")
             raise
@@ -737,9 +781,16 @@ def compressed_tensors_zip(
     from lab.export import export_compressed_tensors
 
     layer_types = {i.name: i.type for i in model.layers()} if model is not None else None
+    has_kv = any(tensor in KV_TENSORS for _, tensor in choices)
+    attention_blocks = model.attention_blocks() if model is not None and has_kv else None
     with tempfile.TemporaryDirectory() as tmp:
         written = export_compressed_tensors(
-            analysis, choices, tmp, layer_types=layer_types, allow_uncalibrated=allow_uncalibrated
+            analysis,
+            choices,
+            tmp,
+            layer_types=layer_types,
+            allow_uncalibrated=allow_uncalibrated,
+            attention_blocks=attention_blocks,
         )
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:

@@ -18,6 +18,7 @@ from observers import histogram, mse_grid  # noqa: F401  (registers the distribu
 from observers import blocks  # noqa: F401  (MX/NVFP4/BFP/cast scale rules and their observers)
 from observers.actorder import activation_order_g_idx, column_importance
 from observers.base import Observer, available, create, describe, knobs, observer_class, register
+from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
 from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics
@@ -48,6 +49,10 @@ __all__ = [
     "create",
     "dequantize",
     "describe",
+    "dynamic_error_metrics",
+    "dynamic_fake_quantize",
+    "dynamic_qparams",
+    "dynamic_view_spec",
     "error_metrics",
     "fake_quantize",
     "flatten",

@@ -58,12 +58,17 @@ def compare_tensors(reference: torch.Tensor, approx: torch.Tensor) -> dict[str, 
     }
 
 
+_EDGE_STEPS = 1e-3
+
+
 def _clip_and_step_error(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec) -> tuple[float, float]:
     """Share of elements beyond the representable range, and RMS error / step.
 
     An integer element counts as clipped when it lies more than half a step beyond
     ``[(qmin - zp)·s, (qmax - zp)·s]`` (saturation, not rounding, set its error); a float element
-    when ``|x| > max_value·s``.
+    when ``|x| > max_value·s``. Both allow ``_EDGE_STEPS`` of fp32 rounding: with the
+    ``half_range`` rule the range's own end sits exactly half a step beyond ``qmax·s``, and
+    ``x / s`` there may land a hair past it.
     """
     fmt = spec.format
     g_idx = qp.extras.get("g_idx")
@@ -74,7 +79,7 @@ def _clip_and_step_error(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec
     if fmt.kind == "int":
         qmin, qmax = spec.int_range
         shifted = scaled + flat.broadcast(qp.zero_point)
-        clipped = (shifted > qmax + 0.5) | (shifted < qmin - 0.5)
+        clipped = (shifted > qmax + 0.5 + _EDGE_STEPS) | (shifted < qmin - 0.5 - _EDGE_STEPS)
     else:
         clipped = scaled.abs() > fmt.max_value * (1 + 1e-6)
     step_error = ((flat_hat.data.float() - flat.data.float()) / scale).square()

@@ -70,17 +70,34 @@ layers = ui.widget(st.multiselect, "Layers to analyse", "layers", selected, opti
 st.caption(f"{len(layers)} layer(s) selected.")
 
 st.subheader("What to analyse")
-cols = st.columns(3)
-labels = {"weight": "Weights", "input": "Input activations", "output": "Output activations"}
-for col, (kind, label) in zip(cols, labels.items(), strict=True):
+labels = {
+    "weight": "Weights",
+    "input": "Input activations",
+    "output": "Output activations",
+    "kv": "Key/value states (KV cache)",
+}
+for col, (kind, label) in zip(st.columns(len(labels)), labels.items(), strict=True):
     with col:
         disabled = kind != "weight" and not model.supports_activations
-        ui.widget(st.checkbox, label, f"want_{kind}", kind != "output", disabled=disabled)
+        ui.widget(st.checkbox, label, f"want_{kind}", kind in ("weight", "input"), disabled=disabled)
 wants = ui.wanted_tensors(model)
 if not model.supports_activations:
     st.info("This source has weights only (no architecture or tokenizer): activations cannot be captured.")
+if wants["kv"]:
+    blocks = []
+    with ui.guard("Listing attention blocks"):
+        blocks = model.attention_blocks()
+    chosen_blocks = [n for n in ui.current("attention", blocks[:2]) if n in blocks]
+    ui.set_value("attention", chosen_blocks)
+    ui.widget(
+        st.multiselect,
+        "Attention blocks (keys and values per head, as the KV cache holds them)",
+        "attention",
+        chosen_blocks,
+        options=blocks,
+    )
 
-if model.supports_activations and (wants["input"] or wants["output"]):
+if model.supports_activations and (wants["input"] or wants["output"] or wants["kv"]):
     st.subheader("Calibration")
     texts = ui.widget(st.radio, "Text", "calib_kind", "built-in", options=["built-in", "pasted"], horizontal=True)
     if texts == "pasted":

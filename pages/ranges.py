@@ -3,7 +3,7 @@ per-token vs per-channel view of activations."""
 
 import streamlit as st
 
-from lab import plots, ui
+from lab import dynamic, plots, ui
 
 st.title("Ranges")
 analysis = ui.require_analysis()
@@ -45,7 +45,12 @@ if entry.tensor == "weight":
         st.plotly_chart(
             plots.channel_range_figure(entry.data, 0, title="min/max per output channel"), theme="streamlit"
         )
-elif entry.data.shape[0] > 0:
+elif entry.tensor in ("k", "v") and entry.num_tokens > 0:
+    st.subheader("Per-head ranges")
+    with ui.guard("Drawing per-head ranges"):
+        st.plotly_chart(plots.head_range_figure(entry.data), theme="streamlit")
+        st.plotly_chart(plots.token_channel_figure(plots.per_token_view(entry.data)), theme="streamlit")
+elif entry.num_tokens > 0:
     st.subheader("Per-token vs per-channel abs-max")
     with ui.guard("Drawing activation outliers"):
         st.plotly_chart(plots.token_channel_figure(entry.data), theme="streamlit")
@@ -54,3 +59,15 @@ elif entry.data.shape[0] > 0:
         )
 else:
     st.warning(f"{entry.layer} · {entry.tensor} observed no tokens.")
+
+if dynamic.dynamic_applies(entry):
+    st.subheader("Dynamic scales over the calibration tokens")
+    with ui.guard("Drawing the dynamic scales"):
+        st.plotly_chart(plots.dynamic_scale_figure(entry, results, order=order), theme="streamlit")
+        st.dataframe(dynamic.dynamic_summary(entry, results), hide_index=True)
+        st.caption(
+            "This spec is dynamic: at run time each token (or token group) gets its own scale from its own "
+            "min/max, so the static range lines above only summarize calibration. The histogram shows the "
+            "scales a runtime would compute on the calibration tokens; the table compares them with each "
+            "observer's static scales (p50 ratio, share of run-time scales above the static one, SQNR)."
+        )

@@ -11,13 +11,20 @@ model = None
 with ui.guard("Opening the model"):
     model = ui.current_model()
 layers = st.session_state.get("layers", [])
-if model is None or not layers:
-    st.info("Choose a model and at least one layer first.")
+attention = [] if model is None else ui.attention_choice(model)
+if model is None or not (layers or attention):
+    st.info("Choose a model and at least one layer (or attention block) first.")
     st.page_link("pages/model.py", label="Go to Model", icon=":material/deployed_code:")
     st.stop()
 wants = ui.wanted_tensors(model)
+wants["kv"] = bool(attention)
+if not layers:
+    wants["weight"] = wants["input"] = wants["output"] = False
 kinds = [kind for kind, wanted in wants.items() if wanted]
-st.caption(f"**{model.name}** · {len(layers)} layer(s) · analysing {', '.join(kinds) or 'nothing'}")
+st.caption(
+    f"**{model.name}** · {len(layers)} layer(s), {len(attention)} attention block(s) · "
+    f"analysing {', '.join(kinds) or 'nothing'}"
+)
 
 ui.widget(
     st.selectbox,
@@ -28,7 +35,7 @@ ui.widget(
     on_change=ui.apply_preset,
     help="compressed-tensors schemes; choosing one fills in the formats below.",
 )
-weight_tab, act_tab = st.tabs(["Weights", "Activations (inputs and outputs)"])
+weight_tab, act_tab, kv_tab = st.tabs(["Weights", "Activations (inputs and outputs)", "KV cache (keys, values)"])
 with weight_tab:
     weight_settings = ui.spec_editor("weight", ui.WEIGHT_STRATEGIES, ui.SpecSettings())
     actorder = ui.widget(
@@ -40,6 +47,16 @@ with weight_tab:
     )
 with act_tab:
     act_settings = ui.spec_editor("act", ui.ACTIVATION_STRATEGIES, ui.SpecSettings())
+with kv_tab:
+    if not attention:
+        st.caption("Tick 'Key/value states' and choose attention blocks on the Model page to analyse them.")
+    kv_settings = ui.spec_editor(
+        "kv",
+        ui.KV_STRATEGIES,
+        ui.SpecSettings(dtype="fp8_e4m3"),
+        dtypes=ui.kv_dtype_options(),
+        strategy_labels={"tensor": "tensor (one k_scale, one v_scale)", "channel": "per head (attn_head)"},
+    )
 
 st.subheader("Observers")
 names = list(ob.available())
@@ -57,6 +74,8 @@ if st.button("Run", type="primary", disabled=not kinds or not chosen):
         for kind in ("input", "output"):
             if wants[kind]:
                 specs[kind] = act_settings.spec()
+        if wants["kv"]:
+            specs["kv"] = kv_settings.spec()
         config = RunConfig(
             specs=specs,
             observers=tuple(chosen),
@@ -66,7 +85,7 @@ if st.button("Run", type="primary", disabled=not kinds or not chosen):
             texts=ui.calibration_texts(),
             actorder=bool(actorder and wants["input"] and weight_settings.strategy == "group"),
         )
-        outcome = ui.run_with_status(model, layers, config)
+        outcome = ui.run_with_status(model, layers, config, attention)
         st.session_state[ui.ANALYSIS] = outcome.analysis
         st.session_state[ui.LAST_RUN] = outcome
         st.session_state.pop(ui.CHOICES, None)

@@ -191,6 +191,13 @@ class Model:
             batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
             return capture_kv_states(module, self.config, found, batches)
 
+    def kv_shape(self, block: str) -> tuple[int, int]:
+        """``(kv_heads, head_dim)`` of an attention block's keys and values (``kv_heads`` <
+        query heads under grouped-query attention): the shape per-head KV scales must fit."""
+        found = self._attention_block(self.module(), block)
+        head_dim = head_dim_of(self.config)
+        return _kv_width(found) // head_dim, head_dim
+
     def head_view(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """A captured q/k/v projection output (tokens, heads * head_dim) as
         (1, heads, tokens, head_dim), using the config's head size."""

@@ -377,6 +377,22 @@ def test_metrics_edge_cases_are_defined():
     assert m["mse"] == pytest.approx(0.5) and m["max_abs_error"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("dtype", ["int3", "int8"])
+def test_the_range_end_of_half_range_scales_is_not_clipped(dtype):
+    """With scale = amax / ((qmax - qmin) / 2), +amax sits exactly half a step past qmax: its error
+    is rounding, not saturation; one step further out is clipped."""
+    spec = ob.QuantSpec(dtype, strategy="channel")
+    w = torch.randn(64, 96) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    obs = ob.create("memoryless_minmax", spec)
+    obs.observe(w)
+    qp = obs.qparams()
+    assert ob.error_metrics(w, ob.fake_quantize(w, qp, spec), qp, spec)["clip_ratio"] == 0.0
+    beyond = w.clone()
+    beyond[:, 0] = (spec.int_range[1] + 1.5) * qp.scale[:, 0]
+    clip = ob.error_metrics(beyond, ob.fake_quantize(beyond, qp, spec), qp, spec)["clip_ratio"]
+    assert clip == pytest.approx(64 / w.numel())
+
+
 @pytest.mark.parametrize("name", ["minmax", "memoryless_minmax", "moving_average_minmax"])
 @pytest.mark.parametrize("strategy", ["tensor", "group", "channel"])
 def test_single_nan_is_detected_at_every_granularity(name, strategy):
