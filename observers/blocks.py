@@ -39,7 +39,7 @@ from observers.base import Observer, register
 from observers.formats import ElementFormat
 from observers.granularity import Flat, reduce_min_max
 from observers.qparams import SCALE_RULES, QParams
-from observers.quantize import _element_codes
+from observers.quantize import element_codes
 from observers.spec import QuantSpec
 
 E8M0_BIAS = 127
@@ -219,7 +219,7 @@ class MXExponentSearchObserver(Observer):
         step_exponent = candidates - fmt.man_bits if fmt.kind == "int" else candidates
         scale = pow2(step_exponent).reshape(count, 1, *flat.qparam_shape, 1)
         data = flat.data.float().unsqueeze(0)
-        codes = _element_codes(data, scale, torch.zeros((), device=data.device), self.spec)
+        codes = element_codes(data, scale, torch.zeros((), device=data.device), self.spec)
         error = codes.mul_(scale).sub_(data).square_()
         if flat.valid is not None:
             error.mul_(flat.valid)

@@ -28,7 +28,7 @@ from observers.base import Observer, register
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, as_2d, flatten, reduce_min_max
 from observers.qparams import calculate_qparams
-from observers.quantize import _element_codes
+from observers.quantize import element_codes
 from observers.spec import QuantSpec
 
 DEFAULT_WORKING_BYTES = 1 << 28
@@ -42,7 +42,7 @@ def fake_quant_batched(
 
     The same element rounding as ``observers.quantize.fake_quantize``; fp32 result.
     """
-    codes = _element_codes(data, scale, zero_point, spec)
+    codes = element_codes(data, scale, zero_point, spec)
     if spec.format.kind == "int":
         return codes.sub_(zero_point).mul_(scale)
     return codes.mul_(scale)

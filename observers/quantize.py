@@ -32,8 +32,12 @@ def _flat_for(x: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor
     return flat
 
 
-def _element_codes(data: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Round ``data / scale`` onto the format's element grid (ints: shifted by the zero point)."""
+def element_codes(data: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Round ``data / scale`` onto the format's element grid (ints: shifted by the zero point).
+
+    The primitive under ``quantize``/``fake_quantize``, on tensors already laid out by
+    ``flatten`` with ``scale``/``zero_point`` broadcastable against ``data``; search observers
+    (``mse_grid``, ``mx_exponent_search``) call it directly on their candidate scales."""
     fmt = spec.format
     scaled = data.float() / scale
     if fmt.kind == "int":
@@ -47,7 +51,7 @@ def quantize(x: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor 
     if spec.format.kind == "cast":
         raise ValueError(f"{spec.dtype} is a plain cast and has no element codes; use fake_quantize")
     flat = _flat_for(x, qp, spec, g_idx)
-    codes = _element_codes(flat.data, flat.broadcast(qp.effective_scale), flat.broadcast(qp.zero_point), spec)
+    codes = element_codes(flat.data, flat.broadcast(qp.effective_scale), flat.broadcast(qp.zero_point), spec)
     codes = flat.restore(codes)
     return codes.to(torch.int32) if spec.format.kind == "int" else codes
 
@@ -69,7 +73,7 @@ def fake_quantize(x: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Te
     flat = _flat_for(x, qp, spec, g_idx)
     scale = flat.broadcast(qp.effective_scale)
     zero_point = flat.broadcast(qp.zero_point)
-    codes = _element_codes(flat.data, scale, zero_point, spec)
+    codes = element_codes(flat.data, scale, zero_point, spec)
     values = codes.sub_(zero_point).mul_(scale) if fmt.kind == "int" else codes.mul_(scale)
     return flat.restore(values).to(x.dtype)
 
