@@ -251,14 +251,24 @@ def per_token_view(states: torch.Tensor) -> torch.Tensor:
 
 
 def head_range_figure(states: torch.Tensor, title: str = "min/max per head") -> go.Figure:
-    """Per-head ``[min, max]`` of attention states ``(batch, heads, seq, head_dim)``, heads
-    sorted by ``max |value|``: one scale per head (compressed-tensors ``attn_head``) pays off
-    when these bands differ."""
+    """Per-head ``[min, max]`` of attention states ``(batch, heads, seq, head_dim)`` as floating
+    bars, heads sorted by ``max |value|``: one scale per head (compressed-tensors ``attn_head``)
+    pays off when these bars differ."""
     if states.ndim != 4:
         raise ValueError(f"attention states must be (batch, heads, seq, head_dim), got shape {tuple(states.shape)}")
-    fig = channel_range_figure(states, 1, title=title)
-    fig.update_traces(hovertemplate="head %{customdata}<br>%{y:.4g}<extra>%{fullData.name}</extra>")
-    fig.update_layout(xaxis_title="head rank (sorted by max |value|)")
+    frame = channel_ranges(states, 1)
+    fig = go.Figure(
+        go.Bar(
+            x=[f"head {h}" for h in frame["channel"]],
+            y=frame["max"] - frame["min"],
+            base=frame["min"],
+            marker_color="#d62728",
+            opacity=0.6,
+            customdata=np.stack([frame["min"], frame["max"]], axis=1),
+            hovertemplate="%{x}<br>min %{customdata[0]:.4g}<br>max %{customdata[1]:.4g}<extra></extra>",
+        )
+    )
+    fig.update_layout(title=title, xaxis_title="head (sorted by max |value|)", yaxis_title="value")
     return fig
 
 

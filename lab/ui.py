@@ -715,11 +715,14 @@ def observer_picker(entry, name: str, label: str = "Observers", limit: int | Non
     return widget(st.multiselect, label, name, stored, options=ok)
 
 
-def granularity_note(spec: ob.QuantSpec) -> str | None:
-    """What the histogram lines mean when there is more than one range per tensor."""
+def granularity_note(spec: ob.QuantSpec, tensor: str = "weight") -> str | None:
+    """What the histogram lines mean when there is more than one range per tensor (``tensor``
+    ``k``/``v``: per-channel ranges of attention states are per head)."""
     if spec.strategy == "tensor" and not spec.format.is_block:
         return None
     unit = "block" if spec.format.is_block else spec.strategy
+    if tensor in KV_TENSORS and unit == "channel":
+        unit = "head"
     return (
         f"Granularity is {unit}: each observer chose one range per {unit}. The lines show the tensor-wide "
         "envelope (smallest min, largest max over all of them); see the Scales page for the ranges per group."

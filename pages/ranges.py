@@ -20,7 +20,7 @@ with c3:
         st.radio, "Zoom", "ranges_zoom", "full", options=["full", "left tail", "right tail"], horizontal=True
     )
 results = [r for r in entry.results if r.name in shown]
-note = ui.granularity_note(entry.spec)
+note = ui.granularity_note(entry.spec, entry.tensor)
 if note:
     st.info(note)
 with ui.guard("Drawing the histogram"):

@@ -170,3 +170,46 @@ def test_model_run_ranges_export_in_a_browser(page):
     _settle(tab)
     _no_exception(tab)
     _shot(tab, "7_export")
+
+
+def _choose(tab, label: str, option: str) -> None:
+    """Pick ``option`` in the Streamlit select box labelled ``label``."""
+    tab.get_by_label(label, exact=True).filter(visible=True).click()
+    tab.get_by_role("option", name=option, exact=True).click()
+    _settle(tab)
+
+
+def test_kv_cache_states_in_a_browser(page):
+    tab = page
+    _go(tab, "Model")
+    tab.get_by_text("tiny-llama (built-in decoder sample)").click()
+    _see(tab, "Key/value states (KV cache)")
+    tab.get_by_text("Key/value states (KV cache)").click()
+    _see(tab, "Attention blocks (keys and values per head, as the KV cache holds them)")
+    tab.get_by_text("Input activations", exact=True).click()
+    _fill(tab, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", "model.layers.0.self_attn.q_proj")
+    tab.get_by_role("button", name="Clear selection").click()
+    _see(tab, "0 layer(s) selected.")
+    tab.get_by_role("button", name="Select all 1 shown").click()
+    _see(tab, "1 layer(s) selected.")
+    _fill(tab, "Samples", "4")
+    _fill(tab, "Sequence length (tokens)", "32")
+    _settle(tab)
+    _no_exception(tab)
+    _shot(tab, "8_model_kv")
+
+    _go(tab, "Run")
+    tab.get_by_role("tab", name="KV cache (keys, values)").click()
+    _choose(tab, "Granularity", "per head (attn_head)")
+    tab.get_by_role("button", name="Run", exact=True).click()
+    tab.get_by_text("Results for 5 tensors").wait_for(timeout=SLOW_MS)
+    _no_exception(tab)
+
+    _go(tab, "Ranges")
+    _choose(tab, "Layer · tensor", "model.layers.0.self_attn · k")
+    _see(tab, "Per-head ranges")
+    assert _plots(tab, 3) >= 3
+    tab.get_by_text("Per-head ranges").scroll_into_view_if_needed()
+    _settle(tab)
+    _no_exception(tab)
+    _shot(tab, "9_ranges_kv")

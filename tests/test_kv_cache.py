@@ -148,8 +148,11 @@ def test_per_head_plots_cover_every_head(per_head):
     entry = per_head.entries[0]
     fig = plots.head_range_figure(entry.data)
     heads = entry.data.shape[1]
-    assert len(fig.data[1].y) == heads
-    assert max(fig.data[1].y) == pytest.approx(float(entry.data.max()))
+    bars = fig.data[0]
+    assert len(bars.x) == heads and sorted(bars.x) == [f"head {h}" for h in range(heads)]
+    for label, low, span in zip(bars.x, bars.base, bars.y, strict=True):
+        values = entry.data[:, int(label.split()[1])]
+        assert low == pytest.approx(float(values.min())) and low + span == pytest.approx(float(values.max()))
     rows = plots.per_token_view(entry.data)
     assert rows.shape == (entry.num_tokens, heads * entry.data.shape[3])
     torch.testing.assert_close(rows[5, 32:64], entry.data[0, 1, 5])
@@ -240,3 +243,10 @@ def test_app_analyses_and_exports_kv_states():
         config = json.loads(archive.read("quantization_config.json"))["quantization_config"]
     assert config["kv_cache_scheme"]["strategy"] == "attn_head"
     assert any("model.layers.2.self_attn" in note for note in notes)
+
+
+def test_granularity_note_speaks_of_heads_for_kv_states():
+    spec = ob.QuantSpec(dtype="fp8_e4m3", strategy="channel")
+    assert "one range per head" in ui.granularity_note(spec, "k")
+    assert "one range per channel" in ui.granularity_note(spec, "weight")
+    assert ui.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
