@@ -126,40 +126,36 @@ def kv_spec_from_args(args: argparse.Namespace) -> ob.QuantSpec | None:
     return ob.QuantSpec(dtype=args.kv_dtype, strategy="channel" if args.kv_per_head else "tensor")
 
 
-def select_attention(model: Any, text: str | None) -> list[str]:
-    """Attention blocks matching any comma-separated name or pattern (all when ``text`` is None),
-    in model order; an item that matches no attention block is an error."""
+def _select(items: Sequence[Any], text: str, option: str, nothing: str) -> list[str]:
+    """Names of ``items`` (objects with ``.name``) matching any comma-separated name or pattern
+    of ``text``, in their own order; an item of ``text`` that matches nothing is an error."""
     from sample_models import filter_layers
 
+    chosen: set[str] = set()
+    for pattern in _csv(text):
+        found = filter_layers(items, pattern)
+        if not found:
+            raise CliError(f"{option} {pattern!r} matches {nothing}")
+        chosen.update(item.name for item in found)
+    if not chosen:
+        raise CliError(f"{option} is empty")
+    return [item.name for item in items if item.name in chosen]
+
+
+def select_attention(model: Any, text: str | None) -> list[str]:
+    """Attention blocks matching ``--attention`` (all when ``text`` is None), in model order."""
     blocks = [SimpleNamespace(name=name) for name in model.attention_blocks()]
     if not blocks:
         raise CliError(f"{model.name} has no attention block whose keys and values can be captured")
     if text is None:
         return [block.name for block in blocks]
-    chosen: set[str] = set()
-    for item in _csv(text):
-        found = filter_layers(blocks, item)
-        if not found:
-            raise CliError(f"--attention {item!r} matches no attention block of {model.name}")
-        chosen.update(block.name for block in found)
-    return [block.name for block in blocks if block.name in chosen]
+    return _select(blocks, text, "--attention", f"no attention block of {model.name}")
 
 
 def select_layers(model: Any, text: str) -> list[str]:
-    """Layers matching any comma-separated name or pattern, in model order; an item that matches
-    no layer with a weight matrix is an error."""
+    """Layers with a weight matrix matching ``--layers``, in model order."""
     matrix_layers = [info for info in model.layers() if len(info.shape) >= 2]
-    from sample_models import filter_layers
-
-    chosen: set[str] = set()
-    for item in _csv(text):
-        found = filter_layers(matrix_layers, item)
-        if not found:
-            raise CliError(f"--layers {item!r} matches no layer with a weight matrix (see 'layers {model.name}')")
-        chosen.update(info.name for info in found)
-    if not chosen:
-        raise CliError("--layers is empty")
-    return [info.name for info in matrix_layers if info.name in chosen]
+    return _select(matrix_layers, text, "--layers", f"no layer with a weight matrix (see 'layers {model.name}')")
 
 
 def _observer_names(text: str | None) -> tuple[str, ...] | None:

@@ -120,20 +120,15 @@ def _fill(tab, label: str, value: str) -> None:
     box.press("Enter")
 
 
-def test_model_run_ranges_export_in_a_browser(page):
-    tab = page
-    _see(tab, "Go to Model")
-    _settle(tab)
-    _shot(tab, "0_home")
-
-    _go(tab, "Model")
-    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
-    _fill(tab, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", LAYER_REGEX)
-    _see(tab, "Select all 2 shown")
+def _pick_layers(tab, pattern: str, count: int) -> None:
+    """On the Model page: select exactly the ``count`` layers ``pattern`` matches, and a small
+    calibration set (4 samples of 32 tokens)."""
+    _fill(tab, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", pattern)
+    _see(tab, f"Select all {count} shown")
     tab.get_by_role("button", name="Clear selection").click()
     _see(tab, "0 layer(s) selected.")
-    tab.get_by_role("button", name="Select all 2 shown").click()
-    _see(tab, "2 layer(s) selected.")
+    tab.get_by_role("button", name=f"Select all {count} shown").click()
+    _see(tab, f"{count} layer(s) selected.")
     _fill(tab, "Samples", "4")
     _fill(tab, "Sequence length (tokens)", "32")
     tab.wait_for_function(
@@ -142,6 +137,17 @@ def test_model_run_ranges_export_in_a_browser(page):
         timeout=SLOW_MS,
     )
     _settle(tab)
+
+
+def test_model_run_ranges_export_in_a_browser(page):
+    tab = page
+    _see(tab, "Go to Model")
+    _settle(tab)
+    _shot(tab, "0_home")
+
+    _go(tab, "Model")
+    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
+    _pick_layers(tab, LAYER_REGEX, 2)
     _no_exception(tab)
     _shot(tab, "1_model")
 
@@ -187,14 +193,7 @@ def test_kv_cache_states_in_a_browser(page):
     tab.get_by_text("Key/value states (KV cache)").click()
     _see(tab, "Attention blocks (keys and values per head, as the KV cache holds them)")
     tab.get_by_text("Input activations", exact=True).click()
-    _fill(tab, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", "model.layers.0.self_attn.q_proj")
-    tab.get_by_role("button", name="Clear selection").click()
-    _see(tab, "0 layer(s) selected.")
-    tab.get_by_role("button", name="Select all 1 shown").click()
-    _see(tab, "1 layer(s) selected.")
-    _fill(tab, "Samples", "4")
-    _fill(tab, "Sequence length (tokens)", "32")
-    _settle(tab)
+    _pick_layers(tab, "model.layers.0.self_attn.q_proj", 1)
     _no_exception(tab)
     _shot(tab, "8_model_kv")
 
