@@ -1,10 +1,10 @@
-"""``python -m bench [--device cpu|cuda|auto] [--only SUBSTRING] [--markdown FILE]``
+"""``python -m bench [--device cpu|cuda|auto] [--only SUBSTRING] [--quick] [--threads N] [--markdown FILE]``
 
-Runs every benchmark module's ``cases(device)`` (plus the scaling curve) in one process and
-prints one table: ours (median of >= 5 after warm-up), the reference on the same tensors, the
-speed-up, ours as a multiple of the memory-bandwidth floor, and an agreement column so that a
-speed-up never hides a different answer. A reference that is not installed is reported as
-missing, never faked.
+Runs every benchmark module's ``cases(device)`` in one process and prints one table: ours
+(median of 5 after a warm-up, 2 with ``--quick``), each reference timed in this same process on
+the same tensors, the speed-up, ours as a multiple of the memory-bandwidth floor measured in the
+same run, and an agreement column so that a speed-up never hides a different answer. A reference
+that is not installed is reported as ``missing: <package> not installed``, never faked.
 """
 
 from __future__ import annotations
@@ -12,13 +12,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import platform
 import sys
 import traceback
 
 import torch
 
-MODULES = ["bench_core", "bench_distribution", "bench_blocks", "bench_capture", "bench_app"]
+from bench.common import SETTINGS, version
+
+MODULES = [
+    "bench_core",
+    "bench_distribution",
+    "bench_blocks",
+    "bench_minilm",
+    "bench_scaling",
+    "bench_capture",
+    "bench_app",
+]
+REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 
 
 def _device(name: str) -> str:
@@ -37,11 +49,18 @@ def machine_line(device: str) -> str:
     return f"{datetime.date.today().isoformat()} · {device} · {what} · torch {torch.__version__}"
 
 
-def _ms(seconds: float | None) -> str:
+def references_line() -> str:
+    """Versions of the reference packages in this environment (what the reference column ran)."""
+    return "references: " + " · ".join(f"{name} {version(name)}" for name in REFERENCES)
+
+
+def ms_cell(seconds: float | None) -> str:
+    """Seconds as a millisecond cell ("" for none)."""
     return "" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def format_rows(rows: list[dict]) -> list[list[str]]:
+    """Table cells per row: times in ms, speed-up = reference / ours, x floor = ours / floor."""
     table = []
     for r in rows:
         ratio = f"{r['reference_s'] / r['ours_s']:.1f}x" if r.get("reference_s") and r["ours_s"] else ""
@@ -49,8 +68,8 @@ def format_rows(rows: list[dict]) -> list[list[str]]:
         table.append(
             [
                 r["case"],
-                _ms(r["ours_s"]),
-                _ms(r.get("reference_s")),
+                ms_cell(r["ours_s"]),
+                ms_cell(r.get("reference_s")),
                 r.get("reference", ""),
                 ratio,
                 floor,
@@ -63,15 +82,19 @@ def format_rows(rows: list[dict]) -> list[list[str]]:
 HEADER = ["case", "ours ms", "reference ms", "reference", "speed-up", "x floor", "agreement"]
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in format_rows(rows)]
+def markdown(rows: list[dict], header: list[str] = HEADER, cells: list[list[str]] | None = None) -> str:
+    """The table as GitHub markdown (``|`` in a cell is escaped); ``cells`` overrides the cells
+    computed from ``rows`` (for tables with extra columns)."""
+    body = format_rows(rows) if cells is None else cells
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
     return "\n".join(lines)
 
 
-def plain(rows: list[dict]) -> str:
-    table = [HEADER, *format_rows(rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(HEADER))]
+def plain(rows: list[dict], header: list[str] = HEADER, cells: list[list[str]] | None = None) -> str:
+    """The table as aligned plain text for the terminal."""
+    table = [header, *(format_rows(rows) if cells is None else cells)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in table)
 
 
@@ -80,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--only", default="", help="run only modules whose name contains this")
     parser.add_argument("--markdown", default=None, help="also write the table as markdown to this file")
+    parser.add_argument("--json", default=None, help="also write the raw rows as JSON (for python -m bench.merge)")
+    parser.add_argument("--quick", action="store_true", help="small tensors and 2 repeats (a smoke test, not figures)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     device = _device(args.device)
+    SETTINGS.quick = args.quick
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     rows: list[dict] = []
     failed = False
     for name in MODULES:
@@ -91,17 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(f"bench.{name}")
             rows += module.cases(device)
-            if hasattr(module, "scaling"):
-                rows += module.scaling(device)
         except Exception:  # noqa: BLE001 - report the failing module and go on with the others
             failed = True
             traceback.print_exc()
             rows.append({"case": f"{name}: FAILED (see stderr)", "ours_s": 0.0, "agreement": "failed"})
-    print(machine_line(device))
-    print(plain(rows))
+    run_line = machine_line(device) + (" · --quick" if args.quick else "")
+    print(f"{run_line}\n{references_line()}\n{plain(rows)}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"{machine_line(device)}\n\n{markdown(rows)}\n")
+            f.write(f"{run_line}  \n{references_line()}\n\n{markdown(rows)}\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": run_line, "references": references_line(), "rows": rows}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -67,11 +67,11 @@ def _rerun_seconds(model, layers: list[str], name: str, knob: str, default: floa
 
 def cases(device: str) -> list[dict]:
     model, layers = _setup(device)
-    capture_s = median_seconds(lambda: model.capture(layers, samples=32, seq_len=128), device, repeats=5)
+    capture_s = median_seconds(lambda: model.capture(layers, samples=32, seq_len=128), device)
     rows = []
     for label, spec in SPECS.items():
         config = _config(spec)
-        seconds = median_seconds(lambda c=config: analyse(model, layers, c, cache=ResultCache()), device, repeats=5)
+        seconds = median_seconds(lambda c=config: analyse(model, layers, c, cache=ResultCache()), device)
         rows.append(
             case(
                 f"app Run: MiniLM 6 layers W+A, {len(ob.available())} observers, {label}",

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import case
+from bench.common import SETTINGS, case
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches, token_windows
 
@@ -66,7 +66,7 @@ def bench_capture(device: str = "cpu", repeats: int = 5) -> dict[str, float]:
 
 def cases(device: str = "cpu") -> list[dict]:
     """The capture case as a row of the ``python -m bench`` table (floor: the plain forward)."""
-    result = bench_capture(device)
+    result = bench_capture(device, SETTINGS.repeats)
     return [
         case(
             f"capture all Linear inputs, MiniLM {SAMPLES}x{SEQ_LEN} tokens",

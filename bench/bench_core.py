@@ -1,122 +1,122 @@
-"""Min-max family and fake-quant: against torch.ao and the memory-bandwidth floor."""
+"""Min-max family and integer fake-quant on synthetic LLM weights (4096x4096 and 4096x11008).
+
+References, all in this process on the same tensors: llm-compressor ``memoryless_minmax``, Quark's
+``PerGroupMinMaxObserver`` / ``PerChannelMinMaxObserver`` / ``PerTensorMinMaxObserver``, torch.ao's
+``MinMaxObserver`` / ``PerChannelMinMaxObserver``, compressed-tensors' ``fake_quantize`` and
+``torch.fake_quantize_per_channel_affine``.
+"""
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
 import observers as ob
-from bench.common import case, llm_weight, median_seconds
+from bench.common import Ref, elements_agree, llm_weight, measure, observe, ref_or_missing, rows_for
+from bench.refs import INT4_G128, agree_scales, lc_observer_ref, quark_observer_ref
+
+GROUP = ob.QuantSpec("int4", strategy="group", group_size=128)
+CHANNEL = ob.QuantSpec("int8", strategy="channel")
+TENSOR = ob.QuantSpec("int8")
 
 
-def _observe_qparams(name: str, x: torch.Tensor, spec: ob.QuantSpec, kind: str = "weight") -> ob.QParams:
-    obs = ob.create(name, spec, kind=kind)
-    obs.observe(x)
-    return obs.qparams()
+def _minmax_group_cases(w: torch.Tensor, device: str) -> list[dict]:
+    shape = "x".join(map(str, w.shape))
+    refs = [
+        lc_observer_ref("memoryless_minmax", w, INT4_G128),
+        quark_observer_ref("PerGroupMinMaxObserver", "Int4PerGroupSpec", w, {"ch_axis": 1, "group_size": 128}),
+    ]
+    return measure(
+        f"memoryless_minmax int4 g128 {shape}",
+        lambda: observe("memoryless_minmax", w, GROUP),
+        w.sum,
+        device,
+        refs,
+    )
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a.flatten().double() - b.flatten().double()).abs() / b.flatten().double().abs()).max())
+def _ao_ref(label: str, observer, x: torch.Tensor) -> Ref:
+    observer = observer.to(x.device)
+
+    def run() -> torch.Tensor:
+        observer.reset_min_max_vals()
+        observer(x)
+        return observer.calculate_qparams()[0]
+
+    return Ref(label, run, agree_scales)
+
+
+def _fake_quant_group_case(w: torch.Tensor, device: str) -> list[dict]:
+    shape = "x".join(map(str, w.shape))
+    qp = observe("memoryless_minmax", w, GROUP)
+
+    def build(forward):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        args = QuantizationArgs(**INT4_G128)
+        return lambda: forward.fake_quantize(w, qp.scale, qp.zero_point, args)
+
+    ref = ref_or_missing(
+        "compressed-tensors fake_quantize",
+        "compressed_tensors.quantization.lifecycle.forward",
+        build,
+        elements_agree,
+    )
+    return measure(f"fake_quantize int4 g128 {shape}", lambda: ob.fake_quantize(w, qp, GROUP), w.clone, device, [ref])
 
 
 def cases(device: str = "cpu") -> list[dict]:
-    w = llm_weight(4096, 4096, device)
+    rows_n = rows_for(4096)
+    w = llm_weight(rows_n, 4096, device)
+    wide = llm_weight(rows_n, 11008, device, seed=1)
     rows = []
-    floor = median_seconds(lambda: w.sum(), device)
-    clone = median_seconds(lambda: w.clone(), device)
+    for x in (w, wide):
+        rows += _minmax_group_cases(x, device)
 
-    group = ob.QuantSpec("int4", strategy="group", group_size=128)
-    ours = median_seconds(lambda: _observe_qparams("memoryless_minmax", w, group), device)
-    naive = median_seconds(lambda: torch.aminmax(w.view(4096, 32, 128), dim=-1), device)
-    rows.append(
-        case("memoryless_minmax int4 g128 4096x4096", ours, naive, "naive aminmax(dim=-1)", floor, "same min/max")
+    shape = f"{rows_n}x4096"
+    rows += measure(
+        f"minmax int8 per-channel {shape}",
+        lambda: observe("minmax", w, CHANNEL),
+        w.sum,
+        device,
+        [
+            _ao_ref(
+                "torch.ao PerChannelMinMaxObserver",
+                PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
+                w,
+            ),
+            quark_observer_ref("PerChannelMinMaxObserver", "Int8PerChannelSpec", w, {"ch_axis": 0, "symmetric": True}),
+        ],
+    )
+    rows += measure(
+        f"minmax int8 per-tensor {shape}",
+        lambda: observe("minmax", w, TENSOR),
+        w.sum,
+        device,
+        [
+            _ao_ref(
+                "torch.ao MinMaxObserver", MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric), w
+            ),
+            quark_observer_ref("PerTensorMinMaxObserver", "Int8PerTensorSpec", w, {"symmetric": True}),
+        ],
     )
 
-    channel = ob.QuantSpec("int8", strategy="channel")
-    ref_obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    for x in (w, wide):
+        rows += _fake_quant_group_case(x, device)
 
-    def torch_ao_channel():
-        ref_obs.reset_min_max_vals()
-        ref_obs(w)
-        return ref_obs.calculate_qparams()
-
-    ref_s = median_seconds(torch_ao_channel, device)
-    ours = median_seconds(lambda: _observe_qparams("minmax", w, channel), device)
-    agree = _max_rel(_observe_qparams("minmax", w, channel).scale, torch_ao_channel()[0])
-    rows.append(
-        case(
-            "minmax int8 per-channel 4096x4096",
-            ours,
-            ref_s,
-            "torch.ao PerChannelMinMaxObserver",
-            floor,
-            f"max rel scale diff {agree:.1e}",
-        )
-    )
-
-    tensor = ob.QuantSpec("int8")
-    ref_tensor = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
-
-    def torch_ao_tensor():
-        ref_tensor.reset_min_max_vals()
-        ref_tensor(w)
-        return ref_tensor.calculate_qparams()
-
-    ref_s = median_seconds(torch_ao_tensor, device)
-    ours = median_seconds(lambda: _observe_qparams("minmax", w, tensor), device)
-    agree = _max_rel(_observe_qparams("minmax", w, tensor).scale, torch_ao_tensor()[0])
-    rows.append(
-        case(
-            "minmax int8 per-tensor 4096x4096",
-            ours,
-            ref_s,
-            "torch.ao MinMaxObserver",
-            floor,
-            f"max rel scale diff {agree:.1e}",
-        )
-    )
-
-    qp = _observe_qparams("memoryless_minmax", w, group)
-    ours = median_seconds(lambda: ob.fake_quantize(w, qp, group), device)
-    rows.append(case("fake_quantize int4 g128 4096x4096", ours, None, "", clone, "clone() floor"))
-
-    qp = _observe_qparams("minmax", w, channel)
+    qp = observe("minmax", w, CHANNEL)
     scale, zero_point = qp.scale.flatten(), qp.zero_point.flatten()
-    ref_s = median_seconds(lambda: torch.fake_quantize_per_channel_affine(w, scale, zero_point, 0, -128, 127), device)
-    ours = median_seconds(lambda: ob.fake_quantize(w, qp, channel), device)
-    theirs = torch.fake_quantize_per_channel_affine(w, scale, zero_point, 0, -128, 127)
-    differing = int((ob.fake_quantize(w, qp, channel) != theirs).sum())
-    rows.append(
-        case(
-            "fake_quantize int8 per-channel 4096x4096",
-            ours,
-            ref_s,
-            "torch.fake_quantize_per_channel_affine",
-            clone,
-            f"{differing} of {w.numel()} differ (torch multiplies by 1/scale, we divide)",
-        )
-    )
-    return rows
-
-
-def scaling(device: str = "cpu") -> list[dict]:
-    """Time vs tensor size (1M -> 64M elements) for min-max at group 128: cost should be linear."""
-    rows = []
-    spec = ob.QuantSpec("int4", strategy="group", group_size=128)
-    for millions in (1, 4, 16, 64):
-        w = torch.randn(millions * 1024, 1024, device=device)
-        floor = median_seconds(w.sum, device)
-        ours = median_seconds(partial(_observe_qparams, "memoryless_minmax", w, spec), device)
-        rows.append(
-            case(
-                f"scaling memoryless_minmax g128 {millions}M elements",
-                ours,
-                None,
-                "",
-                floor,
-                f"{ours / millions * 1e3:.2f} ms per M elements",
+    rows += measure(
+        f"fake_quantize int8 per-channel {shape}",
+        lambda: ob.fake_quantize(w, qp, CHANNEL),
+        w.clone,
+        device,
+        [
+            Ref(
+                "torch.fake_quantize_per_channel_affine",
+                lambda: torch.fake_quantize_per_channel_affine(w, scale, zero_point, 0, -128, 127),
+                lambda ours, theirs: f"{elements_agree(ours, theirs)} (torch multiplies by 1/scale, we divide)",
             )
-        )
+        ],
+    )
     return rows

@@ -1,0 +1,185 @@
+"""The benchmark harness: ``python -m bench --quick`` runs, its table is well formed, a reference
+that is not installed is reported as missing (never faked), and the helpers compute what they say."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from bench import __main__ as bench_main
+from bench.common import (
+    SETTINGS,
+    Ref,
+    interleaved_medians,
+    llm_weight,
+    measure,
+    reference,
+    scales_agree,
+)
+from bench.merge import main as merge_main
+from bench.merge import merge, merged_cells
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    """Cells of the markdown table's body rows (after the header and the separator)."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+def test_quick_core_run_writes_a_table_with_times_floors_and_missing_references(tmp_path, monkeypatch):
+    monkeypatch.setattr(SETTINGS, "quick", False)  # restored after the test; main sets it
+    out = tmp_path / "bench.md"
+    assert bench_main.main(["--quick", "--only", "core", "--device", "cpu", "--markdown", str(out)]) == 0
+    text = out.read_text()
+    assert "--quick" in text.splitlines()[0]
+    assert text.splitlines()[1].startswith("references: llmcompressor ")
+    header = [line for line in text.splitlines() if line.startswith("|")][0]
+    assert header == "| " + " | ".join(bench_main.HEADER) + " |"
+    rows = _table_rows(text)
+    assert len(rows) >= 10
+    for cells in rows:
+        assert len(cells) == len(bench_main.HEADER)
+        assert float(cells[1]) > 0, cells
+        assert cells[5].endswith("x") and float(cells[5][:-1]) > 0, cells  # every core case has a floor
+    by_reference = {cells[3]: cells for cells in rows}
+    lc_rows = [cells for cells in rows if "llm-compressor memoryless_minmax" in cells[3]]
+    assert len(lc_rows) == 2  # 4096x4096 and 4096x11008 (their --quick row counts)
+    if importlib.util.find_spec("llmcompressor") is None:
+        for cells in lc_rows:
+            assert cells[3].startswith("missing: llmcompressor not installed")
+            assert cells[2] == "" and cells[4] == ""  # no reference time, no speed-up: nothing faked
+    else:
+        for cells in lc_rows:
+            assert float(cells[2]) > 0 and cells[6].startswith("identical scales 100.0000%")
+    ao = by_reference["torch.ao PerChannelMinMaxObserver"]
+    assert float(ao[2]) > 0 and ao[4].endswith("x")
+    assert ao[6] == "identical scales 100.0000%, max rel diff 0.0e+00"
+    assert by_reference["compressed-tensors fake_quantize"][6] == "identical"
+
+
+def test_missing_and_failing_references_are_rows_without_times():
+    x = torch.arange(12.0)
+
+    def broken():
+        raise RuntimeError("no kernel for this")
+
+    refs = [
+        Ref("works", lambda: x * 2, lambda ours, theirs: f"ratio {float(theirs.sum() / ours.sum()):.1f}"),
+        Ref("absent", None, missing="missing: somepkg not installed"),
+        Ref("breaks", broken),
+    ]
+    rows = measure("case", lambda: x + 0, x.clone, "cpu", refs)
+    assert [r["case"] for r in rows] == ["case"] * 3
+    assert all(r["ours_s"] > 0 and r["floor_s"] > 0 for r in rows)
+    assert rows[0]["reference_s"] > 0 and rows[0]["agreement"] == "ratio 2.0"
+    assert rows[1]["reference_s"] is None and rows[1]["reference"] == "missing: somepkg not installed (absent)"
+    assert rows[2]["reference_s"] is None
+    assert rows[2]["agreement"] == "reference failed: RuntimeError: no kernel for this"
+
+
+def test_reference_reports_a_package_that_is_not_installed():
+    assert reference("no_such_reference_package_xyz.sub") == "missing: no_such_reference_package_xyz not installed"
+    assert reference("math").__name__ == "math"
+
+
+def test_interleaved_medians_runs_each_function_warmup_plus_repeats_times():
+    calls = {"a": 0, "b": 0}
+
+    def bump(name):
+        def run():
+            calls[name] += 1
+
+        return run
+
+    times = interleaved_medians({"a": bump("a"), "b": bump("b")}, "cpu", repeats=3, warmup=2)
+    assert calls == {"a": 5, "b": 5}
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+
+
+def test_format_rows_computes_speed_up_and_floor_multiple():
+    rows = [
+        {"case": "a", "ours_s": 0.002, "reference_s": 0.005, "reference": "r", "floor_s": 0.0005, "agreement": "ok"},
+        {"case": "b", "ours_s": 0.25, "reference_s": None, "reference": "missing: x not installed", "floor_s": None},
+    ]
+    assert bench_main.format_rows(rows) == [
+        ["a", "2.00", "5.00", "r", "2.5x", "4.0x", "ok"],
+        ["b", "250.00", "", "missing: x not installed", "", "", ""],
+    ]
+    md = bench_main.markdown([{**rows[0], "agreement": "a|b"}])
+    assert md.splitlines()[2] == "| a | 2.00 | 5.00 | r | 2.5x | 4.0x | a\\|b |"
+    plain = bench_main.plain(rows).splitlines()
+    assert plain[0].split() == [
+        "case",
+        "ours",
+        "ms",
+        "reference",
+        "ms",
+        "reference",
+        "speed-up",
+        "x",
+        "floor",
+        "agreement",
+    ]
+    assert len({len(line) for line in plain}) == 1  # every column padded to its widest cell
+    assert plain[1].index("2.00") == plain[0].index("ours ms") and plain[2].index("250.00") == plain[0].index("ours ms")
+
+
+def test_scales_agree_counts_identical_scales_and_the_largest_relative_difference():
+    ours = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    theirs = torch.tensor([1.0, 2.0, 5.0, 8.0])
+    naive_same = sum(a == b for a, b in zip(ours.tolist(), theirs.tolist(), strict=True)) / 4
+    naive_rel = max(abs(a - b) / abs(b) for a, b in zip(ours.tolist(), theirs.tolist(), strict=True))
+    assert scales_agree(ours, theirs) == f"identical scales {naive_same:.4%}, max rel diff {naive_rel:.1e}"
+    assert scales_agree(torch.tensor([0.5]), torch.tensor([0.5])) == "scale 0.5 vs 0.5 (rel diff 0.0e+00)"
+
+
+def test_llm_weight_is_deterministic_with_outlier_channels():
+    a, b = llm_weight(64, 256), llm_weight(64, 256)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, llm_weight(64, 256, seed=1))
+    column_absmax = a.abs().amax(dim=0)
+    assert int((column_absmax > 10 * column_absmax.median()).sum()) >= 4  # the planted ×20 channels
+
+
+def test_bad_device_and_thread_count_are_clear_errors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda asked for, but torch sees no CUDA device"):
+        bench_main.main(["--device", "cuda", "--only", "nothing"])
+    with pytest.raises(SystemExit, match="--threads must be at least 1"):
+        bench_main.main(["--threads", "0", "--only", "nothing"])
+
+
+def test_merge_keeps_the_fastest_run_per_row_and_the_lowest_reference():
+    first = [
+        {"case": "a", "ours_s": 0.004, "reference_s": 0.010, "reference": "r", "floor_s": 0.002, "agreement": "slow"},
+        {"case": "b", "ours_s": 0.001, "reference_s": None, "reference": "missing: x not installed", "floor_s": None},
+    ]
+    second = [
+        {"case": "a", "ours_s": 0.003, "reference_s": 0.012, "reference": "r", "floor_s": 0.001, "agreement": "fast"},
+        {"case": "b", "ours_s": 0.002, "reference_s": None, "reference": "missing: x not installed", "floor_s": None},
+    ]
+    merged = merge([first, second])
+    assert [(r["case"], r["reference"]) for r in merged] == [("a", "r"), ("b", "missing: x not installed")]
+    a, b = merged
+    assert (a["ours_s"], a["reference_s"], a["floor_s"], a["agreement"]) == (0.003, 0.010, 0.001, "fast")
+    assert a["runs_s"] == [0.004, 0.003] and b["ours_s"] == 0.001 and b["reference_s"] is None
+    assert merged_cells(merged)[0] == ["a", "3.00", "10.00", "r", "3.3x", "3.0x", "fast", "4.00 / 3.00"]
+
+
+def test_json_output_round_trips_through_merge(tmp_path, monkeypatch):
+    monkeypatch.setattr(SETTINGS, "quick", False)
+    runs = []
+    for i in range(2):
+        path = tmp_path / f"run{i}.json"
+        assert bench_main.main(["--quick", "--only", "scaling", "--device", "cpu", "--json", str(path)]) == 0
+        runs.append(str(path))
+    out = tmp_path / "merged.md"
+    assert merge_main([*runs, "--markdown", str(out)]) == 0
+    rows = _table_rows(out.read_text())
+    assert len(rows) == 8  # 4 observers x 2 sizes in --quick
+    for cells in rows:
+        per_run = [float(v) for v in cells[7].split(" / ")]
+        assert len(per_run) == 2 and float(cells[1]) == min(per_run)
+        assert cells[6].endswith("ns/element") and cells[5].endswith("x")
