@@ -615,22 +615,39 @@ def _scheme(members: list[_CtLayer], targets: list[str], notes: list[str]) -> di
         if args is None:
             scheme[_CT_ARG_NAMES[tensor]] = None
             continue
-        counts = Counter(m.observers[tensor] for m in members)
-        observer = counts.most_common(1)[0][0]
-        knobs = next(m.knobs[tensor] for m in members if m.observers[tensor] == observer)
-        ct_name, kwargs = _ct_observer(observer, knobs)
-        if args["dynamic"] is not True:  # static, or NVFP4 "local" with a calibrated global scale
-            args = {**args, "observer": ct_name, "observer_kwargs": kwargs}
-        scheme[_CT_ARG_NAMES[tensor]] = args
-        if observer not in CT_OBSERVER_NAMES:
-            notes.append(f"{tensor} observer {observer!r} has no llm-compressor equivalent; recorded by its lab name")
-        for m in members:
-            if m.observers[tensor] != observer:
-                notes.append(
-                    f"{m.layer} {tensor}: chose {m.observers[tensor]!r} but its config group records {observer!r} "
-                    "(compressed-tensors has one observer per group; the saved qparams are those of the choice)"
-                )
+        chosen = [(f"{m.layer} {tensor}", m.observers[tensor], m.knobs[tensor]) for m in members]
+        scheme[_CT_ARG_NAMES[tensor]] = _record_observer(
+            args, chosen, tensor, "its config group", "compressed-tensors has one observer per group", notes
+        )
     return scheme
+
+
+def _record_observer(
+    args: dict[str, Any],
+    chosen: list[tuple[str, str, Mapping[str, Any]]],
+    scope: str,
+    recorded_in: str,
+    why: str,
+    notes: list[str],
+) -> dict[str, Any]:
+    """``args`` with the one observer compressed-tensors records for all of ``chosen``
+    (``(where, observer, knobs)`` of each tensor): the most common choice, first on ties. Fully
+    dynamic args record none. Notes name an observer llm-compressor lacks, and every tensor whose
+    own choice differs (its saved qparams are still those of its choice)."""
+    observer = Counter(name for _, name, _ in chosen).most_common(1)[0][0]
+    if args["dynamic"] is not True:  # static, or NVFP4 "local" with a calibrated global scale
+        knobs = next(knobs for _, name, knobs in chosen if name == observer)
+        ct_name, kwargs = _ct_observer(observer, knobs)
+        args = {**args, "observer": ct_name, "observer_kwargs": kwargs}
+    if observer not in CT_OBSERVER_NAMES:
+        notes.append(f"{scope} observer {observer!r} has no llm-compressor equivalent; recorded by its lab name")
+    notes.extend(
+        f"{where}: chose {name!r} but {recorded_in} records {observer!r} ({why}; the saved qparams are those "
+        "of the choice)"
+        for where, name, _ in chosen
+        if name != observer
+    )
+    return args
 
 
 def _ct_zero_point(qp: ob.QParams, spec: ob.QuantSpec, num_bits: int) -> torch.Tensor:
@@ -687,19 +704,9 @@ def _kv_cache_scheme(
     notes.extend(f"key/value states: {reason}" + ("; not exported" if args is None else "") for reason in reasons)
     if args is None:
         return None, {}
-    counts = Counter(observer for _, observer in kv)
-    observer = counts.most_common(1)[0][0]
-    if args["dynamic"] is not True:
-        knobs = next(e.result(o).knobs for e, o in kv if o == observer)
-        ct_name, kwargs = _ct_observer(observer, knobs)
-        args = {**args, "observer": ct_name, "observer_kwargs": kwargs}
-    if observer not in CT_OBSERVER_NAMES:
-        notes.append(f"kv observer {observer!r} has no llm-compressor equivalent; recorded by its lab name")
-    notes.extend(
-        f"{entry.layer} {entry.tensor}: chose {chosen!r} but kv_cache_scheme records {observer!r} "
-        "(compressed-tensors has one KV-cache observer; the saved scales are those of the choice)"
-        for entry, chosen in kv
-        if chosen != observer
+    chosen = [(f"{entry.layer} {entry.tensor}", name, entry.result(name).knobs) for entry, name in kv]
+    args = _record_observer(
+        args, chosen, "kv", "kv_cache_scheme", "compressed-tensors has one KV-cache observer", notes
     )
     tensors: dict[str, torch.Tensor] = {}
     if args["dynamic"] is not False:

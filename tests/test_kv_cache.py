@@ -250,3 +250,16 @@ def test_granularity_note_speaks_of_heads_for_kv_states():
     assert "one range per head" in ui.granularity_note(spec, "k")
     assert "one range per channel" in ui.granularity_note(spec, "weight")
     assert ui.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
+
+
+def test_kv_cache_scheme_records_the_most_common_choice_and_notes_the_others(per_head, blocks):
+    choices = {key: "mse_grid" for key in choose(per_head)}
+    choices[(blocks[0], "k")] = "minmax"
+    built = ex.build_compressed_tensors(per_head, choices)
+    assert built["quantization_config"]["kv_cache_scheme"]["observer"] == "memoryless_mse"
+    assert any(
+        note.startswith(f"{blocks[0]} k: chose 'minmax' but kv_cache_scheme records 'mse_grid'")
+        for note in built["notes"]
+    )
+    minmax_scale = per_head.entry(blocks[0], "k").result("minmax").qparams.scale
+    torch.testing.assert_close(built["tensors"][f"{blocks[0]}.k_scale"].flatten(), minmax_scale)
