@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from bench.common import SETTINGS, version
+from observers import kernels
 
 MODULES = [
     "bench_core",
@@ -46,7 +47,8 @@ def machine_line(device: str) -> str:
         what = torch.cuda.get_device_name(0)
     else:
         what = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    return f"{datetime.date.today().isoformat()} · {device} · {what} · torch {torch.__version__}"
+    line = f"{datetime.date.today().isoformat()} · {device} · {what} · torch {torch.__version__}"
+    return f"{line} · min-max kernel: {kernels.status()}"
 
 
 def references_line() -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from observers import kernels
 from observers.spec import QuantSpec
 
 
@@ -243,16 +244,25 @@ def _flatten_block(x2: torch.Tensor, spec: QuantSpec) -> Flat:
     return Flat(to_blocks(padded), valid, (row_blocks, col_blocks), restore)
 
 
-def reduce_min_max(flat: Flat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-qparam-group ``(min, max)`` in fp32, shaped ``qparam_shape``.
+def min_max(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``data`` over dims ``(0, -1)``, in fp32.
 
-    ``amin`` and ``amax`` as two passes: on CPU they are each about one read of the tensor,
-    whereas ``torch.aminmax`` over a short last dim is several times slower.
+    fp32 CPU data in a contiguous layout goes through the native one-read kernel
+    (``observers.kernels``); everything else, or when the kernel is not in use, is ``amin`` and
+    ``amax`` as two eager passes (each about one read of the tensor on CPU, whereas
+    ``torch.aminmax`` over a short last dim is several times slower). Both give the same values;
+    a group holding NaN/Inf gives a non-finite min or max either way.
     """
-    data = flat.data
+    native = kernels.group_min_max(data)
+    if native is not None:
+        return native
     dims = (0, data.ndim - 1)
-    low = data.amin(dim=dims).float()
-    high = data.amax(dim=dims).float()
+    return data.amin(dim=dims).float(), data.amax(dim=dims).float()
+
+
+def reduce_min_max(flat: Flat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-qparam-group ``(min, max)`` in fp32, shaped ``qparam_shape`` (see ``min_max``)."""
+    low, high = min_max(flat.data)
     return low.reshape(flat.qparam_shape), high.reshape(flat.qparam_shape)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from observers.base import NonFiniteStatistics
-from observers.granularity import Flat, all_finite
+from observers.granularity import Flat, all_finite, min_max
 
 _BIN_CHUNK = 1 << 16
 """Values binned per pass: the int32 index buffer stays in L2."""
@@ -121,7 +121,7 @@ def _grow(hist: RowHistogram, new_min: torch.Tensor, new_max: torch.Tensor) -> R
 def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, absolute: bool = False) -> RowHistogram:
     """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0."""
     rows = rows.float()
-    signed_min, signed_max = rows.amin(dim=1), rows.amax(dim=1)
+    signed_min, signed_max = min_max(rows.unsqueeze(0))
     if not (all_finite(signed_min) and all_finite(signed_max)):
         raise NonFiniteStatistics("the batch has NaN/Inf values")
     if absolute:

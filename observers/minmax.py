@@ -1,7 +1,8 @@
 """The min-max family: running, memoryless and moving-average ranges.
 
-All three reduce each batch to a per-group ``(min, max)`` with ``reduce_min_max`` (two fused
-reads of the data) and differ only in how batches combine.
+All three reduce each batch to a per-group ``(min, max)`` with ``reduce_min_max`` (one read of
+fp32 CPU data with the native kernel of ``observers.kernels``, else two eager passes) and differ
+only in how batches combine.
 """
 
 from __future__ import annotations
