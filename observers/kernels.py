@@ -7,11 +7,12 @@ of the weight. ``csrc/group_min_max.c`` reads it once (AVX-512 or AVX2, chosen a
 
 How: on first use the C file is compiled with the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``; plain C, no torch headers, well under a second) into a cache folder
-(``$OBSERVERS_CACHE_DIR``, else ``~/.cache/observer-lab``, else the temp folder), keyed by a
-hash of the source and the compiler, then loaded with ``ctypes`` (which releases the GIL during
-the call). It is built with OpenMP; torch has already loaded ``libgomp.so.1``, so the kernel
-splits the runs over ``torch.get_num_threads()`` of torch's own threads rather than starting a
-second pool that would compete with them.
+(``$OBSERVERS_CACHE_DIR``, else ``~/.cache/observer-lab``, else a folder of the temp folder that
+this user owns and nobody else can write), keyed by a hash of the source and the compiler, then
+loaded with ``ctypes`` (which releases the GIL during the call). It is built with OpenMP; torch
+has already loaded ``libgomp.so.1``, so the kernel splits the runs over
+``torch.get_num_threads()`` of torch's own threads rather than starting a second pool that would
+compete with them.
 
 Everything else stays eager torch, and so does this reduction whenever the kernel cannot help:
 no compiler, a build failure, a CPU without AVX2, ``OBSERVERS_NATIVE=0``, CUDA tensors, other
