@@ -1,12 +1,15 @@
 """Observer Lab: the Streamlit app. Run with ``streamlit run app.py``.
 
-This file only sets up the page and the navigation; each page lives in ``pages/`` and calls the
-library (``lab.pipeline``, ``lab.plots``, ``lab.ui``).
+This file sets up the page, the session's one ``Workspace`` (``lab.ui.workspace``) and the
+navigation; each page lives in ``pages/`` and reads and writes that workspace.
 """
 
 import streamlit as st
 
+from lab import ui
+
 st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
+ui.workspace()
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/grid_view:", default=True),

@@ -16,8 +16,8 @@ import torch
 
 import observers as ob
 from bench.common import case, median_seconds, synchronize
-from lab.pipeline import ResultCache, RunConfig, analyse
-from lab.ui import CapturingModel, default_layer_names
+from lab.pipeline import CapturingModel, ResultCache, RunConfig, analyse
+from lab.settings import default_layer_names
 
 TARGET_S = 30.0
 SPECS = {

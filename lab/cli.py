@@ -1,9 +1,11 @@
 """``python -m observers``: the lab without a browser.
 
-Subcommands: ``list`` (observers, formats, presets), ``layers MODEL`` and ``run MODEL ...``,
-which calls ``lab.pipeline.analyse`` and ``choose`` exactly as the app does, then writes the
-Observer Lab JSON, optionally an HTML report and a compressed-tensors export. Bad input ends with
-exit code 2 and one line on stderr, never a traceback.
+Subcommands: ``list`` (observers, formats, presets), ``layers MODEL`` and ``run MODEL ...``.
+``run`` fills the same ``lab.settings.RunSettings`` the app's Run page fills (formats, presets,
+knobs, activation order, calibration), then calls ``lab.pipeline.analyse`` and
+``lab.results.choose`` as the app does, and writes the Observer Lab JSON, optionally an HTML
+report and a compressed-tensors export: the same settings give the same file. Bad input ends
+with exit code 2 and one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from types import SimpleNamespace
 from typing import IO, Any
 
 import observers as ob
+from lab.results import spec_text
+from lab.settings import RunSettings, SpecSettings, parse_knob
+from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS
 
 EXIT_BAD_INPUT = 2
 BAR_WIDTH = 30
@@ -54,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
     run.add_argument("--observers", help="comma-separated observer names (default: all)")
+    run.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="OBSERVER.KNOB=VALUE",
+        help="set an observer knob, e.g. percentile.percentile=99.9 (repeatable; see 'list')",
+    )
+    run.add_argument("--actorder", action="store_true", help="group weight columns by input importance (GPTQ actorder)")
     run.add_argument("--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)")
     run.add_argument(
         "--kv-cache", dest="kv_dtype", help="also analyse key/value states of attention blocks in this format"
@@ -61,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
     run.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
     run.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    run.add_argument("--samples", type=int, default=32, help="calibration samples")
-    run.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sample")
-    run.add_argument("--choose-by", default="sqnr_db", help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
+    run.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="calibration samples")
+    run.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
+    run.add_argument("--choose-by", default=DEFAULT_METRIC, help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
     run.add_argument("--report", help="HTML report to write")
     run.add_argument(
@@ -76,54 +89,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spec_changes(args: argparse.Namespace) -> dict[str, Any]:
-    changes: dict[str, Any] = {}
+def _editor_changes(editor: SpecSettings, args: argparse.Namespace) -> None:
+    """Apply ``--strategy``, ``--group-size``, ``--block-size`` and ``--symmetric`` to a spec editor."""
     if args.strategy is not None:
-        changes["strategy"] = args.strategy
+        editor.strategy = args.strategy
     if args.group_size is not None:
-        changes["group_size"] = args.group_size
+        editor.group_size = args.group_size
     if args.block_size is not None:
         try:
-            rows, cols = (int(v) for v in args.block_size.lower().split("x"))
+            editor.block_rows, editor.block_cols = (int(v) for v in args.block_size.lower().split("x"))
         except ValueError:
             raise CliError(f"--block-size must look like 128x128, got {args.block_size!r}") from None
-        changes["block_size"] = (rows, cols)
     if args.symmetric is not None:
-        changes["symmetric"] = args.symmetric
-    return changes
+        editor.symmetric = args.symmetric
 
 
-def specs_from_args(args: argparse.Namespace) -> dict[str, ob.QuantSpec]:
-    """``{tensor kind: QuantSpec}`` from ``--format``/``--preset`` and the spec options."""
-    from lab.pipeline import TENSOR_KINDS
-
-    kinds = _csv(args.kinds) if args.kinds else None
-    unknown = [k for k in kinds or [] if k not in TENSOR_KINDS]
+def _kinds(args: argparse.Namespace, preset_input: bool) -> list[str]:
+    if not args.kinds:
+        return ["weight", "input"] if preset_input else ["weight"]
+    kinds = _csv(args.kinds)
+    unknown = [k for k in kinds if k not in LAYER_TENSORS]
     if unknown:
-        raise CliError(f"unknown tensor kind(s) {', '.join(unknown)}; choose from {', '.join(TENSOR_KINDS)}")
-    changes = _spec_changes(args)
+        raise CliError(f"unknown tensor kind(s) {', '.join(unknown)}; choose from {', '.join(LAYER_TENSORS)}")
+    if args.preset is not None and not preset_input and any(k != "weight" for k in kinds):
+        raise CliError(f"preset {args.preset} does not quantize activations (it keeps them in high precision)")
+    return kinds
+
+
+def _knob_values(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--knob OBSERVER.KNOB=VALUE`` items as ``{observer: {knob: value}}``, each value read as
+    its knob's declared type."""
+    values: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        observer, dot, knob = target.partition(".")
+        if not (sep and dot and observer and knob):
+            raise CliError(f"--knob must look like OBSERVER.KNOB=VALUE, got {item!r}")
+        if observer not in ob.available():
+            raise CliError(f"--knob {item!r}: unknown observer {observer!r}; available: {', '.join(ob.available())}")
+        declared = ob.knob_specs(observer)
+        if knob not in declared:
+            raise CliError(f"--knob {item!r}: {observer} has no knob {knob!r}; it has {', '.join(declared)}")
+        values.setdefault(observer, {})[knob] = parse_knob(declared[knob], f"--knob {target}", text)
+    return values
+
+
+def settings_from_args(args: argparse.Namespace) -> RunSettings:
+    """The ``RunSettings`` of ``run``'s flags: ``--format`` or ``--preset`` fills the editors as the
+    Run page's format box or preset does, the spec flags change them, ``--kinds`` and
+    ``--kv-cache`` say what to analyse."""
+    settings = RunSettings(observers=_observer_names(args.observers), knobs=_knob_values(args.knob))
+    preset_input = False
     if args.preset is not None:
-        chosen = {k: s for k, s in ob.preset(args.preset).items() if s is not None}
-        if kinds is not None:
-            missing = [k for k in kinds if k not in chosen]
-            if missing:
-                raise CliError(f"preset {args.preset} does not quantize {', '.join(missing)}")
-            chosen = {k: chosen[k] for k in kinds}
-        return {k: spec.replace(**changes) if changes else spec for k, spec in chosen.items()}
-    spec = ob.QuantSpec(**{"dtype": args.dtype, **changes})
-    specs = {kind: spec for kind in kinds or ["weight"]}
-    for kind, spec in specs.items():
-        spec.check_kind("weight" if kind == "weight" else "activation")
-    return specs
-
-
-def kv_spec_from_args(args: argparse.Namespace) -> ob.QuantSpec | None:
-    """The KV-cache spec of ``--kv-cache``/``--kv-per-head``, or None without ``--kv-cache``."""
-    if args.kv_dtype is None:
-        if args.kv_per_head or args.attention:
-            raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
-        return None
-    return ob.QuantSpec(dtype=args.kv_dtype, strategy="channel" if args.kv_per_head else "tensor")
+        settings.apply_preset(args.preset)
+        preset_input = ob.preset(args.preset)["input"] is not None
+    else:
+        settings.weight = SpecSettings(dtype=args.dtype)
+        settings.act = SpecSettings(dtype=args.dtype)
+    for editor in (settings.weight, settings.act):
+        _editor_changes(editor, args)
+    kinds = _kinds(args, preset_input)
+    settings.wants = {kind: kind in kinds for kind in settings.wants}
+    if args.kv_dtype is not None:
+        settings.kv = SpecSettings(dtype=args.kv_dtype, strategy="channel" if args.kv_per_head else "tensor")
+        settings.wants["kv"] = True
+    elif args.kv_per_head or args.attention:
+        raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
+    settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
+    if args.actorder and not settings.actorder_applies:
+        raise CliError("--actorder needs group-wise integer weights (--strategy group) and input activations")
+    return settings
 
 
 def _select(items: Sequence[Any], text: str, option: str, nothing: str) -> list[str]:
@@ -187,24 +222,15 @@ class ProgressBar:
 def _cmd_list(out: IO[str]) -> None:
     out.write("observers:\n")
     for name, description in ob.available().items():
-        knobs = ", ".join(f"{k}={v!r}" for k, v in ob.knobs(name).items())
+        knobs = ", ".join(f"{k}={v!r}" for k, v in ob.knobs(name).items() if ob.knob_specs(name)[k].editable)
         out.write(f"  {name:<28} {description}\n  {'':<28} knobs: {knobs}\n")
     out.write("formats:\n")
     for name, fmt in ob.FORMATS.items():
         out.write(f"  {name:<28} {fmt.description}\n")
     out.write("presets:\n")
     for name in ob.PRESET_NAMES:
-        parts = [f"{kind}: {'-' if spec is None else _spec_text(spec)}" for kind, spec in ob.preset(name).items()]
+        parts = [f"{kind}: {'-' if spec is None else spec_text(spec)}" for kind, spec in ob.preset(name).items()]
         out.write(f"  {name:<28} {'; '.join(parts)}\n")
-
-
-def _spec_text(spec: ob.QuantSpec) -> str:
-    text = f"{spec.dtype} {'sym' if spec.symmetric else 'asym'} {spec.strategy}"
-    if spec.strategy == "group":
-        text += f" {spec.group_size}"
-    if spec.strategy == "block":
-        text += f" {spec.block_size[0]}x{spec.block_size[1]}"
-    return text + (" dynamic" if spec.dynamic else "")
 
 
 def _cmd_layers(args: argparse.Namespace, out: IO[str]) -> None:
@@ -220,57 +246,34 @@ def _cmd_layers(args: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    from lab import export
-    from lab.pipeline import RunConfig, analyse, choose
+    from lab import compressed_tensors, lab_json
+    from lab.pipeline import analyse
+    from lab.results import check_metric, choose
 
-    if args.choose_by not in ob.HIGHER_IS_BETTER:
-        raise CliError(f"unknown metric {args.choose_by!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
-    specs = specs_from_args(args)
-    kv_spec = kv_spec_from_args(args)
-    if kv_spec is not None:
-        specs["kv"] = kv_spec
-    config = RunConfig(
-        specs=specs,
-        observers=_observer_names(args.observers),
-        samples=args.samples,
-        seq_len=args.seq_len,
-    )
+    check_metric(args.choose_by)
+    settings = settings_from_args(args)
+    config = settings.config(has_layers=True, has_attention=settings.wants["kv"])
     from sample_models import open_model  # after the cheap checks: importing transformers takes seconds
 
     model = open_model(args.model, device=args.device)
     layers = select_layers(model, args.layers)
-    attention = select_attention(model, args.attention) if kv_spec is not None else []
+    attention = select_attention(model, args.attention) if settings.wants["kv"] else []
     analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
     choices = choose(analysis, args.choose_by)
     if not choices:
         raise CliError("no observer produced qparams for these settings: " + _first_error(analysis))
-    export.export_json(
-        analysis,
-        choices,
-        args.out,
-        metric=args.choose_by,
-        source=export.describe_source(model),
-        allow_uncalibrated=args.allow_uncalibrated,
-    )
+    lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
     written = [args.out]
     if args.report:
         from lab.report import write_report
 
         written.append(str(write_report(analysis, choices, args.report, metric=args.choose_by)))
     if args.ct_dir:
-        layer_types = {info.name: info.type for info in model.layers()}
-        result = export.export_compressed_tensors(
-            analysis,
-            choices,
-            args.ct_dir,
-            layer_types=layer_types,
-            allow_uncalibrated=args.allow_uncalibrated,
-            attention_blocks=model.attention_blocks() if attention else None,
-        )
+        built = compressed_tensors.save_file(analysis, choices, args.ct_dir, args.allow_uncalibrated)
         written.append(args.ct_dir)
-        for note in result["notes"]:
+        for note in built.notes:
             err.write(f"note: {note}\n")
     for (layer, tensor), observer in choices.items():
         value = analysis.entry(layer, tensor).result(observer).metrics.get(args.choose_by)

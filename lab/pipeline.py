@@ -4,7 +4,9 @@
 layer's input (and optionally output) activations on calibration text, captures the key and value
 states of the chosen attention blocks (the tensors a KV cache holds), and runs every requested
 observer on each tensor. Results are cached per (tensor, spec, observer, knobs), so a re-run after one knob
-changes recomputes only that observer. ``choose`` picks the best observer per tensor by a metric.
+changes recomputes only that observer; ``CapturingModel`` memoizes the capture itself. The
+``Analysis`` records the facts of its model (``lab.model_facts``), so its results stay tied to
+that model. Ranking and choosing observers live in ``lab.results``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.model_facts import ModelFacts
+from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, KV_TENSORS, LAYER_TENSORS, SPEC_KEYS, spec_key
+from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
-
-TENSOR_KINDS = ("weight", "input", "output")
-KV_TENSORS = ("k", "v")
-SPEC_KEYS = (*TENSOR_KINDS, "kv")
-_OBSERVER_KIND = {"weight": "weight", "input": "activation", "output": "activation", "k": "attention", "v": "attention"}
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -40,8 +40,8 @@ class RunConfig:
     specs: dict[str, ob.QuantSpec]
     observers: tuple[str, ...] | None = None
     knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    samples: int = 32
-    seq_len: int = 128
+    samples: int = DEFAULT_SAMPLES
+    seq_len: int = DEFAULT_SEQ_LEN
     texts: tuple[str, ...] | None = None
     actorder: bool = False
 
@@ -54,8 +54,8 @@ class RunConfig:
         for kind, spec in self.specs.items():
             if not isinstance(spec, ob.QuantSpec):
                 raise ValueError(f"spec for {kind!r} must be a QuantSpec, got {type(spec).__name__}")
-        if "kv" in self.specs:
-            self.specs["kv"].check_kind("attention")
+        for kind, spec in self.specs.items():
+            spec.check_kind(_observer_kind(kind))
 
     @property
     def observer_names(self) -> tuple[str, ...]:
@@ -108,13 +108,22 @@ class TensorAnalysis:
 
 @dataclass
 class Analysis:
-    """Everything one run produced, in run order."""
+    """Everything one run produced, in run order, and the facts of the model it ran on."""
 
-    source: dict[str, Any]
+    facts: ModelFacts
     config: RunConfig
     entries: list[TensorAnalysis]
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """Where the analysed weights came from (``ModelFacts.source``)."""
+        return self.facts.source
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The analysed ``(layer, tensor)`` pairs in run order."""
+        return [(e.layer, e.tensor) for e in self.entries]
 
     def entry(self, layer: str, tensor: str) -> TensorAnalysis:
         for e in self.entries:
@@ -225,10 +234,10 @@ def analyse(
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
     activation source raises ``ValueError`` before anything runs.
     """
-    layer_kinds = [kind for kind in TENSOR_KINDS if kind in config.specs]
-    if attention and "kv" not in config.specs:
+    layer_kinds = [kind for kind in LAYER_TENSORS if kind in config.specs]
+    if attention and KV not in config.specs:
         raise ValueError("attention blocks were chosen but no KV-cache spec: add a 'kv' spec to the run config")
-    if "kv" in config.specs and not attention:
+    if KV in config.specs and not attention:
         raise ValueError("a KV-cache spec needs at least one attention block to capture keys and values from")
     if layer_kinds and not layers:
         raise ValueError("choose at least one layer")
@@ -236,17 +245,10 @@ def analyse(
         raise ValueError("choose at least one layer or attention block")
     cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
-    raw_source = getattr(model, "source", None)
-    source = (
-        dict(raw_source)
-        if isinstance(raw_source, dict)
-        else {
-            "name": getattr(model, "name", str(model)),
-            "source": str(raw_source),
-            "dtype": str(getattr(model, "dtype", "")),
-        }
+    facts = ModelFacts.of(model, with_kv=bool(attention))
+    source_id = json.dumps(
+        [getattr(model, "name", ""), str(getattr(model, "source", "")), str(getattr(model, "dtype", ""))]
     )
-    source_id = json.dumps(source, sort_keys=True, default=str)
     weights = {layer: model.weight(layer) for layer in layers} if "weight" in config.specs or config.actorder else {}
     activations = _captured(model, layers, config) if layers else {}
     activations |= _captured_kv(model, attention, config)
@@ -263,7 +265,7 @@ def analyse(
             warnings.append(f"{layer}: no {tensor} activations were captured")
             step += len(names)
             continue
-        spec = config.specs["kv" if tensor in KV_TENSORS else tensor]
+        spec = config.specs[spec_key(tensor)]
         inputs = activations.get((layer, "input"))
         g_idx = _g_idx_for(config, spec, inputs) if tensor == "weight" else None
         extra = config.calibration_key() if tensor != "weight" or g_idx is not None else ""
@@ -280,29 +282,37 @@ def analyse(
                     f"{source_id}|{layer}|{tensor}", spec, name, knobs, f"importance|{config.calibration_key()}"
                 )
                 knobs["importance"] = importance
-            run = partial(ob.run_one, name, data, spec, _OBSERVER_KIND[tensor], g_idx=g_idx, **knobs)
+            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, **knobs)
             results.append(cache.get_or_run(key, run))
         entries.append(TensorAnalysis(layer, tensor, spec, data, results, g_idx))
     if progress is not None:
         progress(total, total, "done")
-    return Analysis(source, config, entries, time.perf_counter() - start, warnings)
+    return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
 
 
-def choose(analysis: Analysis, metric: str = "sqnr_db") -> dict[tuple[str, str], str]:
-    """The best observer per (layer, tensor) by ``metric`` (direction from ``ob.HIGHER_IS_BETTER``).
+class CapturingModel:
+    """A model whose ``capture`` / ``capture_kv`` are memoized in ``store`` (the app keeps one
+    per browser session): re-running after changing only a knob or a format reuses the
+    activations captured for the same layers and texts."""
 
-    Observers that errored or gave no value for the metric are skipped; ties keep suite order.
-    """
-    if metric not in ob.HIGHER_IS_BETTER:
-        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
-    sign = 1.0 if ob.HIGHER_IS_BETTER[metric] else -1.0
-    chosen: dict[tuple[str, str], str] = {}
-    for e in analysis.entries:
-        scored = [
-            (sign * r.metrics[metric], -i, r.name)
-            for i, r in enumerate(e.results)
-            if r.error is None and r.metrics.get(metric) is not None
-        ]
-        if scored:
-            chosen[(e.layer, e.tensor)] = max(scored)[2]
-    return chosen
+    def __init__(self, model, store: dict[str, Any]) -> None:
+        self._model = model
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def capture(self, names: list[str], **kwargs: Any):
+        return self._memo("capture", names, kwargs)
+
+    def capture_kv(self, blocks: list[str], **kwargs: Any):
+        return self._memo("capture_kv", blocks, kwargs)
+
+    def _memo(self, method: str, names: list[str], kwargs: dict[str, Any]):
+        key = repr((getattr(self._model, "source", ""), str(getattr(self._model, "dtype", "")), names, kwargs))
+        slot = self._store.setdefault(method, {})
+        if slot.get("key") != key:
+            slot.clear()
+            slot["value"] = getattr(self._model, method)(names, **kwargs)
+            slot["key"] = key
+        return slot["value"]

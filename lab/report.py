@@ -13,9 +13,13 @@ import html
 from collections.abc import Mapping
 from pathlib import Path
 
+import plotly.graph_objects as go
+
 import observers as ob
 from lab import plots
 from lab.pipeline import Analysis
+from lab.results import check_metric, rank, spec_text
+from lab.vocab import DEFAULT_METRIC
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem; color: #222; }
@@ -32,25 +36,16 @@ def _fmt(value: float | None) -> str:
 
 def _choices_table(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str) -> str:
     """HTML table: layer, tensor, spec, chosen observer with its metric, runner-up with its metric."""
-    sign = 1.0 if ob.HIGHER_IS_BETTER[metric] else -1.0
     rows = []
     for entry in analysis.entries:
         chosen = choices.get((entry.layer, entry.tensor))
         if chosen is None:
             continue
-        ranked = sorted(
-            (r for r in entry.results if r.error is None and r.metrics.get(metric) is not None),
-            key=lambda r: -sign * r.metrics[metric],
-        )
-        runner_up = next((r for r in ranked if r.name != chosen), None)
-        spec = entry.spec
-        detail = f"{spec.dtype} {'sym' if spec.symmetric else 'asym'} {spec.strategy}"
-        if spec.strategy == "group":
-            detail += f" g{spec.group_size}"
+        runner_up = next((r for r in rank(entry, metric) if r.name != chosen), None)
         cells = [
             entry.layer,
             entry.tensor,
-            detail,
+            spec_text(entry.spec),
             chosen,
             _fmt(entry.result(chosen).metrics.get(metric)),
             "" if runner_up is None else runner_up.name,
@@ -62,23 +57,27 @@ def _choices_table(analysis: Analysis, choices: Mapping[tuple[str, str], str], m
     return f"<table>{header}{''.join(rows)}</table>"
 
 
-def write_report(
-    analysis: Analysis, choices: Mapping[tuple[str, str], str], path: str | Path, metric: str = "sqnr_db"
-) -> Path:
-    """Write the report to ``path``: overview heatmap (layers × observers of ``metric``), metric
-    bars, one range histogram per analysed tensor (each observer's chosen range over the data),
-    and the choices table. Returns the path."""
-    if metric not in ob.HIGHER_IS_BETTER:
-        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+def report_figures(analysis: Analysis, metric: str) -> list[go.Figure]:
+    """The report's figures, in order: overview heatmap (layers × observers of ``metric``), metric
+    bars, and one range histogram per analysed tensor (where each observer's format clips, over
+    the data). Separate from ``write_report`` so their layout (margins for long layer names,
+    height per row) can be checked on the figure objects."""
     frame = analysis.frame()
     figures = [plots.metric_heatmap(frame, metric), plots.metric_bars(frame, metric)]
     for entry in analysis.entries:
-        title = f"{plots.tensor_label(entry.layer, entry.tensor)}: values and each observer's range"
-        figures.append(plots.range_histogram(entry.data, entry.results, title=title))
+        title = f"{plots.tensor_label(entry.layer, entry.tensor)}: values and where each observer clips"
+        figures.append(plots.range_histogram(entry.data, entry.results, entry.spec, title=title))
+    return figures
+
+
+def render(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str = DEFAULT_METRIC) -> str:
+    """The report as one HTML document: the choices table and ``report_figures``."""
+    check_metric(metric)
+    figures = report_figures(analysis, metric)
     blocks = [
         fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False) for i, fig in enumerate(figures)
     ]
-    source = analysis.source.get("name") or analysis.source.get("source") or ""
+    source = analysis.facts.name
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in analysis.warnings)
     body = [
@@ -93,10 +92,16 @@ def write_report(
         "<h2>Ranges per tensor</h2>",
         *blocks[2:],
     ]
-    document = (
+    return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>Observer Lab report</title>"
         f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
+
+
+def write_report(
+    analysis: Analysis, choices: Mapping[tuple[str, str], str], path: str | Path, metric: str = DEFAULT_METRIC
+) -> Path:
+    """Write ``render``'s report to ``path``; returns the path."""
     out = Path(path)
-    out.write_text(document, encoding="utf-8")
+    out.write_text(render(analysis, choices, metric), encoding="utf-8")
     return out

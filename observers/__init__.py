@@ -3,8 +3,8 @@
 Typical use::
 
     import observers as ob
-    spec = ob.QuantSpec(dtype="int4", symmetric=True, strategy="group", group_size=128)
-    obs = ob.create("minmax", spec, kind="weight")
+    spec = ob.QuantSpec(dtype="int4", symmetric=True, strategy=ob.Strategy.GROUP, group_size=128)
+    obs = ob.create("minmax", spec, kind="weight")   # ob.knob_specs("minmax"): its knobs' declarations
     obs.observe(w)
     qp = obs.qparams()
     w_hat = ob.fake_quantize(w, qp, spec)
@@ -17,16 +17,18 @@ from observers import minmax  # noqa: F401, I001  (registers the min-max family;
 from observers import histogram, mse_grid  # noqa: F401  (registers the distribution-based observers)
 from observers import blocks  # noqa: F401  (MX/NVFP4/BFP/cast scale rules and their observers)
 from observers.actorder import activation_order_g_idx, column_importance
-from observers.base import Observer, available, create, describe, knobs, observer_class, register
+from observers.base import Observer, available, create, describe, knob_specs, knobs, observer_class, register
 from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
+from observers.knobs import Knob
 from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics
 from observers.presets import PRESET_NAMES, preset
-from observers.qparams import QParams, calculate_qparams
+from observers.qparams import QParams, calculate_qparams, representable_range
 from observers.quantize import dequantize, fake_quantize, quantize
 from observers.spec import QuantSpec
 from observers.suite import SuiteResult, results_frame, run_one, run_suite
+from observers.vocab import STRATEGIES_BY_KIND, ObserverKind, ScaleRounding, ScaleRule, Strategy
 
 __version__ = "0.1.0"
 
@@ -35,11 +37,17 @@ __all__ = [
     "HIGHER_IS_BETTER",
     "METRIC_KEYS",
     "PRESET_NAMES",
+    "STRATEGIES_BY_KIND",
     "ElementFormat",
     "Flat",
+    "Knob",
     "Observer",
+    "ObserverKind",
     "QParams",
     "QuantSpec",
+    "ScaleRounding",
+    "ScaleRule",
+    "Strategy",
     "SuiteResult",
     "activation_order_g_idx",
     "available",
@@ -57,11 +65,13 @@ __all__ = [
     "fake_quantize",
     "flatten",
     "get_format",
+    "knob_specs",
     "knobs",
     "observer_class",
     "preset",
     "quantize",
     "register",
+    "representable_range",
     "results_frame",
     "run_one",
     "run_suite",

@@ -1,9 +1,11 @@
 """The observer base class and the one registry of observers.
 
 An observer is a small class: it declares its registry ``name``, a one-line ``description``,
-its ``knobs`` with defaults, and implements ``_observe(flat)`` (update statistics from a
-flattened batch) and ``_choose_range()`` (the chosen ``(min, max)`` per qparam group). Input
-checks, flattening, token counting and the range -> qparams rule live here, once.
+its ``knobs`` (each a ``Knob``: default, type, bounds, one line of doc), and implements
+``_observe(flat)`` (update statistics from a flattened batch) and ``_choose_range()`` (the chosen
+``(min, max)`` per qparam group). Input checks, flattening, token counting, checking every knob
+value against its declaration and the range -> qparams rule live here, once; an observer's
+``validate_knobs`` only adds the rules that relate two knobs, or a knob and the spec.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ from typing import Any, ClassVar
 import torch
 
 from observers.granularity import Flat, all_finite, flatten
+from observers.knobs import Knob
 from observers.qparams import QParams, calculate_qparams
 from observers.spec import QuantSpec
+from observers.vocab import ObserverKind
 
 _REGISTRY: dict[str, type[Observer]] = {}
+
+COMMON_KNOBS: dict[str, Knob] = {
+    "ignore_nonfinite": Knob(
+        False, bool, doc="Replace NaN/Inf in observed data by 0 instead of raising an error naming their count"
+    ),
+}
+"""Knobs every observer takes (``Observer.observe`` implements them)."""
 
 
 class NonFiniteStatistics(Exception):
@@ -29,6 +40,8 @@ class Observer:
     """Turns observed tensors into ``QParams``.
 
     Use: ``obs.observe(x)`` any number of times (calibration batches), then ``obs.qparams()``.
+    Knob values are checked against their ``Knob`` declarations and set as attributes
+    (``obs.percentile``); ``obs.config`` holds them all.
     Common knob: ``ignore_nonfinite`` (default False): NaN/Inf in ``x`` are an error naming how
     many, unless this knob is set; they are then replaced by 0, which every range contains, so
     scales are those of the finite values.
@@ -36,8 +49,8 @@ class Observer:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    knobs: ClassVar[dict[str, Any]] = {}
-    kinds: ClassVar[tuple[str, ...]] = ("weight", "activation", "attention")
+    knobs: ClassVar[dict[str, Knob]] = {}
+    kinds: ClassVar[tuple[str, ...]] = tuple(ObserverKind)
     strategies: ClassVar[tuple[str, ...] | None] = None
     scale_kinds: ClassVar[tuple[str, ...]] = ("float", "e8m0", "e4m3", "pow2")
     checks_finite_itself: ClassVar[bool] = False
@@ -46,6 +59,7 @@ class Observer:
         if not isinstance(spec, QuantSpec):
             raise ValueError(f"spec must be a QuantSpec, got {type(spec).__name__}")
         spec.check_kind(kind)
+        kind = ObserverKind(kind).value
         if kind not in self.kinds:
             raise ValueError(f"observer {self.name!r} works on {', '.join(self.kinds)}, not kind={kind!r}")
         if self.strategies is not None and spec.strategy not in self.strategies:
@@ -54,16 +68,16 @@ class Observer:
             )
         if spec.format.scale_kind not in self.scale_kinds and spec.format.kind != "cast":
             raise ValueError(f"observer {self.name!r} does not support dtype {spec.dtype!r}")
-        allowed = {**self.all_knobs()}
-        unknown = set(knobs) - set(allowed)
+        declared = self.knob_specs()
+        unknown = set(knobs) - set(declared)
         if unknown:
             raise ValueError(
                 f"unknown knob(s) for observer {self.name!r}: {', '.join(sorted(unknown))}; "
-                f"allowed: {', '.join(sorted(allowed)) or 'none'}"
+                f"allowed: {', '.join(sorted(declared)) or 'none'}"
             )
         self.spec = spec
         self.kind = kind
-        self.config = {**allowed, **knobs}
+        self.config = {name: knob.coerce(name, knobs.get(name, knob.default)) for name, knob in declared.items()}
         for key, value in self.config.items():
             setattr(self, key, value)
         self.num_observed_tokens = 0
@@ -73,12 +87,18 @@ class Observer:
         self.validate_knobs()
 
     @classmethod
+    def knob_specs(cls) -> dict[str, Knob]:
+        """This observer's knob declarations, the common ones included."""
+        return {**COMMON_KNOBS, **cls.knobs}
+
+    @classmethod
     def all_knobs(cls) -> dict[str, Any]:
         """This observer's knobs with defaults, the common ones included."""
-        return {"ignore_nonfinite": False, **cls.knobs}
+        return {name: knob.default for name, knob in cls.knob_specs().items()}
 
     def validate_knobs(self) -> None:
-        """Check knob values; subclasses raise ``ValueError`` naming the knob."""
+        """Check rules between knobs, or between a knob and the spec (each value alone is already
+        checked against its declaration); subclasses raise ``ValueError`` naming the knobs."""
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -194,7 +214,7 @@ def available() -> dict[str, str]:
 
 
 def observer_class(name: str) -> type[Observer]:
-    """The registered class (its ``all_knobs()``, ``kinds``, docstring describe it)."""
+    """The registered class (its ``knob_specs()``, ``kinds``, docstring describe it)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown observer {name!r}; available: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
@@ -203,6 +223,11 @@ def observer_class(name: str) -> type[Observer]:
 def knobs(name: str) -> dict[str, Any]:
     """The knobs of observer ``name`` with their defaults."""
     return dict(observer_class(name).all_knobs())
+
+
+def knob_specs(name: str) -> dict[str, Knob]:
+    """The knob declarations of observer ``name`` (type, bounds, doc), for docs and widgets."""
+    return observer_class(name).knob_specs()
 
 
 def describe(name: str) -> str:

@@ -38,9 +38,11 @@ import torch
 from observers.base import Observer, register
 from observers.formats import ElementFormat
 from observers.granularity import Flat, reduce_min_max
+from observers.knobs import Knob
 from observers.qparams import SCALE_RULES, QParams
 from observers.quantize import element_codes
 from observers.spec import QuantSpec
+from observers.vocab import ScaleRounding
 
 E8M0_BIAS = 127
 E8M0_MIN_EXPONENT = -127
@@ -75,17 +77,18 @@ def shared_exponent(amax: torch.Tensor, fmt: ElementFormat, rounding: str) -> to
     ``ceil``: the mantissa exceeds that of ``fmt.max_value``). Zero and fp32-subnormal amax take
     the smallest exponent. Clamped to ``[-127, 127 - emax]``.
     """
-    if rounding not in ("floor", "even", "ceil"):
-        raise ValueError(f"scale rounding {rounding!r} is not valid; allowed: floor, even, ceil")
+    allowed = [member.value for member in ScaleRounding]
+    if rounding not in allowed:
+        raise ValueError(f"scale rounding {rounding!r} is not valid; allowed: {', '.join(allowed)}")
     bits = amax.float().contiguous().view(torch.int32)
     field = bits >> 23
     mantissa = bits & _MANTISSA_MASK
     exponent = field - E8M0_BIAS
     normal = field > 0
-    if rounding == "even":
+    if rounding == ScaleRounding.EVEN:
         threshold = (1 << 23) - (1 << (22 - fmt.man_bits))
         exponent = exponent + (normal & (mantissa >= threshold)).to(torch.int32)
-    elif rounding == "ceil":
+    elif rounding == ScaleRounding.CEIL:
         max_mantissa = _fp32_bits(fmt.max_value) & _MANTISSA_MASK
         exponent = exponent + (normal & (mantissa > max_mantissa)).to(torch.int32)
     return (exponent - fmt.emax).clamp(E8M0_MIN_EXPONENT, E8M0_BIAS - fmt.emax)
@@ -114,7 +117,7 @@ def e8m0_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) 
 
 def pow2_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
     """BFP16 rule: shared exponent with the per-block overflow bump (``spec.scale_rounding`` unused)."""
-    exponent = shared_exponent(_amax(min_val, max_val), spec.format, "even")
+    exponent = shared_exponent(_amax(min_val, max_val), spec.format, ScaleRounding.EVEN)
     return qparams_from_exponent(exponent, min_val, max_val, spec.format)
 
 
@@ -185,7 +188,11 @@ class MXExponentSearchObserver(Observer):
 
     name = "mx_exponent_search"
     description = "MX: per block, try shared exponents e..e-scope and keep the lowest SSE (Quark PerBlockMXDiffs)"
-    knobs = {"scope": 2}
+    knobs = {
+        "scope": Knob(
+            2, int, low=0, high=16, doc="How many exponents below the rounded one are tried (memory: scope + 1 copies)"
+        )
+    }
     scale_kinds = ("e8m0",)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -195,9 +202,6 @@ class MXExponentSearchObserver(Observer):
     def validate_knobs(self) -> None:
         if self.spec.format.scale_kind != "e8m0":
             raise ValueError(f"observer {self.name!r} needs an MX dtype, not {self.spec.dtype!r}")
-        scope = self.scope
-        if isinstance(scope, bool) or not isinstance(scope, int) or not 0 <= scope <= 16:
-            raise ValueError(f"scope must be an integer in [0, 16], got {scope!r}")
 
     def _reset_statistics(self) -> None:
         self.exponent = None

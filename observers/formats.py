@@ -51,11 +51,6 @@ class ElementFormat:
         return self.block_size is not None
 
     @property
-    def min_exponent(self) -> int:
-        """Smallest normal exponent of a float element (``1 - bias``)."""
-        return 2 - 2 ** (self.exp_bits - 1)
-
-    @property
     def emax(self) -> int:
         """Exponent of the largest element value, ``floor(log2(max_value))`` (E2M1: 2, E4M3: 8, MXINT8: 0).
 

@@ -4,6 +4,7 @@ All four keep a running ``RowHistogram`` (``observers.hist_state``) over every `
 one row for ``tensor`` granularity, one per channel for ``channel`` (binned together, no loop
 over rows). They differ only in how a range is read off the histogram
 (``observers.hist_search``). The chosen range is always clipped to the observed ``[min, max]``.
+Knobs shared by the family (``bins``, ``stride``) are declared once here.
 """
 
 from __future__ import annotations
@@ -14,26 +15,23 @@ from observers.base import Observer, register
 from observers.granularity import Flat
 from observers.hist_search import kl_divergences, l2_range_search, quantile
 from observers.hist_state import RowHistogram, rows_of, update_histogram
-from observers.mse_grid import DEFAULT_WORKING_BYTES, fake_quant_batched
+from observers.knobs import Knob
+from observers.mse_grid import MAX_WORKING_BYTES, fake_quant_batched
 from observers.qparams import calculate_qparams
+from observers.vocab import Strategy
 
-
-def _positive_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+BINS = Knob(2048, int, low=2, doc="Bins of the running histogram (it widens as data arrives, re-binning old counts)")
+STRIDE = Knob(1, int, low=1, doc="Step between candidate bins (larger: faster, coarser search)")
 
 
 class _HistogramBase(Observer):
-    strategies = ("tensor", "channel")
+    strategies = (Strategy.TENSOR, Strategy.CHANNEL)
     scale_kinds = ("float",)
     checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.hist: RowHistogram | None = None
-
-    def validate_knobs(self) -> None:
-        _positive_int("bins", self.bins, 2)
 
     @property
     def absolute(self) -> bool:
@@ -82,10 +80,9 @@ class HistogramObserver(_HistogramBase):
 
     name = "histogram"
     description = "2048-bin running histogram, range with least L2 error over all bin pairs (torch.ao Histogram)"
-    knobs = {"bins": 2048}
+    knobs = {"bins": BINS}
 
     def validate_knobs(self) -> None:
-        super().validate_knobs()
         if self.spec.format.kind != "int":
             raise ValueError(
                 f"observer 'histogram' models a uniform integer grid; dtype {self.spec.dtype!r} is not an "
@@ -114,13 +111,17 @@ class PercentileObserver(_HistogramBase):
 
     name = "percentile"
     description = "Clip at the 99.99th percentile of a running histogram (ModelOpt/Quark percentile)"
-    knobs = {"percentile": 99.99, "bins": 2048}
-
-    def validate_knobs(self) -> None:
-        super().validate_knobs()
-        p = self.percentile
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 100:
-            raise ValueError(f"percentile must be in (0, 100], got {p!r}")
+    knobs = {
+        "percentile": Knob(
+            99.99,
+            float,
+            low=0,
+            high=100,
+            low_open=True,
+            doc="Percentile kept: of |x| for symmetric specs, else (100 - p)/2 percent clipped in each tail",
+        ),
+        "bins": BINS,
+    }
 
     @property
     def absolute(self) -> bool:
@@ -155,13 +156,14 @@ class HistogramMSEObserver(_HistogramBase):
 
     name = "mse"
     description = "Sweep of histogram bin centres as amax, least counts-weighted squared error (ModelOpt mse)"
-    knobs = {"start_bin": 128, "stride": 1, "bins": 2048, "max_working_bytes": DEFAULT_WORKING_BYTES}
+    knobs = {
+        "start_bin": Knob(128, int, low=0, doc="First bin whose centre is an amax candidate (must be below bins)"),
+        "stride": STRIDE,
+        "bins": BINS,
+        "max_working_bytes": MAX_WORKING_BYTES,
+    }
 
     def validate_knobs(self) -> None:
-        super().validate_knobs()
-        _positive_int("start_bin", self.start_bin, 0)
-        _positive_int("stride", self.stride)
-        _positive_int("max_working_bytes", self.max_working_bytes)
         if self.start_bin >= self.bins:
             raise ValueError(f"start_bin ({self.start_bin}) must be below bins ({self.bins})")
 
@@ -215,16 +217,18 @@ class EntropyObserver(_HistogramBase):
 
     name = "entropy"
     description = "KL-divergence calibration on a 2048-bin |x| histogram (TensorRT/ModelOpt entropy)"
-    knobs = {"bins": 2048, "start_bin": 128, "stride": 1, "flatten_zero_bin": True}
+    knobs = {
+        "bins": BINS,
+        "start_bin": Knob(128, int, low=1, doc="Smallest candidate end bin (at most bins)"),
+        "stride": STRIDE,
+        "flatten_zero_bin": Knob(
+            True, bool, doc="Give bin 0 the count of bin 1, so a spike of exact zeros does not dominate the KL"
+        ),
+    }
 
     def validate_knobs(self) -> None:
-        super().validate_knobs()
-        _positive_int("start_bin", self.start_bin)
-        _positive_int("stride", self.stride)
         if self.start_bin > self.bins:
             raise ValueError(f"start_bin ({self.start_bin}) must be at most bins ({self.bins})")
-        if not isinstance(self.flatten_zero_bin, bool):
-            raise ValueError(f"flatten_zero_bin must be a bool, got {self.flatten_zero_bin!r}")
 
     @property
     def absolute(self) -> bool:

@@ -11,6 +11,17 @@ import torch
 
 from observers.base import NonFiniteStatistics, Observer, register
 from observers.granularity import Flat, all_finite, reduce_min_max
+from observers.knobs import Knob
+
+AVERAGING_CONSTANT = Knob(
+    0.01,
+    float,
+    low=0,
+    high=1,
+    low_open=True,
+    doc="Weight c of each new batch in the moving average m = (1 - c)·m + c·new; 1 keeps only the last batch",
+)
+"""The EMA knob, shared with ``mse_grid_moving_average``."""
 
 
 class _MinMaxBase(Observer):
@@ -83,12 +94,7 @@ class MovingAverageMinMaxObserver(_MinMaxBase):
 
     name = "moving_average_minmax"
     description = "EMA of per-batch min/max, averaging_constant 0.01 (torch.ao MovingAverageMinMax, LC minmax)"
-    knobs = {"averaging_constant": 0.01}
-
-    def validate_knobs(self) -> None:
-        c = self.averaging_constant
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
-            raise ValueError(f"averaging_constant must be in (0, 1], got {c!r}")
+    knobs = {"averaging_constant": AVERAGING_CONSTANT}
 
     def _combine(self, low, high):
         c = float(self.averaging_constant)

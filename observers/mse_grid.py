@@ -27,12 +27,23 @@ import torch
 from observers.base import Observer, register
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, as_2d, flatten, reduce_min_max
+from observers.knobs import Knob
+from observers.minmax import AVERAGING_CONSTANT
 from observers.qparams import calculate_qparams
 from observers.quantize import element_codes
 from observers.spec import QuantSpec
+from observers.vocab import ObserverKind
 
 DEFAULT_WORKING_BYTES = 1 << 28
 _BLOCK_ELEMENTS = 1 << 18
+
+MAX_WORKING_BYTES = Knob(
+    DEFAULT_WORKING_BYTES,
+    int,
+    low=1,
+    doc="Bytes of candidate errors computed at once: a memory/speed trade-off, results do not depend on it",
+)
+"""The memory knob, shared with the histogram ``mse`` observer."""
 
 
 def fake_quant_batched(
@@ -254,31 +265,20 @@ def mse_grid_search(
     return base_min * best_factor, base_max * best_factor
 
 
-def _check_grid_knobs(obs: Observer) -> None:
-    if isinstance(obs.maxshrink, bool) or not isinstance(obs.maxshrink, (int, float)) or not 0 < obs.maxshrink <= 1:
-        raise ValueError(f"maxshrink must be in (0, 1], got {obs.maxshrink!r}")
-    if isinstance(obs.grid, bool) or not isinstance(obs.grid, (int, float)) or obs.grid <= 0:
-        raise ValueError(f"grid must be a positive number, got {obs.grid!r}")
-    if int(obs.maxshrink * obs.grid) < 1:
-        raise ValueError(f"maxshrink·grid = {obs.maxshrink * obs.grid} gives no candidate; it must be >= 1")
-    if isinstance(obs.patience, bool) or not isinstance(obs.patience, int) or obs.patience < 1:
-        raise ValueError(f"patience must be a positive integer, got {obs.patience!r}")
-    if isinstance(obs.norm, bool) or not isinstance(obs.norm, (int, float)) or obs.norm <= 0:
-        raise ValueError(f"norm must be a positive number, got {obs.norm!r}")
-    if isinstance(obs.expand, bool) or not isinstance(obs.expand, (int, float)) or obs.expand < 1:
-        raise ValueError(f"expand must be a number >= 1, got {obs.expand!r}")
-    working = obs.max_working_bytes
-    if isinstance(working, bool) or not isinstance(working, int) or working <= 0:
-        raise ValueError(f"max_working_bytes must be a positive integer, got {working!r}")
-
-
 _GRID_KNOBS = {
-    "maxshrink": 0.2,
-    "grid": 100,
-    "patience": 5,
-    "norm": 2.4,
-    "expand": 1.0,
-    "max_working_bytes": DEFAULT_WORKING_BYTES,
+    "maxshrink": Knob(
+        0.2,
+        float,
+        low=0,
+        high=1,
+        low_open=True,
+        doc="Largest shrink tried: both range ends times p = 1 - i/grid for i < int(maxshrink·grid)",
+    ),
+    "grid": Knob(100.0, float, low=0, low_open=True, doc="Shrink grid resolution: p steps by 1/grid"),
+    "patience": Knob(5, int, low=1, doc="Stop after this many consecutive candidates that improved no group"),
+    "norm": Knob(2.4, float, low=0, low_open=True, doc="Exponent of the error Σ|fake_quant(x) - x|^norm"),
+    "expand": Knob(1.0, float, low=1, doc="Start from expand·(min, max) before shrinking"),
+    "max_working_bytes": MAX_WORKING_BYTES,
 }
 
 
@@ -289,7 +289,8 @@ class _GridBase(Observer):
         self.max_val: torch.Tensor | None = None
 
     def validate_knobs(self) -> None:
-        _check_grid_knobs(self)
+        if int(self.maxshrink * self.grid) < 1:
+            raise ValueError(f"maxshrink·grid = {self.maxshrink * self.grid} gives no candidate; it must be >= 1")
 
     def _reset_statistics(self) -> None:
         self.min_val = self.max_val = None
@@ -352,13 +353,7 @@ class MovingAverageMSEGridObserver(_GridBase):
 
     name = "mse_grid_moving_average"
     description = "mse_grid per batch with an EMA of the ranges, averaging_constant 0.01 (LC mse)"
-    knobs = {**_GRID_KNOBS, "averaging_constant": 0.01}
-
-    def validate_knobs(self) -> None:
-        super().validate_knobs()
-        c = self.averaging_constant
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
-            raise ValueError(f"averaging_constant must be in (0, 1], got {c!r}")
+    knobs = {**_GRID_KNOBS, "averaging_constant": AVERAGING_CONSTANT}
 
     def _combine(self, low, high):
         if self.min_val is None:
@@ -380,16 +375,29 @@ class IMatrixMSEObserver(_GridBase):
 
     name = "imatrix_mse"
     description = "mse_grid with errors weighted by mean squared input activation per column (LC imatrix_mse)"
-    kinds = ("weight",)
-    knobs = {**_GRID_KNOBS, "importance": None}
+    kinds = (ObserverKind.WEIGHT,)
+    knobs = {
+        **_GRID_KNOBS,
+        "importance": Knob(
+            None,
+            torch.Tensor,
+            optional=True,
+            editable=False,
+            expects="a 1-D float tensor of shape (in,)",
+            doc="Error weight per input column, e.g. observers.column_importance(inputs); None runs plain mse_grid",
+        ),
+    }
 
     def validate_knobs(self) -> None:
+        """The tensor's rank, dtype and values (its length is checked against the weight in ``observe``)."""
         super().validate_knobs()
         imp = self.importance
         if imp is None:
             return
-        if not isinstance(imp, torch.Tensor) or imp.ndim != 1 or not imp.dtype.is_floating_point:
-            raise ValueError("importance must be a 1-D float tensor of shape (in,)")
+        if imp.ndim != 1 or not imp.dtype.is_floating_point:
+            raise ValueError(
+                f"importance must be a 1-D float tensor of shape (in,), got shape {tuple(imp.shape)} {imp.dtype}"
+            )
         if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
             raise ValueError("importance must be finite and >= 0")
 

@@ -175,3 +175,28 @@ def calculate_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantS
     if not (all_finite(min_val) and all_finite(max_val)):
         raise ValueError("the range given to calculate_qparams is not finite; observe finite data first")
     return SCALE_RULES[spec.format.scale_kind](min_val, max_val, spec)
+
+
+def representable_range(qp: QParams, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)``: where the format clips, per group (fp32 tensors in the qparam shape).
+
+    ``min_val``/``max_val`` are the range an observer *chose*; the values that survive
+    quantization unclipped are the grid's ends, and the two differ: the ``half_range`` rule puts
+    ``-128·s`` below the chosen min, a rounded MX exponent moves ``6·2^e`` off the block's amax, a
+    search observer's range is rarely on a grid point. An integer element covers
+    ``[(qmin - zp)·s, (qmax - zp)·s]``, a float element ``±max_value·s`` (``s`` the effective
+    scale: NVFP4 divides by the global scale, MXINT8/BFP16 store the code step), a plain cast
+    (fp16/bf16) ± the cast type's largest finite value. The same ends that ``clip_ratio`` counts
+    against, so a plot of these lines and the clipped share agree.
+    """
+    fmt = spec.format
+    if fmt.kind == "cast":
+        hi = torch.full(qp.scale.shape, fmt.max_value, dtype=torch.float32, device=qp.scale.device)
+        return -hi, hi
+    scale = qp.effective_scale.float()
+    if fmt.kind == "int":
+        qmin, qmax = spec.int_range
+        zero_point = qp.zero_point.float()
+        return (qmin - zero_point) * scale, (qmax - zero_point) * scale
+    hi = scale * fmt.max_value
+    return -hi, hi

@@ -1,34 +1,34 @@
 """``QuantSpec``: the one validated, serializable description of how a tensor is quantized.
 
 Modelled on compressed-tensors' ``QuantizationArgs``: every other module reads the spec instead
-of taking loose arguments, and a spec written with ``to_dict`` reads back with ``from_dict``.
+of taking loose arguments, and a spec written with ``to_dict`` reads back with ``from_dict``. The
+allowed words of ``strategy``, ``scale_rule`` and ``scale_rounding`` (and of observer kinds) are
+the enums of ``observers.vocab``; either a member or its string may be passed, and the spec keeps
+the plain string, so specs compare and serialize the same either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 from observers.formats import ElementFormat, get_format
+from observers.vocab import STRATEGIES_BY_KIND, ObserverKind, ScaleRounding, ScaleRule, Strategy
 
-STRATEGIES = ("tensor", "channel", "group", "token", "block")
-KINDS = ("weight", "activation", "attention")
-SCALE_RULES = ("half_range", "qmax")
-SCALE_ROUNDINGS = ("floor", "even", "ceil")
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 
-_STRATEGIES_BY_KIND = {
-    "weight": ("tensor", "channel", "group", "block"),
-    "activation": ("tensor", "channel", "group", "token"),
-    "attention": ("tensor", "channel"),
-}
 
 
-def _choice(field_name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"QuantSpec.{field_name}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
+def _choice(field_name: str, value: Any, allowed: type[StrEnum]) -> str:
+    """``value`` (a member of ``allowed`` or its string) as a plain str, so a spec built with
+    ``Strategy.GROUP`` equals, prints and serializes like one built with ``"group"``."""
+    values = [member.value for member in allowed]
+    if value not in values:
+        raise ValueError(f"QuantSpec.{field_name}={value!r} is not valid; allowed: {', '.join(values)}")
+    return allowed(value).value
 
 
 def _positive_int(field_name: str, value: Any) -> None:
@@ -42,19 +42,19 @@ class QuantSpec:
 
     - ``dtype``: element format name (see ``observers.formats.FORMATS``).
     - ``symmetric``: zero point fixed at the middle of the range (0 for signed ints).
-    - ``strategy``: ``tensor`` | ``channel`` | ``group`` | ``token`` | ``block`` (see
-      ``observers.granularity`` for the qparam shape of each).
+    - ``strategy``: a ``Strategy``, ``tensor`` | ``channel`` | ``group`` | ``token`` | ``block``
+      (see ``observers.granularity`` for the qparam shape of each).
     - ``group_size``: columns per group for ``group`` (a ragged last group is allowed).
     - ``block_size``: ``(rows, cols)`` for ``block``.
     - ``ch_axis``: axis of ``channel``; ``None`` means 0 (output channel) for weights, -1 (hidden
       feature) for activations, 1 (head) for attention states.
     - ``reduce_range``: drop one bit of the integer range, as torch.ao does for some backends.
     - ``quant_min``/``quant_max``: custom integer range (both or neither).
-    - ``scale_rule``: symmetric divisor, ``half_range`` ((qmax - qmin) / 2, torch.ao and
-      compressed-tensors) or ``qmax`` (ModelOpt's narrow rule).
-    - ``scale_rounding``: shared-exponent rounding of MX formats (``floor`` OCP, ``even`` Quark,
-      ``ceil`` ModelOpt; see ``observers.blocks``); ignored by the other formats (BFP16 always applies
-      its overflow bump, NVFP4 rounds block scales to E4M3).
+    - ``scale_rule``: a ``ScaleRule``, the symmetric divisor: ``half_range`` ((qmax - qmin) / 2,
+      torch.ao and compressed-tensors) or ``qmax`` (ModelOpt's narrow rule).
+    - ``scale_rounding``: a ``ScaleRounding``, the shared-exponent rounding of MX formats (``floor``
+      OCP, ``even`` Quark, ``ceil`` ModelOpt; see ``observers.blocks``); ignored by the other formats
+      (BFP16 always applies its overflow bump, NVFP4 rounds block scales to E4M3).
     - ``eps``: smallest scale (torch.ao clamps to float32 eps), so no scale is ever 0.
     - ``dynamic``: the range is computed at run time per token/group; static qparams are then
       only a summary of the calibration data.
@@ -76,9 +76,9 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         fmt = get_format(self.dtype)
-        _choice("strategy", self.strategy, STRATEGIES)
-        _choice("scale_rule", self.scale_rule, SCALE_RULES)
-        _choice("scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+        object.__setattr__(self, "strategy", _choice("strategy", self.strategy, Strategy))
+        object.__setattr__(self, "scale_rule", _choice("scale_rule", self.scale_rule, ScaleRule))
+        object.__setattr__(self, "scale_rounding", _choice("scale_rounding", self.scale_rounding, ScaleRounding))
         for name in ("symmetric", "reduce_range", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
@@ -160,8 +160,8 @@ class QuantSpec:
 
     def check_kind(self, kind: str) -> None:
         """Raise a clear ``ValueError`` when ``strategy`` does not apply to ``kind``."""
-        _choice_kind(kind)
-        allowed = _STRATEGIES_BY_KIND[kind]
+        kind = _choice_kind(kind)
+        allowed = STRATEGIES_BY_KIND[ObserverKind(kind)]
         if self.strategy not in allowed:
             raise ValueError(
                 f"strategy {self.strategy!r} is not valid for kind={kind!r}; allowed: {', '.join(allowed)}"
@@ -193,6 +193,9 @@ class QuantSpec:
         return cls(**data)
 
 
-def _choice_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is not valid; allowed: {', '.join(KINDS)}")
+def _choice_kind(kind: str) -> str:
+    """``kind`` as a plain str (``ObserverKind`` members included), or a ``ValueError``."""
+    kinds = [member.value for member in ObserverKind]
+    if kind not in kinds:
+        raise ValueError(f"kind={kind!r} is not valid; allowed: {', '.join(kinds)}")
+    return ObserverKind(kind).value

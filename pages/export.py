@@ -3,59 +3,78 @@ exports (JSON, compressed-tensors, HTML report) and import of an earlier export.
 
 import hashlib
 
+import pandas as pd
 import streamlit as st
 
-from lab import plots, ui
-from lab.export import uncalibrated
-from lab.pipeline import choose
+from lab import compressed_tensors, lab_json, plots, report, results, ui
+from lab.workspace import ImportState
 
 st.title("Choose & export")
-analysis = ui.require_analysis()
-model = None
-with ui.guard("Opening the model"):
-    model = ui.current_model()
-metric = ui.metric_select("Default choice: best by", "metric")
+ws = ui.workspace()
+analysis = ui.require_analysis(ws)
+metric = ui.metric_select("Default choice: best by", ws)
+st.caption(f"Results of **{analysis.facts.name}**; every export below describes that model.")
 
-with st.expander("Import a previous export"):
+with st.expander("Import a previous export", expanded=bool(ws.imported.digest)):
     upload = st.file_uploader("Observer Lab JSON", type=["json"], key="import_file")
     if upload is not None:
         data = upload.getvalue()
         digest = hashlib.sha256(data).hexdigest()
-        if st.session_state.get("imported_digest") != digest:
+        if ws.imported.digest != digest:
             with ui.guard(f"Importing {upload.name}"):
-                restored, notes = ui.import_choices(data, model, analysis)
-                st.session_state[ui.CHOICES] = restored
-                st.session_state["imported_digest"] = digest
-                st.session_state["import_notes"] = notes
-        if st.session_state.get("imported_digest") == digest:
-            st.success(f"Restored {len(st.session_state[ui.CHOICES])} choice(s) from {upload.name}.")
-            for note in st.session_state.get("import_notes", []):
-                st.warning(f"Not restored: {note}")
+                restored = lab_json.restore(data, analysis, upload.name)
+                ws.overrides = dict(restored.choices)
+                ws.imported = ImportState(digest, upload.name, len(restored.choices), restored.notes)
+    if ws.imported.digest:
+        st.success(f"Restored {ws.imported.restored} choice(s) from {ws.imported.name}.")
+        if ws.imported.notes:
+            st.warning(f"{len(ws.imported.notes)} note(s) on this import: what was not restored, or differs.")
+            st.dataframe(
+                pd.DataFrame({"note": ws.imported.notes}),
+                hide_index=True,
+                height=min(400, 38 + 35 * len(ws.imported.notes)),
+            )
 
-base = {**choose(analysis, metric), **st.session_state.get(ui.CHOICES, {})}
-editor_rows = ui.choices_frame(analysis, base, metric)[["layer", "tensor", "observer", "best"]]
-observers = list(analysis.config.observer_names)
+never_calibrated = results.uncalibrated(analysis)
+skipped = {(e.layer, e.tensor) for e in never_calibrated}
+choices, stale_overrides = ws.choices()
+for note in stale_overrides:
+    st.warning(f"Choice ignored: {note}")
+best = results.choose(analysis, metric)
+editor_rows = results.choices_frame(analysis, choices, metric)
+editor_rows = editor_rows[
+    [(layer, tensor) not in skipped for layer, tensor in zip(editor_rows["layer"], editor_rows["tensor"], strict=True)]
+]
 edited = st.data_editor(
-    editor_rows,
+    editor_rows[["layer", "tensor", "observer", "best"]],
     hide_index=True,
     disabled=["layer", "tensor", "best"],
     column_config={
-        "observer": st.column_config.SelectboxColumn("observer (click to change)", options=observers, required=True),
+        "observer": st.column_config.SelectboxColumn(
+            "observer (click to change)", options=list(analysis.config.observer_names), required=True
+        ),
         "best": st.column_config.TextColumn(f"best by {plots.METRIC_LABELS.get(metric, metric)}"),
     },
-    key=f"choices_editor:{metric}",
+    key=f"choices_editor:{metric}:{ws.imported.digest}",
 )
-choices = ui.choices_from_frame(edited)
-st.session_state["final_choices"] = choices
+picked = {
+    (row.layer, row.tensor): row.observer
+    for row in edited.itertuples()
+    if isinstance(row.observer, str) and row.observer != best.get((row.layer, row.tensor))
+}
+kept, refused = results.valid_choices(analysis, picked)
+ws.overrides = kept
+for note in refused:
+    st.warning(f"Not applied: {note}. Pick an observer that produced qparams for this tensor.")
+choices, _ = ws.choices()
 
 st.subheader("Summary")
-summary = ui.choices_frame(analysis, choices, metric)
+summary = results.choices_frame(analysis, choices, metric)
 st.dataframe(summary, hide_index=True)
 overridden = int((summary["observer"] != summary["best"]).sum())
 st.caption(f"{len(choices)} tensor(s) chosen, {overridden} differ from the best by {metric}.")
 
 st.subheader("Export")
-never_calibrated = uncalibrated(analysis)
 allow_uncalibrated = False
 if never_calibrated:
     st.warning(
@@ -68,31 +87,28 @@ c1, c2, c3 = st.columns(3)
 with c1, ui.guard("JSON export"):
     st.download_button(
         "Observer Lab JSON",
-        ui.json_export(analysis, choices, metric, model, allow_uncalibrated),
+        lab_json.save(analysis, choices, metric, allow_uncalibrated),
         file_name="observer_lab.json",
         mime="application/json",
         icon=":material/download:",
     )
 with c2, ui.guard("compressed-tensors export"):
-    archive, notes = ui.compressed_tensors_zip(analysis, choices, model, allow_uncalibrated)
+    built = compressed_tensors.build(analysis, choices, allow_uncalibrated)
     st.download_button(
         "compressed-tensors (zip)",
-        archive,
+        built.to_zip(),
         file_name="compressed_tensors_qparams.zip",
         mime="application/zip",
         icon=":material/deployed_code:",
     )
-    with st.expander(f"{len(notes)} note(s) on the compressed-tensors export"):
-        for note in notes:
+    with st.expander(f"{len(built.notes)} note(s) on the compressed-tensors export"):
+        for note in built.notes:
             st.write(f"- {note}")
 with c3:
     if st.button("Build HTML report", icon=":material/description:"):
         with ui.guard("HTML report"), st.spinner("Drawing the report…"):
-            st.session_state["report_html"] = ui.html_report(analysis, choices, metric)
-    if "report_html" in st.session_state:
+            ws.report_html = report.render(analysis, choices, metric).encode("utf-8")
+    if ws.report_html is not None:
         st.download_button(
-            "Download HTML report",
-            st.session_state["report_html"],
-            file_name="observer_lab_report.html",
-            mime="text/html",
+            "Download HTML report", ws.report_html, file_name="observer_lab_report.html", mime="text/html"
         )

@@ -3,6 +3,8 @@
 import streamlit as st
 
 from lab import ui
+from lab.settings import default_layer_names, layer_frame, layer_pattern
+from lab.workspace import ModelRequest
 
 SOURCES = {
     "minilm": "MiniLM sample (real encoder, offline)",
@@ -12,100 +14,113 @@ SOURCES = {
     "upload": "Upload a .safetensors file",
     "hub": "Hugging Face Hub id",
 }
+WHAT = {
+    "weight": "Weights",
+    "input": "Input activations",
+    "output": "Output activations",
+    "kv": "Key/value states (KV cache)",
+}
 
 st.title("Model")
+ws = ui.workspace()
+form, run = ws.form, ws.settings
 left, right = st.columns([2, 1])
 with left:
-    choice = ui.widget(st.radio, "Source", "source_kind", "minilm", options=list(SOURCES), format_func=SOURCES.get)
-    source = choice
-    if choice == "dir":
-        source = ui.widget(st.text_input, "Directory (config.json + weights)", "source_dir", "").strip()
-    elif choice == "hub":
-        source = ui.widget(st.text_input, "Hub id (e.g. org/model)", "source_hub", "").strip()
-    elif choice == "upload":
+    form.kind = ui.bound(st.radio, "Source", "source_kind", form.kind, options=list(SOURCES), format_func=SOURCES.get)
+    source = form.kind
+    if form.kind == "dir":
+        form.directory = ui.bound(st.text_input, "Directory (config.json + weights)", "source_dir", form.directory)
+        source = form.directory.strip()
+    elif form.kind == "hub":
+        form.hub_id = ui.bound(st.text_input, "Hub id (e.g. org/model)", "source_hub", form.hub_id)
+        source = form.hub_id.strip()
+    elif form.kind == "upload":
         upload = st.file_uploader("Weights file", type=["safetensors"], key="source_upload")
         source = ""
         if upload is not None:
-            with ui.guard("Reading the upload"):
+            with ui.guard(f"Reading {upload.name}"):
                 source = str(ui.save_upload(upload.name, upload.getvalue()))
 with right:
     gpu = ui.gpu_name()
-    device = ui.widget(st.selectbox, "Device", "device", "auto", options=["auto", "cpu", "cuda"])
+    form.device = ui.bound(st.selectbox, "Device", "device", form.device, options=["auto", "cpu", "cuda"])
     st.caption(f"GPU: {gpu}" if gpu else "No GPU found: 'auto' runs on the CPU.")
-    dtype = ui.widget(st.selectbox, "Weights dtype", "dtype", "fp32", options=["fp32", "bf16", "fp16"])
+    form.dtype = ui.bound(st.selectbox, "Weights dtype", "dtype", form.dtype, options=["fp32", "bf16", "fp16"])
 
 model = None
 if source:
-    request = ui.ModelRequest(source, device, dtype)
+    request = ModelRequest(source, form.device, form.dtype)
     with ui.guard(f"Opening {source!r}"):
-        model = ui.open_shared_model(request.source, request.device, request.dtype)
-        if st.session_state.get("model_request") != request:
-            st.session_state["model_request"] = request
-            ui.set_value("layers", ui.default_layer_names(model.layers()))
+        model = ui.open_request(request)
+        if ws.choose_model(request, default_layer_names(model.layers())):
+            ui.reseed("layers", "attention")
 else:
     st.info("Enter a source to open.")
 if model is None:
     st.stop()
 
 st.caption(f"**{model.name}** on {model.device} in {str(model.dtype).removeprefix('torch.')}: {model.description}")
+stale = ws.stale_reason()
+if stale:
+    st.warning(stale)
 
 st.subheader("Layers")
-text = ui.widget(st.text_input, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", "layer_filter", "")
+form.layer_filter = ui.bound(
+    st.text_input, "Filter (glob like `*.dense`, `re:` for a regex, or a word)", "layer_filter", form.layer_filter
+)
 shown = []
 with ui.guard("Filtering layers"):
-    shown = model.layers(ui.layer_pattern(text))
+    shown = model.layers(layer_pattern(form.layer_filter))
     if not shown:
-        st.error(f"No layer matches {text!r}. Try a shorter word, a glob like `*mlp*`, or clear the filter.")
+        st.error(f"No layer matches {form.layer_filter!r}. Try a shorter word, a glob like `*mlp*`, or clear it.")
 all_names = {i.name for i in model.layers()}
-st.dataframe(ui.layer_frame(shown), hide_index=True, height=240 if len(shown) > 6 else "auto")
+st.dataframe(layer_frame(shown), hide_index=True, height=240 if len(shown) > 6 else "auto")
 pick_all, clear = st.columns([1, 1])
 if pick_all.button(f"Select all {len(shown)} shown", disabled=not shown):
-    ui.set_value("layers", list(dict.fromkeys(ui.current("layers", []) + [i.name for i in shown])))
+    ws.layers = list(dict.fromkeys(ws.layers + [i.name for i in shown]))
+    ui.reseed("layers")
 if clear.button("Clear selection"):
-    ui.set_value("layers", [])
-selected = [n for n in ui.current("layers", []) if n in all_names]
-ui.set_value("layers", selected)
-options = list(dict.fromkeys([i.name for i in shown] + selected))
-layers = ui.widget(st.multiselect, "Layers to analyse", "layers", selected, options=options)
-st.caption(f"{len(layers)} layer(s) selected.")
+    ws.layers = []
+    ui.reseed("layers")
+ws.layers = [n for n in ws.layers if n in all_names]
+options = list(dict.fromkeys([i.name for i in shown] + ws.layers))
+ws.layers = ui.bound(st.multiselect, "Layers to analyse", "layers", ws.layers, options=options)
+st.caption(f"{len(ws.layers)} layer(s) selected.")
 
 st.subheader("What to analyse")
-labels = {
-    "weight": "Weights",
-    "input": "Input activations",
-    "output": "Output activations",
-    "kv": "Key/value states (KV cache)",
-}
-for col, (kind, label) in zip(st.columns(len(labels)), labels.items(), strict=True):
+for col, (kind, label) in zip(st.columns(len(WHAT)), WHAT.items(), strict=True):
     with col:
-        disabled = kind != "weight" and not model.supports_activations
-        ui.widget(st.checkbox, label, f"want_{kind}", kind in ("weight", "input"), disabled=disabled)
-wants = ui.wanted_tensors(model)
+        runs = kind == "weight" or model.supports_activations
+        ticked = ui.bound(st.checkbox, label, f"want_{kind}", run.wants[kind], disabled=not runs)
+        if runs:
+            run.wants[kind] = ticked
 if not model.supports_activations:
-    st.info("This source has weights only (no architecture or tokenizer): activations cannot be captured.")
+    st.info(model.weights_only_reason)
+wants = ws.wants_for(model)
 if wants["kv"]:
-    blocks = []
     with ui.guard("Listing attention blocks"):
-        blocks = model.attention_blocks()
-    chosen_blocks = [n for n in ui.current("attention", blocks[:2]) if n in blocks]
-    ui.set_value("attention", chosen_blocks)
-    ui.widget(
-        st.multiselect,
-        "Attention blocks (keys and values per head, as the KV cache holds them)",
-        "attention",
-        chosen_blocks,
-        options=blocks,
-    )
+        ws.attention = ui.bound(
+            st.multiselect,
+            "Attention blocks (keys and values per head, as the KV cache holds them)",
+            "attention",
+            ws.attention_for(model),
+            options=model.attention_blocks(),
+        )
 
-if model.supports_activations and (wants["input"] or wants["output"] or wants["kv"]):
+if wants["input"] or wants["output"] or wants["kv"]:
     st.subheader("Calibration")
-    texts = ui.widget(st.radio, "Text", "calib_kind", "built-in", options=["built-in", "pasted"], horizontal=True)
-    if texts == "pasted":
-        ui.widget(st.text_area, "Calibration text", "calib_text", "", height=150)
+    texts = "built-in" if run.texts is None else "pasted"
+    pasted = (
+        ui.bound(st.radio, "Text", "calib_kind", texts, options=["built-in", "pasted"], horizontal=True) == "pasted"
+    )
+    if pasted:
+        ws.pasted_text = ui.bound(st.text_area, "Calibration text", "calib_text", ws.pasted_text, height=150)
+    run.texts = (ws.pasted_text,) if pasted else None
     c1, c2 = st.columns(2)
     with c1:
-        ui.widget(st.number_input, "Samples", "samples", 32, min_value=1, max_value=4096, step=1)
+        run.samples = ui.bound(st.number_input, "Samples", "samples", run.samples, min_value=1, max_value=4096, step=1)
     with c2:
-        ui.widget(st.number_input, "Sequence length (tokens)", "seq_len", 128, min_value=8, max_value=8192, step=8)
+        run.seq_len = ui.bound(
+            st.number_input, "Sequence length (tokens)", "seq_len", run.seq_len, min_value=8, max_value=8192, step=8
+        )
 
 st.page_link("pages/run.py", label="Next: Run", icon=":material/play_arrow:")

@@ -1,12 +1,14 @@
-"""Overview: a layers × observers heatmap of one metric, so a whole model is scanned at a glance."""
+"""Overview: a layers × observers heatmap of one metric, so a whole model is scanned at a glance;
+before any run, a one-click demo on the default sample."""
 
 import streamlit as st
 
-from lab import plots, ui
+from lab import plots, results, ui
+from lab.settings import default_layer_names
 
 st.title("Overview")
-analysis = ui.current_analysis()
-if analysis is None:
+ws = ui.workspace()
+if ws.analysis is None:
     st.markdown(
         "**Observer Lab** helps you pick **how** each layer's quantization ranges are set:\n"
         "run every observer on it and compare what each one does.\n\n"
@@ -15,17 +17,29 @@ if analysis is None:
         "3. **Ranges**, **Scales**, **Error**: compare the observers layer by layer.\n"
         "4. **Choose & export**: keep the best observer per layer and export the result."
     )
-    st.info("No results yet.")
-    st.page_link("pages/model.py", label="Go to Model", icon=":material/deployed_code:")
+    st.subheader("See it in one click")
+    st.caption(
+        "The demo runs every observer on MiniLM's first 6 linear layers (a real pretrained encoder, offline): "
+        "weights as int4 in groups of 128, input activations as int8 per tensor, calibrated on the built-in text."
+    )
+    if st.button("Run the demo", type="primary", icon=":material/play_arrow:"):
+        with ui.guard("The demo run"):
+            model = ui.open_shared_model("minilm", "auto", "fp32")
+            ws.start_demo(default_layer_names(model.layers()))
+            ui.reseed_all()
+            ui.run_with_status(ws, model, ws.settings.config())
+            st.rerun()
+    st.page_link("pages/model.py", label="Go to Model to choose your own", icon=":material/deployed_code:")
     st.stop()
 
-metric = ui.metric_select("Metric", "overview_metric")
-frame = ui.error_table(analysis)
+analysis = ui.require_analysis(ws)
+metric = ui.metric_select("Metric", ws)
+frame = results.error_table(analysis)
 st.caption(
-    f"{analysis.source.get('name', '')}: {len(ui.tensor_keys(analysis))} tensors × "
+    f"{analysis.facts.name}: {len(analysis.entries)} tensors × "
     f"{len(analysis.config.observer_names)} observers, computed in {analysis.seconds:.1f} s"
 )
 with ui.guard("Drawing the overview"):
     st.plotly_chart(plots.metric_heatmap(frame, metric), theme="streamlit")
-for note in ui.token_warnings(analysis):
+for note in results.token_warnings(analysis):
     st.warning(note)

@@ -1,43 +1,46 @@
-"""Ranges: the value histogram with every observer's chosen range, per-channel ranges, and the
-per-token vs per-channel view of activations."""
+"""Ranges: the value histogram with every observer's range (where its format clips), per-channel
+ranges, and the per-token vs per-channel view of activations."""
 
 import streamlit as st
 
-from lab import dynamic, plots, ui
+from lab import dynamic, plots, results, ui
 
 st.title("Ranges")
-analysis = ui.require_analysis()
-entry = ui.tensor_picker(analysis)
-order = ui.observer_order(analysis)
-shown = ui.observer_picker(entry, "ranges_observers")
+ws = ui.workspace()
+analysis = ui.require_analysis(ws)
+entry = ui.tensor_picker(ws, analysis)
+order = results.observer_order(analysis)
+shown = ui.observer_picker(ws, entry, "ranges_observers")
+view = ws.view
 c1, c2, c3 = st.columns(3)
 with c1:
-    log_count = ui.widget(st.checkbox, "Log count", "ranges_log", True)
+    view["log"] = ui.bound(st.checkbox, "Log count", "ranges_log", view.get("log", True))
 with c2:
-    absolute = ui.widget(st.checkbox, "Absolute values |x|", "ranges_abs", False)
+    view["abs"] = ui.bound(st.checkbox, "Absolute values |x|", "ranges_abs", view.get("abs", False))
 with c3:
-    zoom = ui.widget(
-        st.radio, "Zoom", "ranges_zoom", "full", options=["full", "left tail", "right tail"], horizontal=True
-    )
-results = [r for r in entry.results if r.name in shown]
-note = ui.granularity_note(entry.spec, entry.tensor)
+    zooms = ["full", "left tail", "right tail"]
+    view["zoom"] = ui.bound(st.radio, "Zoom", "ranges_zoom", view.get("zoom", "full"), options=zooms, horizontal=True)
+chosen = [r for r in entry.results if r.name in shown]
+note = results.granularity_note(entry.spec, entry.tensor)
 if note:
     st.info(note)
 with ui.guard("Drawing the histogram"):
-    tail = None if zoom == "full" else zoom.split()[0]
+    tail = None if view["zoom"] == "full" else view["zoom"].split()[0]
     fig = plots.range_histogram(
         entry.data,
-        results,
-        log_count=log_count,
-        absolute=absolute,
+        chosen,
+        entry.spec,
+        log_count=view["log"],
+        absolute=view["abs"],
         tail=tail,
         title=f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})",
         order=order,
     )
     st.plotly_chart(fig, theme="streamlit")
+    st.caption("Each observer's lines mark where its format clips: the ends of the values it can represent.")
     if tail:
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
-st.dataframe(ui.range_table(results), hide_index=True)
+st.dataframe(results.range_table(chosen, entry.spec), hide_index=True)
 
 if entry.tensor == "weight":
     st.subheader("Per-channel ranges")
@@ -63,8 +66,8 @@ else:
 if dynamic.dynamic_applies(entry):
     st.subheader("Dynamic scales over the calibration tokens")
     with ui.guard("Drawing the dynamic scales"):
-        st.plotly_chart(plots.dynamic_scale_figure(entry, results, order=order), theme="streamlit")
-        st.dataframe(dynamic.dynamic_summary(entry, results), hide_index=True)
+        st.plotly_chart(plots.dynamic_scale_figure(entry, chosen, order=order), theme="streamlit")
+        st.dataframe(dynamic.dynamic_summary(entry, chosen), hide_index=True)
         st.caption(
             "This spec is dynamic: at run time each token (or token group) gets its own scale from its own "
             "min/max, so the static range lines above only summarize calibration. The histogram shows the "

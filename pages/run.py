@@ -3,105 +3,101 @@
 import streamlit as st
 
 import observers as ob
-from lab import ui
-from lab.pipeline import RunConfig
+from lab import results, ui
+from lab.settings import check_knobs
 
 st.title("Run")
+ws = ui.workspace()
+run = ws.settings
 model = None
 with ui.guard("Opening the model"):
-    model = ui.current_model()
-layers = st.session_state.get("layers", [])
-attention = [] if model is None else ui.attention_choice(model)
-if model is None or not (layers or attention):
+    model = ui.open_request(ws.request)
+attention = []
+with ui.guard("Listing attention blocks"):
+    attention = ws.attention_for(model) if model is not None else []
+if model is None or not (ws.layers or attention):
     st.info("Choose a model and at least one layer (or attention block) first.")
     st.page_link("pages/model.py", label="Go to Model", icon=":material/deployed_code:")
     st.stop()
-wants = ui.wanted_tensors(model)
-wants["kv"] = bool(attention)
-if not layers:
-    wants["weight"] = wants["input"] = wants["output"] = False
-kinds = [kind for kind, wanted in wants.items() if wanted]
+scope = {"has_layers": bool(ws.layers), "has_attention": bool(attention), "can_capture": model.supports_activations}
+kinds = run.kinds(**scope)
 st.caption(
-    f"**{model.name}** · {len(layers)} layer(s), {len(attention)} attention block(s) · "
-    f"analysing {', '.join(kinds) or 'nothing'}"
+    f"**{model.name}** · {len(ws.layers)} layer(s), {len(attention)} attention block(s) · "
+    f"analysing {', '.join(kinds) or 'nothing: tick what to analyse on the Model page'}"
 )
 
-ui.widget(
+
+def _apply_preset() -> None:
+    run.apply_preset(st.session_state["w:preset"])
+    ui.reseed_spec_editors()
+
+
+run.preset = ui.bound(
     st.selectbox,
     "Preset",
     "preset",
-    "custom",
+    run.preset,
     options=["custom", *ob.PRESET_NAMES],
-    on_change=ui.apply_preset,
+    on_change=_apply_preset,
     help="compressed-tensors schemes; choosing one fills in the formats below.",
 )
 weight_tab, act_tab, kv_tab = st.tabs(["Weights", "Activations (inputs and outputs)", "KV cache (keys, values)"])
 with weight_tab:
-    weight_settings = ui.spec_editor("weight", ui.WEIGHT_STRATEGIES, ui.SpecSettings())
-    actorder = ui.widget(
+    ui.spec_editor("weight", run.weight)
+    run.actorder = ui.bound(
         st.checkbox,
         "Activation order (group columns by input importance, GPTQ actorder)",
         "actorder",
-        False,
-        disabled=weight_settings.strategy != "group" or not wants["input"],
+        run.actorder,
+        disabled=not run.actorder_applies,
     )
 with act_tab:
-    act_settings = ui.spec_editor("act", ui.ACTIVATION_STRATEGIES, ui.SpecSettings())
+    ui.spec_editor("act", run.act)
 with kv_tab:
     if not attention:
         st.caption("Tick 'Key/value states' and choose attention blocks on the Model page to analyse them.")
-    kv_settings = ui.spec_editor(
-        "kv",
-        ui.KV_STRATEGIES,
-        ui.SpecSettings(dtype="fp8_e4m3"),
-        dtypes=ui.kv_dtype_options(),
-        strategy_labels={"tensor": "tensor (one k_scale, one v_scale)", "channel": "per head (attn_head)"},
-    )
+    kv_labels = {"tensor": "tensor (one k_scale, one v_scale)", "channel": "per head (attn_head)"}
+    ui.spec_editor("kv", run.kv, strategy_labels=kv_labels)
 
 st.subheader("Observers")
 names = list(ob.available())
-chosen = ui.widget(st.multiselect, "Observers to run", "observers", names, options=names)
-knob_values = {}
+chosen = ui.bound(st.multiselect, "Observers to run", "observers", list(run.observers or names), options=names)
+run.observers = None if chosen == names else tuple(chosen)
 for name in chosen:
     with st.expander(f"{name}: {ob.available()[name]}"):
-        knob_values[name] = ui.knob_editor(name)
+        ui.knob_editor(name, run.knobs.setdefault(name, {}))
+problems = check_knobs({name: run.knobs.get(name, {}) for name in chosen})
+for problem in problems:
+    st.error(f"Knob {problem}")
 
-if st.button("Run", type="primary", disabled=not kinds or not chosen):
+blocked = (
+    "tick what to analyse on the Model page" if not kinds else "choose at least one observer" if not chosen else ""
+)
+if problems:
+    blocked = "fix the knob values above"
+if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None):
     with ui.guard("The run"):
-        specs = {}
-        if wants["weight"]:
-            specs["weight"] = weight_settings.spec()
-        for kind in ("input", "output"):
-            if wants[kind]:
-                specs[kind] = act_settings.spec()
-        if wants["kv"]:
-            specs["kv"] = kv_settings.spec()
-        config = RunConfig(
-            specs=specs,
-            observers=tuple(chosen),
-            knobs=ui.knob_overrides(knob_values),
-            samples=int(st.session_state.get("samples", 32)),
-            seq_len=int(st.session_state.get("seq_len", 128)),
-            texts=ui.calibration_texts(),
-            actorder=bool(actorder and wants["input"] and weight_settings.strategy == "group"),
-        )
-        outcome = ui.run_with_status(model, layers, config, attention)
-        st.session_state[ui.ANALYSIS] = outcome.analysis
-        st.session_state[ui.LAST_RUN] = outcome
-        st.session_state.pop(ui.CHOICES, None)
+        config = run.config(**scope)
+        ui.run_with_status(ws, model, config, attention)
+elif blocked:
+    st.caption(f"Run is off: {blocked}.")
 
-outcome = st.session_state.get(ui.LAST_RUN)
+outcome = ws.last_run
 if outcome is not None:
     analysis = outcome.analysis
     st.success(
         f"Results for {len(analysis.entries)} tensors × {len(analysis.config.observer_names)} observers "
         f"in {analysis.seconds:.1f} s ({outcome.misses} computed, {outcome.hits} reused)."
     )
-    for note in outcome.warnings + ui.token_warnings(analysis):
+    for note in outcome.warnings + results.token_warnings(analysis):
         st.warning(note)
-    failed = ui.error_table(analysis).dropna(subset=["error"])
+    failed = results.error_table(analysis).dropna(subset=["error"])
     if not failed.empty:
-        with st.expander(f"{len(failed)} observer result(s) not available for this format or tensor"):
+        st.warning(
+            f"{len(failed)} observer result(s) are not available for this format or tensor: "
+            f"{', '.join(sorted(set(failed['observer'])))}. The table below says why."
+        )
+        with st.expander("Why each is missing"):
             st.dataframe(failed[["layer", "tensor", "observer", "error"]], hide_index=True)
     cols = st.columns(4)
     cols[0].page_link("pages/overview.py", label="Overview", icon=":material/grid_view:")

@@ -10,7 +10,13 @@ calibration activations and KV states, and measure a layer's output error under 
 
 from .calibration import CaptureSubsampledWarning, builtin_texts
 from .capture import Activations
-from .errors import ActivationsUnavailableError, FileTooLargeError, LayerNotFoundError, ModelSourceError
+from .errors import (
+    ActivationsUnavailableError,
+    FileTooLargeError,
+    HubUnreachableError,
+    LayerNotFoundError,
+    ModelSourceError,
+)
 from .kv import split_heads
 from .layer_error import layer_output_error
 from .layers import LayerInfo, filter_layers
@@ -25,6 +31,7 @@ __all__ = [
     "ActivationsUnavailableError",
     "CaptureSubsampledWarning",
     "FileTooLargeError",
+    "HubUnreachableError",
     "LayerInfo",
     "LayerNotFoundError",
     "Model",

@@ -7,7 +7,8 @@ hard planted on purpose, so the lab can show it without downloading a real LLM:
 - FFN outlier features: some post-attention RMSNorm gains are scaled up;
 - a down_proj input spike: one intermediate unit of the first MLP fires on the massive channels;
 - heavy-tailed weights: a few rows of every linear weight are drawn from a Student-t (df=3);
-- (MoE) a skewed router: one expert wins every token and one expert never gets any.
+- (MoE) a skewed router: expert 0 wins every token and expert 3 never gets any; under top-2 routing
+  the runner-up is the same for every token too, so each layer has two experts that see no token.
 
 Weights come from a fixed-seed generator, not from transformers' init, so they are the same on
 every machine and transformers version.
@@ -46,10 +47,13 @@ TINY_LLAMA_DESCRIPTION = (
     "Synthetic Llama-style decoder with planted outliers, random weights (4 layers, hidden 256, "
     "GQA 8 query / 2 key-value heads): massive hidden channels 13/77/201, heavy-tailed weight rows"
 )
+# The routed experts are as a capture measures them (a test checks): the massive channels dominate
+# every token's router logits, so the runner-up to the planted expert 0 is the same for all tokens.
 TINY_MOE_DESCRIPTION = (
     "Synthetic Mixtral-style MoE decoder with planted outliers, random weights (2 layers, 4 experts, "
-    f"top-2 routing); the router is skewed so expert {POPULAR_EXPERT} takes every token and expert "
-    f"{DEAD_EXPERT} receives none"
+    "top-2 routing); the skewed router sends every token to the same two experts per layer (0 and 1 in "
+    "layer 0, 0 and 2 in layer 1), so experts 2 and 3 of layer 0 and experts 1 and 3 of layer 1 never "
+    "receive a token"
 )
 
 

@@ -9,6 +9,11 @@ class ModelSourceError(ValueError):
     """A model source (name, directory, file or hub id) cannot be opened or read."""
 
 
+class HubUnreachableError(ModelSourceError):
+    """A well-formed hub id whose files are neither reachable (offline, no connection) nor in the
+    local hub cache. Its own class because the fix differs from a mistyped id: download elsewhere."""
+
+
 class FileTooLargeError(ModelSourceError):
     """A single-file load is larger than the caller's ``max_file_bytes`` limit."""
 
@@ -18,4 +23,5 @@ class LayerNotFoundError(ValueError):
 
 
 class ActivationsUnavailableError(ValueError):
-    """Activations were asked of a source that has weights only (a bare weights file)."""
+    """Activations were asked of a source that has weights only (a bare weights file, an architecture
+    transformers does not know, no usable tokenizer); the message is the model's ``weights_only_reason``."""

@@ -65,9 +65,14 @@ class Model:
         name: short name shown in the UI (built-in name, directory name, file name, hub id).
         source: where it came from (path or id).
         description: one line for the UI; says "synthetic" for the built-in random decoders.
-        config: the transformers config, or None for a bare weights file.
+        config: the transformers config, or None for a bare weights file or a model_type transformers
+            does not know.
         device, dtype: where and in which precision weights are returned and captures run.
-        supports_activations: False for a bare weights file (no architecture, no tokenizer).
+        supports_activations: False when the source has weights only (a bare weights file, an
+            architecture transformers does not know, no usable tokenizer).
+        weights_only_reason: None when activations can be captured, else the sentence that says why
+            not (naming the file or directory) for the UI to show; captures raise it as
+            ActivationsUnavailableError.
     """
 
     def __init__(
@@ -81,13 +86,17 @@ class Model:
         config: PretrainedConfig | None,
         device: torch.device,
         dtype: torch.dtype,
+        weights_only_reason: str | None = None,
     ) -> None:
+        if (runtime is None) == (weights_only_reason is None):
+            raise ValueError("a model has either a runtime or a reason why it has weights only, not both or neither")
         self.name = name
         self.source = source
         self.description = description
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.weights_only_reason = weights_only_reason
         self._store = store
         self._runtime = runtime
         self._capture_lock = threading.RLock()
@@ -214,10 +223,7 @@ class Model:
 
     def _require_runtime(self) -> Runtime:
         if self._runtime is None:
-            raise ActivationsUnavailableError(
-                f"{self.source} holds weights only (no config, no tokenizer): activations are unavailable; "
-                "open the model directory instead"
-            )
+            raise ActivationsUnavailableError(self.weights_only_reason)
         return self._runtime
 
     def _layer_ref(self, module: nn.Module, name: str) -> LayerRef:

@@ -3,6 +3,8 @@
 Sources, tried in this order:
 1. a built-in name: "minilm" (default), "tiny-llama", "tiny-moe";
 2. a local directory with config.json and safetensors (sharded or not) or weights-only .bin;
+   weights only (``weights_only_reason`` says why) when transformers cannot build its architecture
+   or it has no usable tokenizer;
 3. a single .safetensors (or .bin) file: weights only, no activations;
 4. a Hugging Face hub id ("org/name"), downloaded (or found in the local hub cache when
    offline) and then opened as a directory.
@@ -11,6 +13,7 @@ Remote code is never run and nothing is unpickled beyond tensors.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from functools import lru_cache
@@ -19,12 +22,19 @@ from pathlib import Path
 import huggingface_hub
 import torch
 import transformers
-from huggingface_hub.errors import EntryNotFoundError, HFValidationError, OfflineModeIsEnabled
+from huggingface_hub.errors import (
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from . import builtin
-from .errors import FileTooLargeError, ModelSourceError
+from .errors import FileTooLargeError, HubUnreachableError, ModelSourceError
 from .model import Model, Runtime
 from .stores import CheckpointWeights, ModuleWeights, checkpoint_files
 
@@ -34,6 +44,15 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*"]
 HUB_BIN_PATTERNS = ["*.json", "*.bin", "*.txt", "*.model", "tokenizer*"]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.txt",
+    "vocab.json",
+)
+WEIGHTS_ONLY = "activations cannot be captured; weights can be analysed"
 DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -123,21 +142,27 @@ def open_directory(
     path: Path, device: torch.device, dtype: torch.dtype, *, name: str | None = None, description: str | None = None
 ) -> Model:
     """A Hugging Face model directory. Layers and weights come from the checkpoint headers;
-    the model itself is loaded only when activations are asked for."""
-    config = _read_config(path)
-    model_class = _model_class(config, path / "config.json")
+    the model itself is loaded only when activations are asked for. A directory whose architecture
+    transformers cannot build, or without a usable tokenizer, is not refused: its weights are still
+    worth analysing, so it opens weights-only with the reason in ``weights_only_reason``."""
+    config, model_class, why = _architecture(path)
     files = checkpoint_files(path)
-    store = CheckpointWeights(files, dtype=dtype, device=device, module_types=_meta_module_types(model_class, config))
-    runtime = Runtime(lambda: _load_module(model_class, path, files, device, dtype), lambda: _tokenizer(path))
+    module_types = None if model_class is None else _meta_module_types(model_class, config)
+    store = CheckpointWeights(files, dtype=dtype, device=device, module_types=module_types)
+    runtime = None
+    if model_class is not None:
+        runtime, why = _runtime(path, model_class, files, device, dtype)
+    kind = "weights only" if runtime is None else f"{type(config).__name__.removesuffix('Config')} model"
     return Model(
         name=name or path.name,
         source=str(path),
-        description=description or f"{type(config).__name__.removesuffix('Config')} model from {path}",
+        description=description or f"{kind} from {path}",
         store=store,
         runtime=runtime,
         config=config,
         device=device,
         dtype=dtype,
+        weights_only_reason=why,
     )
 
 
@@ -157,6 +182,8 @@ def open_weights_file(path: Path, device: torch.device, dtype: torch.dtype, max_
         config=None,
         device=device,
         dtype=dtype,
+        weights_only_reason=f"{path} is a bare weights file (no config.json, no tokenizer): {WEIGHTS_ONLY}; "
+        "open its model directory for activations",
     )
 
 
@@ -180,44 +207,94 @@ def _snapshot(repo_id: str, patterns: list[str], cache_dir: str | os.PathLike | 
                 local_files_only=offline,
             )
         )
-    except (OSError, EntryNotFoundError, OfflineModeIsEnabled, HFValidationError) as err:
-        mode = "offline and not in the local hub cache" if offline else "download failed"
-        raise ModelSourceError(
-            f"{repo_id!r} is not a local path and cannot be fetched from the Hugging Face Hub ({mode}): {err}"
-        ) from err
+    except (OSError, HFValidationError) as err:
+        raise _hub_error(repo_id, err, offline) from err
+
+
+def _hub_error(repo_id: str, err: Exception, offline: bool) -> ModelSourceError:
+    """Tell apart the ways a hub id fails, because each has its own fix: a malformed id (retype
+    it), a model the hub does not have (check the name or log in), no connection or offline mode
+    (download it elsewhere and open the directory), anything else (the hub's own message)."""
+    if isinstance(err, HFValidationError):
+        return ModelSourceError(f"{repo_id!r} is neither an existing file or directory nor a valid hub id: {err}")
+    if isinstance(err, RepositoryNotFoundError | RevisionNotFoundError):
+        return ModelSourceError(
+            f"the Hugging Face Hub has no model {repo_id!r} (or it is private or gated and you are not logged in)"
+        )
+    if offline or isinstance(err, LocalEntryNotFoundError | OfflineModeIsEnabled):
+        cause = "HF_HUB_OFFLINE is set" if offline else "no connection"
+        return HubUnreachableError(
+            f"could not reach the Hugging Face Hub for {repo_id!r} (offline?): download it and open the local "
+            f"directory ({cause}, and it is not in the local hub cache)"
+        )
+    return ModelSourceError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {_first_line(err)}")
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _read_config(path: Path) -> PretrainedConfig:
+def _first_line(err: BaseException) -> str:
+    """Library messages run to paragraphs; the first line is the one a UI can show."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _read_config_json(path: Path) -> dict:
+    """config.json as a dict: without a readable one a directory is not a model directory."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelSourceError(
             f"no config.json in {path}: a model directory needs one (open a .safetensors file for weights only)"
         )
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelSourceError(f"{config_file}: unreadable model config: {err}") from err
+    if not isinstance(raw, dict):
+        raise ModelSourceError(f"{config_file}: a model config is a JSON object, not a {type(raw).__name__}")
+    return raw
+
+
+def _architecture(path: Path) -> tuple[PretrainedConfig | None, type[nn.Module] | None, str | None]:
+    """The config and the class that builds the model, or the reason there is none. An architecture
+    transformers does not know, or whose code ships with the checkpoint (never run), leaves the
+    weights readable, so it is a reason to go weights-only, not an error."""
+    raw = _read_config_json(path)
+    model_type = raw.get("model_type")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError, TypeError) as err:
-        raise ModelSourceError(f"{config_file}: unknown or unreadable model config: {err}") from err
+        if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+            return None, None, _cannot_build(path, raw, f"cannot read this {model_type!r} config ({_first_line(err)})")
+        named = f"does not know model_type {model_type!r}" if model_type else "finds no model_type to go by"
+        return None, None, _cannot_build(path, raw, named)
+    model_class = _model_class(config)
+    if model_class is None:
+        architectures = getattr(config, "architectures", None) or [type(config).__name__]
+        return config, None, _cannot_build(path, raw, f"does not know architecture {architectures[0]!r}")
+    return config, model_class, None
 
 
-def _model_class(config: PretrainedConfig, config_file: Path) -> type[nn.Module]:
-    """The class named in ``architectures`` (so module names match checkpoint keys), or the base
-    AutoModel class when the config names none. Remote-code classes are refused."""
+def _cannot_build(path: Path, raw: dict, what: str) -> str:
+    """Why a directory is weights-only, naming its config.json and the transformers version (a newer
+    one may know the architecture)."""
+    remote = " (its code ships with the checkpoint; remote code is never run)" if "auto_map" in raw else ""
+    return f"{path / 'config.json'}: transformers {transformers.__version__} {what}{remote}: {WEIGHTS_ONLY}"
+
+
+def _model_class(config: PretrainedConfig) -> type[nn.Module] | None:
+    """The transformers class named in ``architectures`` (so module names match checkpoint keys),
+    or the base AutoModel class when the config names none; None when transformers has neither."""
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         try:
             return transformers.models.auto.modeling_auto.MODEL_MAPPING[type(config)]
-        except KeyError as err:
-            raise ModelSourceError(f"{config_file}: no model class for {type(config).__name__}") from err
+        except KeyError:
+            return None
     model_class = getattr(transformers, architectures[0], None)
     if not isinstance(model_class, type) or not issubclass(model_class, nn.Module):
-        raise ModelSourceError(
-            f"{config_file}: unknown architecture {architectures[0]!r} for transformers {transformers.__version__} "
-            "(remote code is never run)"
-        )
+        return None
     return model_class
 
 
@@ -244,11 +321,24 @@ def _load_module(
     return model.to(device).eval()
 
 
-def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def _runtime(
+    path: Path, model_class: type[nn.Module], files: list[Path], device: torch.device, dtype: torch.dtype
+) -> tuple[Runtime | None, str | None]:
+    """What activations need, or why there is none. The tokenizer is loaded when the model is
+    opened rather than at the first capture, so that a checkpoint without one opens weights-only
+    with a plain reason instead of failing at Run with a message about sentencepiece."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None, f"no tokenizer files (tokenizer.json / tokenizer.model) in {path}: {WEIGHTS_ONLY}"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as err:
-        raise ModelSourceError(f"no usable tokenizer in {path}: {err}") from err
+        tokenizer = _tokenizer(path)
+    except Exception as err:  # transformers, sentencepiece, protobuf and the Rust tokenizers each raise their own
+        return None, f"no usable tokenizer in {path} ({type(err).__name__}: {_first_line(err)}): {WEIGHTS_ONLY}"
+    return Runtime(lambda: _load_module(model_class, path, files, device, dtype), lambda: tokenizer), None
+
+
+def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer, with a pad token (captures pad their batches)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:

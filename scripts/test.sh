@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fresh environment, lint, then every test (slow and browser tests included).
+# The environment (built on first use, rebuilt when requirements.txt changes), lint, then every test
+# (slow and browser tests included). It leaves an up-to-date .venv alone, so a running app keeps working.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -3,7 +3,6 @@ and every error path (each shows st.error and no exception, and the app keeps wo
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -12,8 +11,10 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import ui
-from lab.pipeline import choose
+from lab import lab_json, results, settings, ui
+from lab.pipeline import CapturingModel
+from lab.results import choose
+from lab.vocab import FAMILY_ORDER
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
@@ -46,6 +47,10 @@ def _open_model_page(**state) -> AppTest:
     return _page(at, "model")
 
 
+def _ws(at: AppTest):
+    return at.session_state[ui.WORKSPACE]
+
+
 def _plotly_count(at: AppTest) -> int:
     return len(at.get("plotly_chart"))
 
@@ -55,7 +60,7 @@ def ran() -> AppTest:
     """The default flow on MiniLM: two small layers, weights and inputs, every observer."""
     at = _open_model_page()
     _ok(at)
-    assert at.multiselect(key="w:layers").value == ui.default_layer_names(
+    assert at.multiselect(key="w:layers").value == settings.default_layer_names(
         ui.open_shared_model("minilm", "auto", "fp32").layers()
     )
     at.multiselect(key="w:layers").set_value(LAYERS)
@@ -75,18 +80,18 @@ def test_home_before_any_run_points_to_model():
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     _ok(at)
     assert any("Go to Model" in link.proto.label for link in at.get("page_link"))
-    assert ui.ANALYSIS not in at.session_state
+    assert _ws(at).analysis is None
 
 
 def test_default_run_stores_every_observer_on_every_tensor(ran):
-    analysis = ran.session_state[ui.ANALYSIS]
+    analysis = _ws(ran).analysis
     assert [(e.layer, e.tensor) for e in analysis.entries] == [(lay, t) for lay in LAYERS for t in ("weight", "input")]
     for entry in analysis.entries:
         assert [r.name for r in entry.results] == list(ob.available())
         assert any(r.qparams is not None for r in entry.results)
     inputs = analysis.entry(LAYERS[0], "input").data
     assert inputs.shape[1] == 384 and 0 < inputs.shape[0] <= 4 * 32
-    outcome = ran.session_state[ui.LAST_RUN]
+    outcome = _ws(ran).last_run
     assert outcome.misses == len(analysis.entries) * len(ob.available()) and outcome.hits == 0
     assert any("Results for 4 tensors" in s.value for s in ran.success)
 
@@ -101,7 +106,7 @@ def test_every_result_page_renders_plots_without_errors(ran, page):
 
 def test_ranges_options_change_the_plot_not_the_results(ran):
     _page(ran, "ranges")
-    cache = ran.session_state[ui.RESULT_CACHE]
+    cache = _ws(ran).result_cache
     before = (cache.hits, cache.misses)
     ran.checkbox(key="w:ranges_abs").check()
     ran.radio(key="w:ranges_zoom").set_value("right tail")
@@ -117,16 +122,16 @@ def test_ranges_options_change_the_plot_not_the_results(ran):
 def test_export_defaults_to_best_and_round_trips_through_import(ran):
     _page(ran, "export")
     _ok(ran)
-    analysis = ran.session_state[ui.ANALYSIS]
-    assert ran.session_state["final_choices"] == choose(analysis, "sqnr_db")
+    analysis = _ws(ran).analysis
+    assert _ws(ran).choices()[0] == choose(analysis, "sqnr_db")
     labels = [b.proto.label for b in ran.get("download_button")]
     assert "Observer Lab JSON" in labels and "compressed-tensors (zip)" in labels
-    override = {key: "memoryless_minmax" for key in ui.tensor_keys(analysis)}
-    text = ui.json_export(analysis, override, "sqnr_db", None)
-    ran.file_uploader(key="import_file").set_value(("prev.json", text.encode(), "application/json"))
+    override = {key: "memoryless_minmax" for key in analysis.keys()}
+    data = lab_json.save(analysis, override, "sqnr_db")
+    ran.file_uploader(key="import_file").set_value(("prev.json", data, "application/json"))
     ran.run()
     _ok(ran)
-    assert ran.session_state["final_choices"] == override
+    assert _ws(ran).choices()[0] == override
     assert any("Restored 4 choice" in s.value for s in ran.success)
     ran.file_uploader(key="import_file").set_value(("broken.json", b"{not json", "application/json"))
     ran.run()
@@ -142,7 +147,7 @@ def test_changing_one_knob_recomputes_only_that_observer(ran):
     _button(ran, "Run").click()
     ran.run()
     _ok(ran)
-    outcome = ran.session_state[ui.LAST_RUN]
+    outcome = _ws(ran).last_run
     tensors = len(outcome.analysis.entries)
     assert outcome.misses == tensors
     assert outcome.hits == tensors * (len(ob.available()) - 1)
@@ -158,12 +163,12 @@ def test_preset_fills_the_spec_editors():
     assert at.selectbox(key="w:weight_dtype").value == "int4"
     assert at.selectbox(key="w:weight_strategy").value == "group"
     assert at.number_input(key="w:weight_group_size").value == 128
-    assert at.session_state["want_input"] is False
+    assert _ws(at).settings.wants["input"] is False
     at.selectbox(key="w:preset").set_value("MXFP4").run()
     _ok(at)
     assert at.selectbox(key="w:weight_dtype").value == "mxfp4"
     assert at.selectbox(key="w:weight_scale_rounding").value == "floor"
-    assert at.session_state["want_input"] is True
+    assert _ws(at).settings.wants["input"] is True
 
 
 def test_format_box_lists_every_dtype_grouped_by_family():
@@ -178,7 +183,7 @@ def test_format_box_lists_every_dtype_grouped_by_family():
 
 def test_sessions_do_not_see_each_others_state(ran):
     other = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    assert ui.ANALYSIS not in other.session_state
+    assert _ws(other).analysis is None
     _page(other, "error")
     assert any("No results yet" in i.value for i in other.info)
 
@@ -256,8 +261,8 @@ def test_run_error_is_shown_and_the_app_keeps_working(ran):
 
 
 def test_json_export_is_valid_json(ran):
-    analysis = ran.session_state[ui.ANALYSIS]
-    document = json.load(io.StringIO(ui.json_export(analysis, choose(analysis), "sqnr_db", None)))
+    analysis = _ws(ran).analysis
+    document = json.loads(lab_json.save(analysis, choose(analysis), "sqnr_db"))
     assert len(document["entries"]) == len(analysis.entries)
 
 
@@ -267,46 +272,42 @@ def test_json_export_is_valid_json(ran):
 def test_layer_pattern_and_default_layers():
     from sample_models import LayerInfo
 
-    assert ui.layer_pattern("  ") is None
-    assert ui.layer_pattern("dense") == "*dense*"
-    assert ui.layer_pattern("*.dense") == "*.dense"
-    assert ui.layer_pattern("re:enc.*") == "re:enc.*"
+    assert settings.layer_pattern("  ") is None
+    assert settings.layer_pattern("dense") == "*dense*"
+    assert settings.layer_pattern("*.dense") == "*.dense"
+    assert settings.layer_pattern("re:enc.*") == "re:enc.*"
     infos = [LayerInfo("emb", "Embedding", (10, 4), 40)] + [LayerInfo(f"l{i}", "Linear", (4, 4), 16) for i in range(8)]
-    assert ui.default_layer_names(infos) == [f"l{i}" for i in range(6)]
-    assert ui.default_layer_names(infos[:1]) == ["emb"]
+    assert settings.default_layer_names(infos) == [f"l{i}" for i in range(6)]
+    assert settings.default_layer_names(infos[:1]) == ["emb"]
 
 
 def test_spec_settings_set_only_what_the_format_uses():
-    assert ui.SpecSettings("int4", False, "group", group_size=64).spec() == ob.QuantSpec(
+    assert settings.SpecSettings("int4", False, "group", group_size=64).spec() == ob.QuantSpec(
         dtype="int4", symmetric=False, strategy="group", group_size=64
     )
-    assert ui.SpecSettings("int8", True, "block", block_rows=32, block_cols=16).spec().block_size == (32, 16)
-    assert ui.SpecSettings("fp8_e4m3", False, "channel").spec().symmetric is True
+    assert settings.SpecSettings("int8", True, "block", block_rows=32, block_cols=16).spec().block_size == (32, 16)
+    assert settings.SpecSettings("fp8_e4m3", False, "channel").spec().symmetric is True
     for name in ob.PRESET_NAMES:
         for spec in ob.preset(name).values():
             if spec is not None:
-                assert ui.SpecSettings.from_spec(spec).spec() == spec, name
+                assert settings.SpecSettings.from_spec(spec).spec() == spec, name
     with pytest.raises(ValueError):
-        ui.SpecSettings("int8", True, "group", group_size=0).spec()
+        settings.SpecSettings("int8", True, "group", group_size=0).spec()
 
 
 def test_formats_grouped_by_family_cover_every_dtype_once():
-    groups = ui.formats_by_family()
+    groups = settings.formats_by_family()
     flat = [name for names in groups.values() for name in names]
     assert sorted(flat) == sorted(ob.FORMATS) and len(flat) == len(set(flat))
-    known = [f for f in ui.FAMILY_ORDER if f in groups]
+    known = [f for f in FAMILY_ORDER if f in groups]
     assert list(groups)[: len(known)] == known
 
 
-def test_knob_helpers():
-    assert [ui.knob_kind(v) for v in (True, 3, 0.5, "x", None)] == ["bool", "int", "float", "text", "text"]
-    assert ui.parse_knob("", None) is None and ui.parse_knob("12", None) == 12 and ui.parse_knob("0.5", None) == 0.5
-    assert ui.parse_knob("1, 2.5", (1, 2)) == (1, 2.5)
-    assert ui.knob_text((1, 2)) == "1, 2" and ui.knob_text(None) == ""
+def test_knob_overrides_keep_only_changed_knobs():
     name = next(n for n in ob.available() if any(isinstance(v, float) for v in ob.knobs(n).values()))
     knob, default = next((k, v) for k, v in ob.knobs(name).items() if isinstance(v, float))
-    assert ui.knob_overrides({name: dict(ob.knobs(name))}) == {}
-    assert ui.knob_overrides({name: {**ob.knobs(name), knob: default / 2}}) == {name: {knob: default / 2}}
+    assert settings.knob_overrides({name: dict(ob.knobs(name))}) == {}
+    assert settings.knob_overrides({name: {**ob.knobs(name), knob: default / 2}}) == {name: {knob: default / 2}}
 
 
 def test_explain_says_what_to_do():
@@ -320,6 +321,7 @@ def test_explain_says_what_to_do():
 
 
 def test_token_warnings_flag_empty_and_tiny_activations():
+    from lab.model_facts import ModelFacts
     from lab.pipeline import Analysis, RunConfig, TensorAnalysis
 
     spec = ob.QuantSpec()
@@ -331,7 +333,7 @@ def test_token_warnings_flag_empty_and_tiny_activations():
         TensorAnalysis("e2", "input", spec, torch.ones(64, 8), []),
         TensorAnalysis("w", "weight", spec, torch.ones(2, 8), []),
     ]
-    notes = ui.token_warnings(Analysis({}, RunConfig(specs={"input": spec}), entries))
+    notes = results.token_warnings(Analysis(ModelFacts({}), RunConfig(specs={"input": spec}), entries))
     assert len(notes) == 2
     assert "e0 · input: no tokens" in notes[0] and "only 3 tokens" in notes[1]
 
@@ -348,8 +350,8 @@ def test_best_mask_follows_metric_direction():
             "mse": [1.0, 2.0, 3.0, 1.0],
         }
     )
-    assert ui.best_mask(frame, "sqnr_db").tolist() == [False, True, True, False]
-    assert ui.best_mask(frame, "mse").tolist() == [True, False, False, True]
+    assert results.best_mask(frame, "sqnr_db").tolist() == [False, True, True, False]
+    assert results.best_mask(frame, "mse").tolist() == [True, False, False, True]
 
 
 def test_capturing_model_memoizes_one_capture():
@@ -363,7 +365,7 @@ def test_capturing_model_memoizes_one_capture():
             return {"x": len(calls)}
 
     store: dict = {}
-    wrapped = ui.CapturingModel(Model(), store)
+    wrapped = CapturingModel(Model(), store)
     assert wrapped.capture(["a"], samples=4) == {"x": 1}
     assert wrapped.capture(["a"], samples=4) == {"x": 1}
     assert wrapped.capture(["a"], samples=8) == {"x": 2}
@@ -376,8 +378,8 @@ def test_layer_output_error_toggle_shows_three_modes_per_observer(ran):
     ran.toggle(key="w:layer_output").set_value(True).run()
     _ok(ran)
     assert _plotly_count(ran) == 3  # plus the layer-output bars
-    analysis = ran.session_state[ui.ANALYSIS]
-    rows = ui.layer_output_rows(ui.open_shared_model("minilm", "auto", "fp32"), analysis, ["minmax", "percentile"])
+    analysis = _ws(ran).analysis
+    rows = results.layer_output_rows(ui.open_shared_model("minilm", "auto", "fp32"), analysis, ["minmax", "percentile"])
     assert len(rows) == len(LAYERS) * 2 * 3
     assert set(rows["quantized"]) == {"weight only", "activation only", "both"}
     both = rows.set_index(["layer", "observer", "quantized"])["sqnr_db"]

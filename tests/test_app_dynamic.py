@@ -70,7 +70,7 @@ def dynamic_run() -> AppTest:
 
 
 def test_run_stores_a_dynamic_input_spec(dynamic_run):
-    entry = dynamic_run.session_state[ui.ANALYSIS].entry(LAYER, "input")
+    entry = dynamic_run.session_state[ui.WORKSPACE].analysis.entry(LAYER, "input")
     assert entry.spec == ob.QuantSpec(dtype="int8", strategy="token", dynamic=True)
     assert dynamic.dynamic_applies(entry)
 
@@ -79,7 +79,7 @@ def test_ranges_page_shows_run_time_scales_for_dynamic_inputs(dynamic_run):
     at = _ranges(dynamic_run, "input")
     assert _has_section(at)
     assert len(at.get("plotly_chart")) == 4  # histogram, per-token vs per-channel, per-channel, dynamic scales
-    entry = at.session_state[ui.ANALYSIS].entry(LAYER, "input")
+    entry = at.session_state[ui.WORKSPACE].analysis.entry(LAYER, "input")
     table = at.dataframe[-1].value
     assert list(table["scales from"]) == [dynamic.DYNAMIC_LABEL, *OBSERVERS]
     assert table["scales"].iloc[0] == entry.data.shape[0], "one run-time scale per calibration token"
@@ -98,7 +98,7 @@ def test_block_format_and_unticking_dynamic(dynamic_run):
     _run(at)
     _ranges(at, "input")
     assert _has_section(at)
-    entry = at.session_state[ui.ANALYSIS].entry(LAYER, "input")
+    entry = at.session_state[ui.WORKSPACE].analysis.entry(LAYER, "input")
     hidden = entry.data.shape[1]
     assert at.dataframe[-1].value["scales"].iloc[0] == entry.data.shape[0] * -(-hidden // 32)
     _page(at, "run")

@@ -4,6 +4,7 @@ plots rendered and that no exception box appeared; screenshots go to ``test-arti
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,3 +214,88 @@ def test_kv_cache_states_in_a_browser(page):
     _settle(tab)
     _no_exception(tab)
     _shot(tab, "9_ranges_kv")
+
+
+def _download(tab, button: str, target: Path) -> Path:
+    with tab.expect_download(timeout=SLOW_MS) as info:
+        tab.get_by_role("button", name=button).click()
+    info.value.save_as(str(target))
+    return target
+
+
+def test_demo_walk_in_a_browser(page, tmp_path):
+    """What a person giving a demo does: one click on the first screen, every page, the exports,
+    an import, the report, then another model chosen without re-running (issue 15)."""
+    tab = page
+    tab.reload()
+    _go(tab, "Overview")
+    tab.get_by_role("button", name="Run the demo").click()
+    tab.get_by_text("minilm: 12 tensors").wait_for(timeout=SLOW_MS)
+    assert _plots(tab, 1) >= 1
+    _no_exception(tab)
+    _shot(tab, "10_demo_overview")
+
+    _go(tab, "Ranges")
+    _plots(tab, 2)
+    _choose(tab, "Layer · tensor", "encoder.layer.0.attention.self.key · input")
+    _see(tab, "Per-token vs per-channel abs-max")
+    _no_exception(tab)
+    for title in ("Scales", "Error"):
+        _go(tab, title)
+        _plots(tab, 2)
+        box = tab.get_by_label("Layer · tensor", exact=True).filter(visible=True)
+        assert "encoder.layer.0.attention.self.key · input" in box.locator("..").inner_text()
+        _no_exception(tab)
+        _shot(tab, f"11_demo_{title.lower()}")
+
+    _go(tab, "Choose & export")
+    tab.get_by_role("button", name="Observer Lab JSON").wait_for(timeout=SLOW_MS)
+    exported = _download(tab, "Observer Lab JSON", tmp_path / "demo.json")
+    document = json.loads(exported.read_text())
+    assert document["source"]["name"] == "minilm" and len(document["entries"]) == 12
+    archive = _download(tab, "compressed-tensors (zip)", tmp_path / "ct.zip")
+    with zipfile.ZipFile(archive) as files:
+        assert {"quantization_config.json", "qparams.safetensors"} <= set(files.namelist())
+    for entry in document["entries"]:
+        entry["chosen"]["observer"] = "memoryless_minmax"
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(document))
+    tab.get_by_text("Import a previous export").click()
+    tab.locator('input[type="file"]').set_input_files(str(changed))
+    _see(tab, "Restored 12 choice(s) from changed.json.")
+    again = json.loads(_download(tab, "Observer Lab JSON", tmp_path / "again.json").read_text())
+    assert {e["chosen"]["observer"] for e in again["entries"]} == {"memoryless_minmax"}
+    tab.get_by_role("button", name="Build HTML report").click()
+    report = _download(tab, "Download HTML report", tmp_path / "report.html")
+    assert "plotly" in report.read_text()[:2_000_000]
+    _no_exception(tab)
+    _shot(tab, "12_demo_export")
+
+    _go(tab, "Model")
+    tab.get_by_text("tiny-llama (built-in decoder sample)").click()
+    _see(tab, "These results are of 'minilm'")
+    _go(tab, "Choose & export")
+    _see(tab, "These results are of 'minilm'")
+    stale = json.loads(_download(tab, "Observer Lab JSON", tmp_path / "stale.json").read_text())
+    assert stale["source"]["name"] == "minilm"
+    _shot(tab, "13_demo_model_switched")
+
+
+def test_moe_expert_without_tokens_exports_in_a_browser(page):
+    """Issue 15.1: tiny-moe's never-routed expert 3 selected, Run, Choose & export: no
+    traceback, a warning, and the export once the opt-in is ticked."""
+    tab = page
+    _go(tab, "Model")
+    tab.get_by_text("tiny-moe (built-in MoE sample)").click()
+    _see(tab, "Layers to analyse")
+    _pick_layers(tab, "model.layers.0.mlp.experts.3", 3)
+    _go(tab, "Run")
+    tab.get_by_role("button", name="Run", exact=True).click()
+    tab.get_by_text("Results for 6 tensors").wait_for(timeout=SLOW_MS)
+    _go(tab, "Choose & export")
+    _see(tab, "saw no calibration tokens")
+    assert tab.locator('[data-testid="stException"]').count() == 0
+    tab.get_by_text("Record them as uncalibrated (no qparams) and export the rest").click()
+    tab.get_by_role("button", name="Observer Lab JSON").wait_for(timeout=SLOW_MS)
+    _no_exception(tab)
+    _shot(tab, "14_moe_export")

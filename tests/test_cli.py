@@ -13,9 +13,10 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 
 import observers as ob
-from lab import export as ex
+from lab import lab_json
 from lab.cli import main
-from lab.pipeline import RunConfig, analyse, choose
+from lab.pipeline import RunConfig, analyse
+from lab.results import choose
 from sample_models import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def test_run_writes_valid_file_report_and_ct_export(cli_run):
     folder, code, out, err = cli_run
     assert code == 0, err
     document = json.loads((folder / "q.json").read_text())
-    jsonschema.validate(document, ex.schema(), cls=jsonschema.Draft202012Validator)
+    jsonschema.validate(document, lab_json.schema(), cls=jsonschema.Draft202012Validator)
     assert {(e["layer"], e["tensor"]) for e in document["entries"]} == {
         (layer, tensor)
         for layer in ("encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense")
@@ -86,7 +87,7 @@ def test_report_is_self_contained(cli_run):
 
 
 def test_cli_qparams_equal_python_api_bit_for_bit(cli_run):
-    loaded = ex.load_json(cli_run[0] / "q.json")
+    loaded = lab_json.load_file(cli_run[0] / "q.json")
     model = open_model("minilm")
     spec = ob.QuantSpec(dtype="int4", symmetric=False, strategy="group", group_size=32)
     config = RunConfig(
@@ -150,7 +151,7 @@ def test_python_m_observers_runs_end_to_end(tmp_path):
     argv += ["--observers", "minmax,memoryless_minmax", "--samples", "4", "--seq-len", "32", "--out", str(out)]
     done = subprocess.run([sys.executable, "-m", "observers", *argv], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    loaded = ex.load_json(out)
+    loaded = lab_json.load_file(out)
     assert [(e.layer, e.tensor) for e in loaded.entries] == [("encoder.layer.0.attention.self.key", "weight")]
     assert loaded.entries[0].spec == ob.preset("W4A16")["weight"]
 

@@ -2,10 +2,9 @@
 
 import copy
 import hashlib
-import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jsonschema
 import pytest
@@ -17,8 +16,10 @@ from compressed_tensors.quantization.lifecycle.initialize import initialize_qpar
 from safetensors import safe_open
 
 import observers as ob
-from lab import export as ex
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis, analyse, choose
+from lab import compressed_tensors, lab_json
+from lab.model_facts import ModelFacts, describe_source
+from lab.pipeline import Analysis, RunConfig, TensorAnalysis, analyse
+from lab.results import choose
 from observers.suite import SuiteResult
 
 OBSERVERS = ("minmax", "memoryless_minmax", "moving_average_minmax")
@@ -71,9 +72,8 @@ def _analysis(specs=None, observers=OBSERVERS, model=None) -> tuple[FakeModel, A
 def run():
     model, analysis = _analysis()
     choices = choose(analysis)
-    text = io.StringIO()
-    document = ex.export_json(analysis, choices, text, source=ex.describe_source(model))
-    return model, analysis, choices, document, text.getvalue()
+    document = lab_json.build_document(analysis, choices)
+    return model, analysis, choices, document, lab_json.dumps(document)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -82,9 +82,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_round_trip_restores_choices_and_bit_identical_qparams(run):
     model, analysis, choices, _, text = run
-    loaded = ex.load_json(io.StringIO(text))
+    loaded = lab_json.load(text)
     assert loaded.choices == choices
-    restored = ex.apply_choices(loaded, model)
+    restored = lab_json.apply_choices(loaded, ModelFacts.of(model))
     assert restored["choices"] == choices
     for key, observer in choices.items():
         original = analysis.entry(*key).result(observer).qparams
@@ -100,7 +100,7 @@ def test_user_override_is_exported_with_best_other_as_runner_up(run):
     _, analysis, choices, _, _ = run
     key = ("blk.q_proj", "weight")
     override = {**choices, key: "moving_average_minmax"}
-    document = ex.build_document(analysis, override)
+    document = lab_json.build_document(analysis, override)
     record = next(e for e in document["entries"] if (e["layer"], e["tensor"]) == key)
     assert record["chosen"]["observer"] == "moving_average_minmax"
     entry = analysis.entry(*key)
@@ -116,7 +116,7 @@ def test_infinite_sqnr_is_written_as_string_and_read_back(run):
     record = next(e for e in document["entries"] if e["layer"] == "zero.proj" and e["tensor"] == "weight")
     assert record["chosen"]["metrics"]["sqnr_db"] == "inf"
     assert "Infinity" not in text and "NaN" not in text
-    loaded = ex.load_json(io.StringIO(text))
+    loaded = lab_json.load(text)
     entry = next(e for e in loaded.entries if e.layer == "zero.proj" and e.tensor == "weight")
     assert entry.metrics["sqnr_db"] == math.inf
 
@@ -127,23 +127,24 @@ def test_file_records_source_version_and_specs(run, tmp_path):
     weights.write_bytes(b"not really weights")
     model_on_disk = FakeModel()
     model_on_disk.source = str(tmp_path)
-    source = ex.describe_source(model_on_disk)
+    source = describe_source(model_on_disk)
     assert source["kind"] == "directory"
     assert source["files"] == [
         {"name": "model.safetensors", "sha256": hashlib.sha256(b"not really weights").hexdigest()}
     ]
     path = tmp_path / "q.json"
-    document = ex.export_json(analysis, choices, path, source=source)
+    on_disk = replace(analysis, facts=ModelFacts(source))
+    document = lab_json.save_file(on_disk, choices, path)
     assert document["format"] == "observer-lab-qparams" and document["version"] == 1
     assert document["library"]["version"] == ob.__version__
     assert document["entries"][0]["spec"] == analysis.entries[0].spec.to_dict()
-    assert ex.load_json(path).source == source
+    assert lab_json.load_file(path).source == source
 
 
 def test_produced_file_validates_against_the_schema(run):
     document = json.loads(run[4])
-    jsonschema.Draft202012Validator.check_schema(ex.schema())
-    jsonschema.validate(document, ex.schema(), cls=jsonschema.Draft202012Validator)
+    jsonschema.Draft202012Validator.check_schema(lab_json.schema())
+    jsonschema.validate(document, lab_json.schema(), cls=jsonschema.Draft202012Validator)
 
 
 def _broken(document, edit):
@@ -154,7 +155,7 @@ def _broken(document, edit):
 
 def _error_of(text: str) -> str:
     with pytest.raises(ValueError) as info:
-        ex.load_json(io.StringIO(text))
+        lab_json.load(text)
     return str(info.value)
 
 
@@ -193,10 +194,10 @@ def test_non_lab_files_are_rejected(text):
 
 
 def test_wrong_model_lists_unknown_layer_and_every_shape_mismatch(run):
-    loaded = ex.load_json(io.StringIO(run[4]))
+    loaded = lab_json.load(run[4])
     other = FakeModel({"blk.q_proj": (16, 96), "blk.k_proj": (8, 64)})
     with pytest.raises(ValueError) as info:
-        ex.apply_choices(loaded, other)
+        lab_json.apply_choices(loaded, ModelFacts.of(other))
     message = str(info.value)
     assert "the model has no layer 'zero.proj'" in message
     assert "blk.q_proj weight: file has weight shape [16, 64], model has [16, 96]" in message
@@ -209,17 +210,17 @@ def test_expected_qparam_shape_matches_observers():
     w = torch.randn(10, 70)
     observer = ob.create("minmax", spec)
     observer.observe(w)
-    assert ex.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
-    assert ex.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
-    assert ex.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
-    assert ex.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
+    assert lab_json.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
+    assert lab_json.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
+    assert lab_json.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
+    assert lab_json.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
 
 
 def test_export_rejects_choices_outside_the_analysis(run):
     _, analysis, choices, _, _ = run
     bad = {**choices, ("nope", "weight"): "minmax", ("blk.q_proj", "weight"): "entropy_not_run"}
     with pytest.raises(ValueError) as info:
-        ex.build_document(analysis, bad)
+        lab_json.build_document(analysis, bad)
     assert "nope weight: not in the analysis" in str(info.value)
     assert "'entropy_not_run' was not run" in str(info.value)
 
@@ -234,8 +235,7 @@ def _read_safetensors(path):
 
 def test_compressed_tensors_config_parses_and_tensors_match_ct_layout(run, tmp_path):
     model, analysis, choices, _, _ = run
-    layer_types = {info.name: info.type for info in model.layers()}
-    result = ex.export_compressed_tensors(analysis, choices, tmp_path, layer_types=layer_types)
+    result = compressed_tensors.save_file(analysis, choices, tmp_path)
     wrapped = json.loads((tmp_path / "quantization_config.json").read_text())
     config = QuantizationConfig.model_validate(wrapped["quantization_config"])
     scheme = config.config_groups["group_0"]
@@ -257,14 +257,15 @@ def test_compressed_tensors_config_parses_and_tensors_match_ct_layout(run, tmp_p
         spec = analysis.entry(layer, "weight").spec
         theirs = ct_fake_quantize(w, ours[f"{layer}.weight_scale"], ours[f"{layer}.weight_zero_point"], scheme.weights)
         torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, spec), rtol=0, atol=1e-7)
-    assert result["tensors"][f"{layer}.weight_zero_point"]["dtype"] == "int8"
-    assert (tmp_path / "observer_lab_notes.txt").read_text().splitlines() == result["notes"]
+    assert result.tensor_summary()[f"{layer}.weight_zero_point"]["dtype"] == "int8"
+    assert (tmp_path / "observer_lab_notes.txt").read_text().splitlines() == result.notes
 
 
 def test_compressed_tensors_targets_layer_names_without_model_listing(run):
     _, analysis, choices, _, _ = run
-    built = ex.build_compressed_tensors(analysis, choices)
-    assert built["quantization_config"]["config_groups"]["group_0"]["targets"] == [
+    unlisted = replace(analysis, facts=ModelFacts(analysis.source))
+    built = compressed_tensors.build(unlisted, choices)
+    assert built.quantization_config["config_groups"]["group_0"]["targets"] == [
         "blk.q_proj",
         "blk.k_proj",
         "zero.proj",
@@ -280,7 +281,7 @@ def test_linear_target_ignores_the_model_layers_not_analysed(run):
         "lm_head": "Linear",
         "emb": "Embedding",
     }
-    config = ex.build_compressed_tensors(analysis, choices, types)["quantization_config"]
+    config = compressed_tensors.build(replace(analysis, facts=ModelFacts({}, types)), choices).quantization_config
     assert config["config_groups"]["group_0"]["targets"] == ["Linear"]
     assert config["ignore"] == ["lm_head"]
 
@@ -288,13 +289,13 @@ def test_linear_target_ignores_the_model_layers_not_analysed(run):
 def test_observer_differing_from_group_is_noted(run):
     _, analysis, choices, _, _ = run
     override = {**choices, ("blk.k_proj", "weight"): "moving_average_minmax"}
-    built = ex.build_compressed_tensors(analysis, override)
-    weights = built["quantization_config"]["config_groups"]["group_0"]["weights"]
+    built = compressed_tensors.build(analysis, override)
+    weights = built.quantization_config["config_groups"]["group_0"]["weights"]
     assert weights["observer"] == "static_minmax"
-    assert any("blk.k_proj weight: chose 'moving_average_minmax'" in n for n in built["notes"])
+    assert any("blk.k_proj weight: chose 'moving_average_minmax'" in n for n in built.notes)
     # the saved qparams are those of the choice, not of the group's observer
     chosen = analysis.entry("blk.k_proj", "weight").result("moving_average_minmax").qparams
-    assert torch.equal(built["tensors"]["blk.k_proj.weight_scale"], chosen.scale)
+    assert torch.equal(built.tensors["blk.k_proj.weight_scale"], chosen.scale)
 
 
 @pytest.mark.parametrize(
@@ -313,34 +314,34 @@ def test_observer_differing_from_group_is_noted(run):
     ],
 )
 def test_settings_without_ct_equivalent_give_reasons(spec, tensor, reason):
-    args, reasons = ex.ct_args(spec, tensor)
+    args, reasons = compressed_tensors.ct_args(spec, tensor)
     assert args is None
     assert any(reason in r for r in reasons), reasons
 
 
 def test_unsupported_layer_is_noted_and_left_out(tmp_path):
     model, analysis = _analysis({"weight": ob.QuantSpec(dtype="fp8_e5m2"), "input": ob.QuantSpec(dtype="fp8_e4m3")})
-    built = ex.build_compressed_tensors(analysis, choose(analysis))
-    scheme = built["quantization_config"]["config_groups"]["group_0"]
+    built = compressed_tensors.build(analysis, choose(analysis))
+    scheme = built.quantization_config["config_groups"]["group_0"]
     assert scheme["weights"] is None and scheme["input_activations"]["type"] == "float"
-    assert not any(name.endswith("weight_scale") for name in built["tensors"])
-    assert any("no fp8_e5m2 element type; not exported" in n for n in built["notes"])
-    QuantizationConfig.model_validate(built["quantization_config"])
+    assert not any(name.endswith("weight_scale") for name in built.tensors)
+    assert any("no fp8_e5m2 element type; not exported" in n for n in built.notes)
+    QuantizationConfig.model_validate(built.quantization_config)
 
 
 def test_uint8_asymmetric_maps_to_ct_int8_with_shifted_zero_point():
     model, analysis = _analysis({"weight": ob.QuantSpec(dtype="uint8", symmetric=False, strategy="channel")})
     choices = choose(analysis)
-    built = ex.build_compressed_tensors(analysis, choices)
-    config = QuantizationConfig.model_validate(built["quantization_config"])
+    built = compressed_tensors.build(analysis, choices)
+    config = QuantizationConfig.model_validate(built.quantization_config)
     args = config.config_groups["group_0"].weights
     layer = "blk.q_proj"
     qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams
-    zp = built["tensors"][f"{layer}.weight_zero_point"]
+    zp = built.tensors[f"{layer}.weight_zero_point"]
     assert zp.dtype == torch.int8
     assert torch.equal(zp.to(torch.int32), qp.zero_point - 128)
     w = model.weights[layer]
-    theirs = ct_fake_quantize(w, built["tensors"][f"{layer}.weight_scale"], zp, args)
+    theirs = ct_fake_quantize(w, built.tensors[f"{layer}.weight_scale"], zp, args)
     torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, analysis.entry(layer, "weight").spec), rtol=0, atol=1e-7)
 
 
@@ -349,7 +350,7 @@ def _hand_analysis(spec: ob.QuantSpec, qp: ob.QParams, data: torch.Tensor, tenso
     independently of the observers that compute their scales."""
     result = SuiteResult("minmax", qp, {"sqnr_db": 20.0}, 0.0, {"ignore_nonfinite": False})
     entry = TensorAnalysis("blk.q_proj", tensor, spec, data, [result])
-    return Analysis({"name": "hand"}, RunConfig(specs={tensor: spec}, observers=("minmax",)), [entry])
+    return Analysis(ModelFacts({"name": "hand"}), RunConfig(specs={tensor: spec}, observers=("minmax",)), [entry])
 
 
 def test_mx_scales_are_e8m0_codes_as_compressed_tensors_encodes_them():
@@ -357,13 +358,13 @@ def test_mx_scales_are_e8m0_codes_as_compressed_tensors_encodes_them():
     scale = torch.exp2(codes.float() - 127)
     qp = ob.QParams(scale, torch.zeros_like(scale, dtype=torch.int32), -scale, scale, extras={"scale_exponent": codes})
     analysis = _hand_analysis(ob.QuantSpec(dtype="mxfp4"), qp, torch.randn(16, 64))
-    built = ex.build_compressed_tensors(analysis, {("blk.q_proj", "weight"): "minmax"})
-    config = QuantizationConfig.model_validate(built["quantization_config"])
+    built = compressed_tensors.build(analysis, {("blk.q_proj", "weight"): "minmax"})
+    config = QuantizationConfig.model_validate(built.quantization_config)
     args = config.config_groups["group_0"].weights
     assert (args.num_bits, args.group_size, args.scale_dtype) == (4, 32, torch.uint8)
-    written = built["tensors"]["blk.q_proj.weight_scale"]
+    written = built.tensors["blk.q_proj.weight_scale"]
     assert written.dtype == torch.uint8 and torch.equal(written, compress_mx_scale(scale, torch.uint8))
-    assert set(built["tensors"]) == {"blk.q_proj.weight_scale"}
+    assert set(built.tensors) == {"blk.q_proj.weight_scale"}
 
 
 def test_nvfp4_writes_fp8_block_scales_and_global_scale(tmp_path):
@@ -372,8 +373,8 @@ def test_nvfp4_writes_fp8_block_scales_and_global_scale(tmp_path):
     global_scale = torch.tensor([1234.5])
     qp = ob.QParams(scale, torch.zeros_like(scale, dtype=torch.int32), -scale, scale, global_scale)
     analysis = _hand_analysis(ob.QuantSpec(dtype="nvfp4"), qp, torch.randn(16, 64))
-    result = ex.export_compressed_tensors(analysis, {("blk.q_proj", "weight"): "minmax"}, tmp_path)
-    config = QuantizationConfig.model_validate(result["quantization_config"])
+    result = compressed_tensors.save_file(analysis, {("blk.q_proj", "weight"): "minmax"}, tmp_path)
+    config = QuantizationConfig.model_validate(result.quantization_config)
     assert config.config_groups["group_0"].weights.strategy == "tensor_group"
     tensors = _read_safetensors(tmp_path / "qparams.safetensors")
     assert tensors["blk.q_proj.weight_scale"].dtype == torch.float8_e4m3fn
@@ -386,23 +387,23 @@ def test_nvfp4_dynamic_input_keeps_only_its_global_scale():
     scale = torch.ones(4)
     qp = ob.QParams(scale, torch.zeros(4, dtype=torch.int32), -scale, scale, torch.tensor([3.0]), kind="activation")
     analysis = _hand_analysis(ob.QuantSpec(dtype="nvfp4", dynamic=True), qp, torch.randn(8, 64), tensor="input")
-    built = ex.build_compressed_tensors(analysis, {("blk.q_proj", "input"): "minmax"})
-    config = QuantizationConfig.model_validate(built["quantization_config"])
+    built = compressed_tensors.build(analysis, {("blk.q_proj", "input"): "minmax"})
+    config = QuantizationConfig.model_validate(built.quantization_config)
     assert config.config_groups["group_0"].input_activations.dynamic == "local"
-    assert set(built["tensors"]) == {"blk.q_proj.input_global_scale"}
+    assert set(built.tensors) == {"blk.q_proj.input_global_scale"}
 
 
 @pytest.mark.parametrize("dtype", ["mxfp4", "mxfp8_e4m3", "nvfp4"])
 def test_block_formats_from_real_observers_fake_quantize_like_compressed_tensors(dtype):
     model, analysis = _analysis({"weight": ob.QuantSpec(dtype=dtype)})
     choices = choose(analysis)
-    built = ex.build_compressed_tensors(analysis, choices)
-    args = QuantizationConfig.model_validate(built["quantization_config"]).config_groups["group_0"].weights
+    built = compressed_tensors.build(analysis, choices)
+    args = QuantizationConfig.model_validate(built.quantization_config).config_groups["group_0"].weights
     layer = "blk.q_proj"
-    scale = built["tensors"][f"{layer}.weight_scale"]
+    scale = built.tensors[f"{layer}.weight_scale"]
     # compressed-tensors' decompressors turn stored scales back into floats before fake-quantizing
     float_scale = torch.exp2(scale.float() - 127) if scale.dtype == torch.uint8 else scale.float()
-    global_scale = built["tensors"].get(f"{layer}.weight_global_scale")
+    global_scale = built.tensors.get(f"{layer}.weight_global_scale")
     w = model.weights[layer]
     theirs = ct_fake_quantize(w, float_scale, torch.zeros_like(float_scale), args, global_scale=global_scale)
     qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams

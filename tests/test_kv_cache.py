@@ -18,9 +18,10 @@ from safetensors import safe_open
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import cli, plots, ui
-from lab import export as ex
-from lab.pipeline import RunConfig, analyse, choose
+from lab import cli, compressed_tensors, lab_json, plots, results, ui
+from lab.model_facts import ModelFacts
+from lab.pipeline import RunConfig, analyse
+from lab.results import choose
 from sample_models import open_model
 
 OBSERVERS = ("minmax", "mse_grid", "percentile")
@@ -92,21 +93,21 @@ def test_kv_config_errors_are_clear(llama, blocks):
 
 def test_compressed_tensors_registers_the_same_kv_scales_and_quantizes_alike(llama, blocks, per_head):
     choices = choose(per_head)
-    built = ex.build_compressed_tensors(per_head, choices, attention_blocks=llama.attention_blocks())
-    config = QuantizationConfig.model_validate(built["quantization_config"])
+    built = compressed_tensors.build(per_head, choices)
+    config = QuantizationConfig.model_validate(built.quantization_config)
     args = config.kv_cache_scheme
     assert (args.type, args.num_bits, args.strategy, args.dynamic) == ("float", 8, "attn_head", False)
     module = copy.deepcopy(llama.module())
     apply_quantization_config(module, config)
     theirs = {k: v for k, v in module.state_dict().items() if k.endswith(("k_scale", "v_scale"))}
-    ours = built["tensors"]
+    ours = built.tensors
     assert set(ours) == {f"{b}.{t}_scale" for b in blocks for t in "kv"}
     assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (theirs[k].shape, theirs[k].dtype) for k in ours}
     missing, unexpected = module.load_state_dict(ours, strict=False)
     assert unexpected == []
     left = sorted(set(theirs) - set(ours))
     assert left and all(not k.startswith(tuple(blocks)) for k in left)
-    assert any("not analysed" in note and llama.attention_blocks()[2] in note for note in built["notes"])
+    assert any("not analysed" in note and llama.attention_blocks()[2] in note for note in built.notes)
     for entry in per_head.entries:
         qp = entry.result(choices[(entry.layer, entry.tensor)]).qparams
         reference = ct_fake_quantize(entry.data, ours[f"{entry.layer}.{entry.tensor}_scale"], None, args)
@@ -115,33 +116,33 @@ def test_compressed_tensors_registers_the_same_kv_scales_and_quantizes_alike(lla
 
 def test_asymmetric_int8_kv_writes_zero_points_compressed_tensors_accepts(llama, blocks):
     analysis = _kv_run(llama, blocks[:1], ob.QuantSpec(dtype="uint8", symmetric=False), observers=("minmax",))
-    built = ex.build_compressed_tensors(analysis, choose(analysis))
-    config = QuantizationConfig.model_validate(built["quantization_config"])
+    built = compressed_tensors.build(analysis, choose(analysis))
+    config = QuantizationConfig.model_validate(built.quantization_config)
     assert config.kv_cache_scheme.symmetric is False and config.kv_cache_scheme.strategy == "tensor"
     name = f"{blocks[0]}.k"
-    zero_point = built["tensors"][f"{name}_zero_point"]
+    zero_point = built.tensors[f"{name}_zero_point"]
     assert zero_point.dtype == torch.int8 and tuple(zero_point.shape) == (1,)
     qp = analysis.entry(blocks[0], "k").result("minmax").qparams
     assert int(zero_point) == int(qp.zero_point) - 128  # uint8 codes shifted onto CT's signed int8
     data = analysis.entry(blocks[0], "k").data
-    reference = ct_fake_quantize(data, built["tensors"][f"{name}_scale"], zero_point, config.kv_cache_scheme)
+    reference = ct_fake_quantize(data, built.tensors[f"{name}_scale"], zero_point, config.kv_cache_scheme)
     torch.testing.assert_close(reference, ob.fake_quantize(data, qp, analysis.entries[0].spec), rtol=0, atol=1e-6)
 
 
 def test_json_round_trip_and_model_checks_for_kv_entries(llama, per_head):
-    text = io.StringIO()
-    document = ex.export_json(per_head, choose(per_head), text)
-    assert ex.schema_problems(document) == []
+    document = lab_json.build_document(per_head, choose(per_head))
+    text = lab_json.dumps(document)
+    assert lab_json.schema_problems(document) == []
     assert {e["tensor"] for e in document["entries"]} == {"k", "v"}
-    restored = ex.apply_choices(ex.load_json(io.StringIO(text.getvalue())), llama)
+    restored = lab_json.apply_choices(lab_json.load(text), ModelFacts.of(llama, with_kv=True))
     for (layer, tensor), qp in restored["qparams"].items():
         original = per_head.entry(layer, tensor).result(restored["choices"][(layer, tensor)]).qparams
         assert torch.equal(qp.scale, original.scale) and qp.kind == "attention"
     minilm = open_model("minilm")
     with pytest.raises(ValueError, match="has no attention block 'model.layers.0.self_attn'"):
-        ex.apply_choices(ex.load_json(io.StringIO(text.getvalue())), minilm)
-    assert ex.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
-    assert ex.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
+        lab_json.apply_choices(lab_json.load(text), ModelFacts.of(minilm))
+    assert lab_json.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
+    assert lab_json.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
 
 
 def test_per_head_plots_cover_every_head(per_head):
@@ -227,7 +228,7 @@ def test_app_analyses_and_exports_kv_states():
     at.multiselect(key="w:observers").set_value(["minmax", "mse_grid"]).run()
     next(b for b in at.button if b.label == "Run").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    analysis = at.session_state[ui.ANALYSIS]
+    analysis = at.session_state[ui.WORKSPACE].analysis
     keys = [(e.layer, e.tensor) for e in analysis.entries]
     assert keys == [("model.layers.0.self_attn.q_proj", "weight")] + [(b, t) for b in blocks for t in "kv"]
     assert analysis.entry(blocks[0], "k").spec.strategy == "channel"
@@ -238,7 +239,8 @@ def test_app_analyses_and_exports_kv_states():
     for page in ("scales", "error", "overview", "export"):
         at.switch_page(f"pages/{page}.py").run()
         assert not at.exception and not at.error, (page, [e.value for e in at.error])
-    data, notes = ui.compressed_tensors_zip(analysis, choose(analysis), open_model("tiny-llama"))
+    built = compressed_tensors.build(analysis, choose(analysis))
+    data, notes = built.to_zip(), built.notes
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         config = json.loads(archive.read("quantization_config.json"))["quantization_config"]
     assert config["kv_cache_scheme"]["strategy"] == "attn_head"
@@ -247,19 +249,19 @@ def test_app_analyses_and_exports_kv_states():
 
 def test_granularity_note_speaks_of_heads_for_kv_states():
     spec = ob.QuantSpec(dtype="fp8_e4m3", strategy="channel")
-    assert "one range per head" in ui.granularity_note(spec, "k")
-    assert "one range per channel" in ui.granularity_note(spec, "weight")
-    assert ui.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
+    assert "one range per head" in results.granularity_note(spec, "k")
+    assert "one range per channel" in results.granularity_note(spec, "weight")
+    assert results.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
 
 
 def test_kv_cache_scheme_records_the_most_common_choice_and_notes_the_others(per_head, blocks):
     choices = {key: "mse_grid" for key in choose(per_head)}
     choices[(blocks[0], "k")] = "minmax"
-    built = ex.build_compressed_tensors(per_head, choices)
-    assert built["quantization_config"]["kv_cache_scheme"]["observer"] == "memoryless_mse"
+    built = compressed_tensors.build(per_head, choices)
+    assert built.quantization_config["kv_cache_scheme"]["observer"] == "memoryless_mse"
     assert any(
         note.startswith(f"{blocks[0]} k: chose 'minmax' but kv_cache_scheme records 'mse_grid'")
-        for note in built["notes"]
+        for note in built.notes
     )
     minmax_scale = per_head.entry(blocks[0], "k").result("minmax").qparams.scale
-    torch.testing.assert_close(built["tensors"][f"{blocks[0]}.k_scale"].flatten(), minmax_scale)
+    torch.testing.assert_close(built.tensors[f"{blocks[0]}.k_scale"].flatten(), minmax_scale)

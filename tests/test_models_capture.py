@@ -190,8 +190,11 @@ def test_concurrent_captures_do_not_see_each_other(minilm):
         except BaseException as err:  # surfaced in the main thread below
             errors.append(err)
 
+    # Tokenized here, not in the thread: a fast tokenizer's padding/truncation state is per instance,
+    # so calling it while a capture tokenizes races (the capture lock covers captures, not this call).
+    batch = minilm.tokenizer()(builtin_texts()[10:12], padding=True, return_tensors="pt")
+
     def bystander() -> None:
-        batch = minilm.tokenizer()(builtin_texts()[10:12], padding=True, return_tensors="pt")
         with torch.no_grad():
             while not done.is_set():
                 minilm.module()(**batch)

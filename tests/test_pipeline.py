@@ -1,19 +1,21 @@
 """lab.pipeline: the analysis path of the app and CLI, on a small stand-in model."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import observers as ob
-from lab.pipeline import ResultCache, RunConfig, analyse, choose
+from lab.pipeline import ResultCache, RunConfig, analyse
+from lab.results import choose
 
 
 class _Model:
-    """Just the interface analyse() uses: name/source, weight(), capture()."""
+    """Just the interface analyse() uses: name/source, layers(), weight(), capture()."""
 
     name = "stand-in"
-    source = {"kind": "test", "name": "stand-in"}
+    source = "stand-in"
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(0)
@@ -22,6 +24,9 @@ class _Model:
         scale[:4] = 40.0
         self.inputs = {"fc": torch.randn(200, 64, generator=g) * scale}
         self.captures = 0
+
+    def layers(self):
+        return [SimpleNamespace(name=n, type="Linear", shape=tuple(w.shape)) for n, w in self.weights.items()]
 
     def weight(self, name):
         return self.weights[name]

@@ -47,16 +47,22 @@ def test_observer_color_is_registry_position_and_stable():
     assert plots.observer_color("b", order=["a", "b"]) == plots.PALETTE[1]
 
 
-def test_range_histogram_lines_are_each_observers_min_and_max():
+def _clip_points(r, spec: ob.QuantSpec) -> list[float]:
+    lo, hi = ob.representable_range(r.qparams, spec)
+    return [float(lo.min()), float(hi.max())]
+
+
+def test_range_histogram_lines_are_where_each_observer_clips():
     w = _weight()
-    results = _results(w, ob.QuantSpec(dtype="int8", symmetric=False))
-    fig = plots.range_histogram(w, results, log_count=False)
+    spec = ob.QuantSpec(dtype="int8", symmetric=False)
+    results = _results(w, spec)
+    fig = plots.range_histogram(w, results, spec, log_count=False)
     bars = [t for t in fig.data if isinstance(t, go.Bar)]
     assert len(bars) == 1 and bars[0].y.sum() == w.numel()
     lines = _lines(fig)
     assert set(lines) == set(MINMAX_FAMILY)
     for r in results:
-        assert lines[r.name] == pytest.approx([float(r.qparams.min_val.min()), float(r.qparams.max_val.max())])
+        assert lines[r.name] == pytest.approx(_clip_points(r, spec))
     legend = [s.legendgroup for s in fig.layout.shapes if s.showlegend]
     assert sorted(legend) == sorted(MINMAX_FAMILY), "one legend entry per observer"
     assert fig.layout.yaxis.type == "linear"
@@ -65,19 +71,23 @@ def test_range_histogram_lines_are_each_observers_min_and_max():
 
 def test_range_histogram_absolute_and_log_options():
     w = _weight()
-    results = _results(w, ob.QuantSpec(dtype="int8", symmetric=False))
-    fig = plots.range_histogram(w, results, absolute=True, log_count=True)
+    spec = ob.QuantSpec(dtype="int8", symmetric=False)
+    results = _results(w, spec)
+    fig = plots.range_histogram(w, results, spec, absolute=True, log_count=True)
     r = results[0]
-    assert _lines(fig)[r.name] == pytest.approx([abs(float(r.qparams.min_val.min())), float(r.qparams.max_val.max())])
+    lo, hi = _clip_points(r, spec)
+    assert _lines(fig)[r.name] == pytest.approx([abs(lo), hi])
     assert fig.layout.yaxis.type == "log"
     assert min(fig.data[0].x) >= 0
 
 
 def test_range_histogram_group_granularity_draws_the_envelope():
     w = _weight()
-    results = _results(w, ob.QuantSpec(dtype="int4", strategy="group", group_size=16))
-    lines = _lines(plots.range_histogram(w, results))
-    assert lines["minmax"] == pytest.approx([float(w.min()), float(w.max())])
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    results = _results(w, spec)
+    lines = _lines(plots.range_histogram(w, results, spec))
+    scale = results[0].qparams.scale
+    assert lines["minmax"] == pytest.approx([float((-8 * scale).min()), float((7 * scale).max())])
 
 
 def test_range_histogram_labels_clipping_observers_with_range_and_share():
@@ -92,15 +102,15 @@ def test_range_histogram_labels_clipping_observers_with_range_and_share():
 
     share = float(((w < -2.5) | (w > 2.5)).float().mean())
     result = SuiteResult("clipper", clipped, {"clip_ratio": share}, 0.0)
-    fig = plots.range_histogram(w, [result, *_results(w, ob.QuantSpec())[:1]])
+    fig = plots.range_histogram(w, [result, *_results(w, ob.QuantSpec())[:1]], ob.QuantSpec())
     labels = [s.name for s in fig.layout.shapes if s.showlegend]
-    assert labels[0] == f"clipper [-2.5, 2.5] · {100 * share:.3g}% clipped"
+    assert labels[0] == f"clipper [-2.56, 2.54] · {100 * share:.3g}% clipped"  # int8: -128·s and 127·s
     assert "clipped" not in labels[1]
 
 
 def test_tail_zoom_bins_only_the_tail():
     w = _weight(200, 200)
-    fig = plots.range_histogram(w, _results(w, ob.QuantSpec()), tail="right", log_count=False)
+    fig = plots.range_histogram(w, _results(w, ob.QuantSpec()), ob.QuantSpec(), tail="right", log_count=False)
     lo, hi = plots.tail_bounds(w, "right")
     assert tuple(fig.layout.xaxis.range) == pytest.approx((lo, hi))
     assert fig.data[0].y.sum() == pytest.approx(int(((w >= lo) & (w <= hi)).sum()), abs=1)
@@ -196,10 +206,11 @@ def test_token_channel_figure_per_token_and_per_channel_absmax():
 
 
 def _analysis(model_entries: list[TensorAnalysis]):
+    from lab.model_facts import ModelFacts
     from lab.pipeline import Analysis
 
     config = RunConfig(specs={"weight": ob.QuantSpec()}, observers=tuple(MINMAX_FAMILY))
-    return Analysis({"name": "t"}, config, model_entries)
+    return Analysis(ModelFacts({"name": "t"}), config, model_entries)
 
 
 def _entry(layer: str, w: torch.Tensor, spec: ob.QuantSpec) -> TensorAnalysis:
@@ -218,7 +229,8 @@ def test_metric_heatmap_and_bars_carry_the_frame_values():
     assert plots.metric_heatmap(frame, "mse").data[0].colorscale != heat.data[0].colorscale
     bars = plots.metric_bars(frame, "sqnr_db")
     assert [t.name for t in bars.data] == MINMAX_FAMILY
-    np.testing.assert_allclose(bars.data[0].y, frame[frame["observer"] == "minmax"]["sqnr_db"])
+    np.testing.assert_allclose(bars.data[0].x, frame[frame["observer"] == "minmax"]["sqnr_db"])
+    assert list(bars.data[0].y) == ["a · weight", "b · weight"]
     failed = pd.concat([frame, frame.iloc[:1].assign(observer="broken", sqnr_db=np.nan)], ignore_index=True)
     assert "broken" not in [t.name for t in plots.metric_bars(failed).data], "no empty bars for errors"
     assert "broken" not in list(plots.metric_heatmap(failed).data[0].x)
@@ -260,6 +272,11 @@ class _FakeModel:
     def __init__(self) -> None:
         self.w = {"l0": _weight(seed=3), "l1": _weight(seed=4)}
 
+    def layers(self):
+        from sample_models import LayerInfo
+
+        return [LayerInfo(n, "Linear", tuple(w.shape), w.numel()) for n, w in self.w.items()]
+
     def weight(self, name: str) -> torch.Tensor:
         return self.w[name]
 
@@ -267,7 +284,7 @@ class _FakeModel:
 def test_plots_take_pipeline_analysis_directly():
     analysis = analyse(_FakeModel(), ["l0", "l1"], _analysis([]).config, cache=ResultCache())
     entry = analysis.entry("l1", "weight")
-    fig = plots.range_histogram(entry.data, entry.results)
+    fig = plots.range_histogram(entry.data, entry.results, entry.spec)
     assert set(_lines(fig)) == set(MINMAX_FAMILY)
     assert plots.qparam_heatmaps(entry.results).data
 

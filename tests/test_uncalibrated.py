@@ -2,13 +2,16 @@
 
 import io
 import json
+import zipfile
 
 import pytest
 import torch
 
 import observers as ob
-from lab import export
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis, choose
+from lab import compressed_tensors, lab_json, results
+from lab.model_facts import ModelFacts
+from lab.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.results import choose
 
 
 def _analysis() -> Analysis:
@@ -24,12 +27,12 @@ def _analysis() -> Analysis:
             "experts.1", "input", spec, never_routed, ob.run_suite(never_routed, spec, ["minmax"], kind="activation")
         ),
     ]
-    return Analysis({"kind": "builtin", "name": "test"}, config, entries)
+    return Analysis(ModelFacts({"kind": "builtin", "name": "test"}), config, entries)
 
 
 def test_zero_token_tensor_has_no_qparams_and_is_listed():
     analysis = _analysis()
-    assert [(e.layer, e.tensor) for e in export.uncalibrated(analysis)] == [("experts.1", "input")]
+    assert [(e.layer, e.tensor) for e in results.uncalibrated(analysis)] == [("experts.1", "input")]
     assert analysis.entry("experts.1", "input").results[0].error is not None
     assert ("experts.1", "input") not in choose(analysis)
 
@@ -38,11 +41,10 @@ def test_json_export_refuses_then_records_with_opt_in():
     analysis = _analysis()
     choices = choose(analysis)
     with pytest.raises(ValueError, match=r"no calibration tokens:\n  - experts.1 input"):
-        export.export_json(analysis, choices, io.StringIO())
-    buffer = io.StringIO()
-    document = export.export_json(analysis, choices, buffer, allow_uncalibrated=True)
+        lab_json.save(analysis, choices)
+    document = json.loads(lab_json.save(analysis, choices, allow_uncalibrated=True))
     assert document["uncalibrated"] == [{"layer": "experts.1", "tensor": "input", "num_observed_tokens": 0}]
-    assert export.schema_problems(json.loads(buffer.getvalue())) == []
+    assert lab_json.schema_problems(document) == []
     assert {(e["layer"], e["tensor"]) for e in document["entries"]} == {("experts.0", "weight"), ("experts.0", "input")}
 
 
@@ -50,21 +52,18 @@ def test_compressed_tensors_export_refuses_then_notes(tmp_path):
     analysis = _analysis()
     choices = choose(analysis)
     with pytest.raises(ValueError, match="allow_uncalibrated"):
-        export.export_compressed_tensors(analysis, choices, tmp_path)
-    result = export.export_compressed_tensors(analysis, choices, tmp_path, allow_uncalibrated=True)
-    assert any("experts.1 input: saw no calibration tokens" in note for note in result["notes"])
-    assert "experts.1.input_scale" not in result["tensors"]
-    assert "experts.0.input_scale" in result["tensors"]
+        compressed_tensors.save_file(analysis, choices, tmp_path)
+    result = compressed_tensors.save_file(analysis, choices, tmp_path, allow_uncalibrated=True)
+    assert any("experts.1 input: saw no calibration tokens" in note for note in result.notes)
+    assert "experts.1.input_scale" not in result.tensors
+    assert "experts.0.input_scale" in result.tensors
 
 
-def test_app_export_helpers_refuse_unless_opted_in():
-    from lab import ui
-
+def test_zip_export_refuses_unless_opted_in():
     analysis = _analysis()
     choices = choose(analysis)
     with pytest.raises(ValueError, match="no calibration tokens"):
-        ui.json_export(analysis, choices, "sqnr_db", None)
-    document = json.loads(ui.json_export(analysis, choices, "sqnr_db", None, allow_uncalibrated=True))
-    assert document["uncalibrated"][0]["layer"] == "experts.1"
-    _, notes = ui.compressed_tensors_zip(analysis, choices, None, allow_uncalibrated=True)
-    assert any("experts.1 input" in note for note in notes)
+        compressed_tensors.save(analysis, choices)
+    with zipfile.ZipFile(io.BytesIO(compressed_tensors.save(analysis, choices, allow_uncalibrated=True))) as archive:
+        notes = archive.read("observer_lab_notes.txt").decode()
+    assert "experts.1 input" in notes

@@ -1,0 +1,426 @@
+"""The Observer Lab JSON file: chosen qparams written bit-exact, read back and checked.
+
+A file (``format = "observer-lab-qparams"``, ``version = 1``) records, per analysed layer and
+tensor kind, the chosen observer with its knobs, the full ``QuantSpec``, the qparams (bit-exact:
+``QParams.to_dict``) and the metrics of the chosen and runner-up observers, plus the model's
+source with a sha256 per weight file. It is validated against
+``lab/schema/observer_lab.schema.json`` on write and on read, so a broken file is rejected with
+one error that lists every problem, and nothing is applied partially.
+
+Paired in-memory and file forms, as safetensors has them: ``save`` -> bytes / ``save_file``,
+``load`` (bytes or text) / ``load_file``. Imports are checked against an analysis's
+``ModelFacts`` (``apply_choices``), never against whatever model happens to be open.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import observers as ob
+from lab.model_facts import ModelFacts, same_weights
+from lab.pipeline import Analysis, TensorAnalysis
+from lab.results import Choices, check_metric, export_selection, rank
+from lab.vocab import DEFAULT_METRIC, KV_TENSORS
+from observers.suite import SuiteResult
+
+FORMAT_NAME = "observer-lab-qparams"
+FORMAT_VERSION = 1
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "observer_lab.schema.json"
+NONFINITE = {math.inf: "inf", -math.inf: "-inf"}
+
+
+# ---------------------------------------------------------------- JSON values
+
+
+def _finite_or_string(value: Any) -> Any:
+    """JSON has no inf/NaN: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else NONFINITE[value]
+    return value
+
+
+def _float_from_json(value: Any) -> Any:
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """Knob values and metrics as JSON values (tuples become lists, non-finite floats strings)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return json_safe(value.tolist())
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _finite_or_string(value)
+    return str(value)
+
+
+def _metrics_to_json(metrics: Mapping[str, float | None]) -> dict[str, Any]:
+    return {k: _finite_or_string(None if v is None else float(v)) for k, v in metrics.items()}
+
+
+def _metrics_from_json(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    return {k: _float_from_json(v) for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _observer_record(result: SuiteResult) -> dict[str, Any]:
+    return {
+        "observer": result.name,
+        "knobs": json_safe(result.knobs),
+        "metrics": _metrics_to_json(result.metrics),
+        "seconds": float(result.seconds),
+    }
+
+
+def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str, Any]:
+    chosen = entry.result(observer)
+    others = [r for r in rank(entry, metric) if r.name != observer]
+    return {
+        "layer": entry.layer,
+        "tensor": entry.tensor,
+        "tensor_shape": list(entry.data.shape),
+        "spec": entry.spec.to_dict(),
+        "chosen": _observer_record(chosen),
+        "runner_up": _observer_record(others[0]) if others else None,
+        "qparams": chosen.qparams.to_dict(),
+    }
+
+
+def build_document(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    metric: str = DEFAULT_METRIC,
+    allow_uncalibrated: bool = False,
+) -> dict[str, Any]:
+    """The Observer Lab JSON document (a dict) for ``choices`` (``{(layer, tensor): observer}``,
+    e.g. from ``lab.results.choose``) over ``analysis``, validated against the schema.
+
+    Activation tensors that saw no calibration tokens make this raise, unless
+    ``allow_uncalibrated`` records them in ``uncalibrated`` (without qparams).
+    """
+    check_metric(metric)
+    selected, missing = export_selection(analysis, choices, allow_uncalibrated)
+    document = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "library": {"name": "observers", "version": ob.__version__},
+        "source": json_safe(analysis.source),
+        "metric": metric,
+        "config": json_safe(analysis.config.to_dict()),
+        "entries": [_entry_record(entry, observer, metric) for entry, observer in selected],
+        "uncalibrated": [{"layer": e.layer, "tensor": e.tensor, "num_observed_tokens": 0} for e in missing],
+    }
+    problems = schema_problems(document)
+    if problems:
+        raise ValueError("internal error, the exported document breaks the schema:\n  - " + "\n  - ".join(problems))
+    return document
+
+
+def dumps(document: dict[str, Any]) -> str:
+    """A document as text: strict JSON (no NaN/inf literals), compact separators, since most of a
+    file is long arrays of numbers."""
+    return json.dumps(document, allow_nan=False, separators=(",", ":"))
+
+
+def save(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    metric: str = DEFAULT_METRIC,
+    allow_uncalibrated: bool = False,
+) -> bytes:
+    """The Observer Lab JSON of ``choices`` as UTF-8 bytes (what the app offers for download)."""
+    return dumps(build_document(analysis, choices, metric, allow_uncalibrated)).encode("utf-8")
+
+
+def save_file(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    path: str | Path,
+    metric: str = DEFAULT_METRIC,
+    allow_uncalibrated: bool = False,
+) -> dict[str, Any]:
+    """Write the Observer Lab JSON of ``choices`` to ``path``; returns the written document.
+    Nothing is written when the choices cannot be exported."""
+    document = build_document(analysis, choices, metric, allow_uncalibrated)
+    Path(path).write_text(dumps(document), encoding="utf-8")
+    return document
+
+
+# ---------------------------------------------------------------- reading
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the Observer Lab file."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def _where(path: Iterable[Any]) -> str:
+    return "/".join(str(p) for p in path) or "(top level)"
+
+
+def schema_problems(document: Any) -> list[str]:
+    """Every schema violation of ``document``, one line each, sorted by where it occurs."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema())
+    errors = sorted(validator.iter_errors(document), key=lambda e: [str(p) for p in e.absolute_path])
+    return [f"{_where(e.absolute_path)}: {e.message}" for e in errors]
+
+
+@dataclass(frozen=True)
+class LabEntry:
+    """One (layer, tensor) of a loaded file: the restored spec, choice and qparams."""
+
+    layer: str
+    tensor: str
+    tensor_shape: tuple[int, ...]
+    spec: ob.QuantSpec
+    observer: str
+    knobs: dict[str, Any]
+    qparams: ob.QParams
+    metrics: dict[str, float | None]
+    runner_up: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class LabFile:
+    """A validated Observer Lab file."""
+
+    version: int
+    created: str
+    library_version: str
+    source: dict[str, Any]
+    metric: str
+    entries: list[LabEntry]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def choices(self) -> Choices:
+        """``{(layer, tensor): observer}``, the form ``lab.pipeline.choose`` returns."""
+        return {(e.layer, e.tensor): e.observer for e in self.entries}
+
+    @property
+    def qparams(self) -> dict[tuple[str, str], ob.QParams]:
+        return {(e.layer, e.tensor): e.qparams for e in self.entries}
+
+
+def _decode(data: bytes | str, where: str) -> str:
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} is not a UTF-8 text file (is it a binary file?)") from None
+
+
+def _restore_entry(index: int, raw: dict[str, Any], problems: list[str]) -> LabEntry | None:
+    where = f"entries/{index} ({raw['layer']} {raw['tensor']})"
+    found = len(problems)
+    try:
+        spec = ob.QuantSpec.from_dict(raw["spec"])
+    except (ValueError, TypeError) as err:
+        problems.append(f"{where}: bad spec: {err}")
+    try:
+        qparams = ob.QParams.from_dict(raw["qparams"])
+    except (ValueError, TypeError, RuntimeError) as err:
+        problems.append(f"{where}: bad qparams: {err}")
+    observer = raw["chosen"]["observer"]
+    if observer not in ob.available():
+        problems.append(f"{where}: observer {observer!r} is not in this library (known: {', '.join(ob.available())})")
+    if len(problems) > found:
+        return None
+    return LabEntry(
+        layer=raw["layer"],
+        tensor=raw["tensor"],
+        tensor_shape=tuple(raw["tensor_shape"]),
+        spec=spec,
+        observer=observer,
+        knobs=dict(raw["chosen"]["knobs"]),
+        qparams=qparams,
+        metrics=_metrics_from_json(raw["chosen"]["metrics"]),
+        runner_up=raw["runner_up"],
+    )
+
+
+def parse_document(document: Any) -> LabFile:
+    """A ``LabFile`` from a parsed JSON document; one ``ValueError`` lists every problem."""
+    if isinstance(document, dict) and document.get("version") not in (None, FORMAT_VERSION):
+        version = document.get("version")
+        problems = [f"version: this library reads version {FORMAT_VERSION}, the file has version {version!r}"]
+        problems += [p for p in schema_problems(document) if not p.startswith("version:")]
+        raise ValueError("invalid Observer Lab file:\n  - " + "\n  - ".join(problems))
+    problems = schema_problems(document)
+    if problems:
+        raise ValueError("invalid Observer Lab file:\n  - " + "\n  - ".join(problems))
+    seen: Counter = Counter((raw["layer"], raw["tensor"]) for raw in document["entries"])
+    problems = [f"entries: {layer} {tensor} appears {n} times" for (layer, tensor), n in seen.items() if n > 1]
+    entries = [_restore_entry(i, raw, problems) for i, raw in enumerate(document["entries"])]
+    if problems:
+        raise ValueError("invalid Observer Lab file:\n  - " + "\n  - ".join(problems))
+    return LabFile(
+        version=document["version"],
+        created=document["created"],
+        library_version=document["library"]["version"],
+        source=document["source"],
+        metric=document["metric"],
+        entries=entries,
+        config=document.get("config") or {},
+    )
+
+
+def load(data: bytes | str, name: str = "the file") -> LabFile:
+    """Read and validate an Observer Lab file given as bytes or text (``name`` names it in errors)."""
+    text = _decode(data, name)
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name} is not JSON: {err}") from None
+    return parse_document(document)
+
+
+def load_file(path: str | Path) -> LabFile:
+    """Read and validate the Observer Lab file at ``path``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    return load(data, str(path))
+
+
+def expected_qparam_shape(
+    spec: ob.QuantSpec, tensor: str, weight_shape: tuple[int, ...], g_idx: torch.Tensor | None = None
+) -> tuple[int, ...] | None:
+    """The qparam shape ``spec`` gives on this layer's weight, input or output, or on an
+    attention block's keys or values (``tensor`` ``k``/``v``, ``weight_shape`` then
+    ``(kv_heads, head_dim)``); None when it depends on the calibration data (per-token).
+    Computed on a meta tensor, so no memory is used."""
+    if spec.strategy == "token":
+        return None
+    if tensor in KV_TENSORS:
+        heads, head_dim = weight_shape
+        shape, kind = (1, heads, 1, head_dim), "attention"
+    elif tensor == "weight":
+        shape, kind = weight_shape, "weight"
+    else:
+        width = weight_shape[1] if tensor == "input" else weight_shape[0]
+        shape, kind = (1, width), "activation"
+    probe = torch.empty(shape, device="meta")
+    return tuple(ob.flatten(probe, spec, kind, g_idx=g_idx).qparam_shape)
+
+
+def _model_problems(entry: LabEntry, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    where = f"{entry.layer} {entry.tensor}"
+    if entry.layer not in shapes:
+        what = "attention block" if entry.tensor in KV_TENSORS else "layer"
+        return [f"{where}: the model has no {what} {entry.layer!r}"]
+    weight_shape = shapes[entry.layer]
+    if len(weight_shape) < 2:
+        return [f"{where}: layer weight shape {list(weight_shape)} is not a matrix"]
+    problems = []
+    if entry.tensor == "weight" and tuple(entry.tensor_shape) != weight_shape:
+        problems.append(f"{where}: file has weight shape {list(entry.tensor_shape)}, model has {list(weight_shape)}")
+    try:
+        expected = expected_qparam_shape(entry.spec, entry.tensor, weight_shape, entry.qparams.extras.get("g_idx"))
+    except (ValueError, RuntimeError) as err:
+        return [*problems, f"{where}: spec does not apply to this layer: {err}"]
+    if expected is not None:
+        for name in ("scale", "zero_point", "min_val", "max_val"):
+            got = tuple(getattr(entry.qparams, name).shape)
+            if got != expected:
+                problems.append(f"{where}: {name} has shape {list(got)}, the layer needs {list(expected)}")
+    return problems
+
+
+def apply_choices(lab_file: LabFile, facts: ModelFacts) -> dict[str, dict[tuple[str, str], Any]]:
+    """Check a loaded file against a model's facts (``ModelFacts.of(model)``, or an analysis's
+    ``facts``) and restore its choices.
+
+    Returns ``{"choices": {(layer, tensor): observer}, "qparams": {...: QParams},
+    "specs": {...: QuantSpec}, "knobs": {...: dict}}``. A layer the model lacks, a weight shape
+    or qparam shape that does not fit the layer: one ``ValueError`` listing every problem, and
+    nothing is returned.
+    """
+    shapes = {**facts.layer_shapes, **facts.kv_shapes}
+    problems = [p for entry in lab_file.entries for p in _model_problems(entry, shapes)]
+    if problems:
+        raise ValueError("the file does not fit this model:\n  - " + "\n  - ".join(problems))
+    keys = [(e.layer, e.tensor) for e in lab_file.entries]
+    return {
+        "choices": dict(zip(keys, (e.observer for e in lab_file.entries), strict=True)),
+        "qparams": dict(zip(keys, (e.qparams for e in lab_file.entries), strict=True)),
+        "specs": dict(zip(keys, (e.spec for e in lab_file.entries), strict=True)),
+        "knobs": dict(zip(keys, (e.knobs for e in lab_file.entries), strict=True)),
+    }
+
+
+def import_differences(lab_file: LabFile, analysis: Analysis) -> list[str]:
+    """What differs between a file and the analysis its choices are applied to: other weights
+    (file hashes or model name) and, per tensor, another spec. The choices still apply (the
+    observer is chosen again on this analysis's data), but a person must be told."""
+    notes = []
+    if not same_weights(lab_file.source, analysis.source):
+        notes.append(
+            f"the file was made on {lab_file.source.get('name')!r}, this analysis on {analysis.source.get('name')!r} "
+            "(different weights): its observer choices are applied, its qparams are not"
+        )
+    specs = {(e.layer, e.tensor): e.spec for e in analysis.entries}
+    differing = [e for e in lab_file.entries if (e.layer, e.tensor) in specs and specs[(e.layer, e.tensor)] != e.spec]
+    if differing:
+        first = differing[0]
+        notes.append(
+            f"{len(differing)} tensor(s) were exported with another format than this run "
+            f"(e.g. {first.layer} {first.tensor}: file {first.spec.dtype} {first.spec.strategy}, run "
+            f"{specs[(first.layer, first.tensor)].dtype} {specs[(first.layer, first.tensor)].strategy}): "
+            "the observer choices are applied to this run's format"
+        )
+    return notes
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What importing a file into an analysis gave: the choices that apply, and notes on the
+    rest (entries this run did not analyse or whose observer gave no qparams here, other weights,
+    other formats)."""
+
+    choices: Choices
+    notes: list[str]
+
+
+def restore(data: bytes | str, analysis: Analysis, name: str = "the file") -> Restored:
+    """Import an Observer Lab file's choices into ``analysis``: the file is validated, its entries
+    for tensors this run analysed are checked against the analysis's model facts, and what it
+    cannot restore is listed, not silently dropped."""
+    from lab.results import valid_choices
+
+    lab_file = load(data, name)
+    analysed = set(analysis.keys())
+    fitting = replace(lab_file, entries=[e for e in lab_file.entries if (e.layer, e.tensor) in analysed])
+    apply_choices(fitting, analysis.facts)
+    notes = import_differences(lab_file, analysis)
+    notes += [
+        f"{e.layer} · {e.tensor}: not analysed in this run"
+        for e in lab_file.entries
+        if (e.layer, e.tensor) not in analysed
+    ]
+    choices, not_run = valid_choices(analysis, fitting.choices)
+    return Restored(choices, notes + not_run)

@@ -1,0 +1,261 @@
+"""Reading an analysis: the one ranking rule, the tables the app and report show, warnings.
+
+``rank`` orders one tensor's observers by a metric (direction from ``ob.HIGHER_IS_BETTER``,
+observers without a value left out, ties in suite order); ``choose``, the highlighted best
+cells, the export's runner-up and the report all go through it, so "best" means one thing
+everywhere. No streamlit here: pages and the report draw these frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+
+import observers as ob
+from lab.pipeline import Analysis, TensorAnalysis
+from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, TensorKind
+from observers.suite import SuiteResult
+
+Choices = dict[tuple[str, str], str]
+
+
+def check_metric(metric: str) -> str:
+    """``metric`` itself, or a ``ValueError`` naming the metrics there are."""
+    if metric not in ob.HIGHER_IS_BETTER:
+        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    return metric
+
+
+def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC) -> list[SuiteResult]:
+    """The observers of ``entry`` that produced qparams and a value for ``metric``, best first
+    (ties keep suite order)."""
+    sign = 1.0 if ob.HIGHER_IS_BETTER[check_metric(metric)] else -1.0
+    usable = [r for r in entry.results if r.qparams is not None and r.metrics.get(metric) is not None]
+    return sorted(usable, key=lambda r: -sign * r.metrics[metric])
+
+
+def choose(analysis: Analysis, metric: str = DEFAULT_METRIC) -> Choices:
+    """The best observer per ``(layer, tensor)`` by ``metric``; tensors where no observer gave a
+    value are left out."""
+    chosen: Choices = {}
+    for entry in analysis.entries:
+        ranked = rank(entry, metric)
+        if ranked:
+            chosen[(entry.layer, entry.tensor)] = ranked[0].name
+    return chosen
+
+
+def usable_observers(entry: TensorAnalysis) -> list[str]:
+    """Observers that produced qparams on ``entry`` (the ones a person may choose)."""
+    return [r.name for r in entry.results if r.qparams is not None]
+
+
+def observer_order(analysis: Analysis) -> list[str]:
+    """Registry order first (so colours match everywhere), then any other observer of the run."""
+    registry = list(ob.available())
+    return registry + [n for n in analysis.config.observer_names if n not in registry]
+
+
+def uncalibrated(analysis: Analysis) -> list[TensorAnalysis]:
+    """Activation entries that saw no calibration tokens (e.g. MoE experts the router never
+    picked): any qparams for them would be made up, which is how NaN or garbage scales reach
+    checkpoints."""
+    return [e for e in analysis.entries if e.tensor != TensorKind.WEIGHT and e.data.numel() == 0]
+
+
+def token_warnings(analysis: Analysis, few: int = FEW_TOKENS) -> list[str]:
+    """Messages for activation tensors that saw no or very few tokens (e.g. MoE experts the router
+    never chose): their ranges say nothing about real inputs."""
+    notes = []
+    for e in analysis.entries:
+        if e.tensor == TensorKind.WEIGHT:
+            continue
+        tokens = e.num_tokens
+        if tokens == 0:
+            notes.append(f"{e.layer} · {e.tensor}: no tokens observed (an expert the router never chose?)")
+        elif tokens < few:
+            notes.append(f"{e.layer} · {e.tensor}: only {tokens} tokens observed; its ranges are unreliable")
+    return notes
+
+
+def error_table(analysis: Analysis) -> pd.DataFrame:
+    """Layer × observer rows with every metric, time and observed tokens (errors kept as text)."""
+    frame = analysis.frame()
+    wanted = ["layer", "tensor", "observer", *ob.METRIC_KEYS, "seconds", "num_observed_tokens", "error"]
+    return frame[[c for c in wanted if c in frame.columns]]
+
+
+def best_mask(frame: pd.DataFrame, metric: str) -> pd.Series:
+    """True on the row(s) holding the best ``metric`` within each (layer, tensor) of a frame
+    such as ``error_table``'s (ties are all marked)."""
+    sign = 1.0 if ob.HIGHER_IS_BETTER[check_metric(metric)] else -1.0
+    score = sign * pd.to_numeric(frame[metric], errors="coerce")
+    best = score.groupby([frame["layer"], frame["tensor"]]).transform("max")
+    return (score == best) & score.notna()
+
+
+def _metric_of(entry: TensorAnalysis, observer: str | None, metric: str) -> float | None:
+    if observer is None:
+        return None
+    return entry.result(observer).metrics.get(metric)
+
+
+def choices_frame(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str) -> pd.DataFrame:
+    """One row per tensor: the chosen observer, the best one by ``metric``, and both metric values."""
+    best = choose(analysis, metric)
+    rows = []
+    for e in analysis.entries:
+        key = (e.layer, e.tensor)
+        chosen = choices.get(key, best.get(key))
+        rows.append(
+            {
+                "layer": e.layer,
+                "tensor": e.tensor,
+                "observer": chosen,
+                metric: _metric_of(e, chosen, metric),
+                "best": best.get(key),
+                f"best {metric}": _metric_of(e, best.get(key), metric),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def valid_choices(analysis: Analysis, choices: Mapping[tuple[str, str], str]) -> tuple[Choices, list[str]]:
+    """The choices that name an analysed tensor and an observer that produced qparams on it,
+    and one note per choice that does not (so a stale or failed choice never reaches an export)."""
+    usable = {(e.layer, e.tensor): set(usable_observers(e)) for e in analysis.entries}
+    kept: Choices = {}
+    notes = []
+    for key, observer in choices.items():
+        if key not in usable:
+            notes.append(f"{key[0]} · {key[1]}: not analysed in this run")
+        elif observer not in usable[key]:
+            notes.append(f"{key[0]} · {key[1]}: {observer} gave no qparams here")
+        else:
+            kept[key] = observer
+    return kept, notes
+
+
+def layer_output_rows(model, analysis: Analysis, observers: Sequence[str]) -> pd.DataFrame:
+    """Layer-output error on the captured inputs per layer and observer: weight-only,
+    activation-only and both quantized (``sample_models.layer_output_error``)."""
+    from sample_models import layer_output_error
+
+    rows = []
+    for layer in dict.fromkeys(e.layer for e in analysis.entries):
+        try:
+            weight, inputs = analysis.entry(layer, "weight"), analysis.entry(layer, "input")
+        except ValueError:
+            continue
+        if inputs.data.shape[0] == 0:
+            continue
+        for name in observers:
+            w_res, x_res = weight.result(name), inputs.result(name)
+            if w_res.qparams is None or x_res.qparams is None:
+                continue
+            w_hat = ob.fake_quantize(weight.data, w_res.qparams, weight.spec)
+            x_hat = ob.fake_quantize(inputs.data, x_res.qparams, inputs.spec)
+            for mode, (qw, qx) in {
+                "weight only": (w_hat, None),
+                "activation only": (weight.data, x_hat),
+                "both": (w_hat, x_hat),
+            }.items():
+                metrics = layer_output_error(model, layer, inputs.data, qw, qx)
+                rows.append({"layer": layer, "observer": name, "quantized": mode, **metrics})
+    return pd.DataFrame(rows)
+
+
+def spec_text(spec: ob.QuantSpec) -> str:
+    """A spec in a few words, as the CLI's ``list`` and the report print it:
+    ``int4 sym group 128``, ``int8 sym block 128x128 dynamic``."""
+    text = f"{spec.dtype} {'sym' if spec.symmetric else 'asym'} {spec.strategy}"
+    if spec.strategy == "group":
+        text += f" {spec.group_size}"
+    if spec.strategy == "block":
+        text += f" {spec.block_size[0]}x{spec.block_size[1]}"
+    return text + (" dynamic" if spec.dynamic else "")
+
+
+def range_table(results: Sequence[SuiteResult], spec: ob.QuantSpec) -> pd.DataFrame:
+    """Per observer: the tensor-wide range its format keeps unclipped (``plots.envelope``), the
+    share of values clipped and the SQNR."""
+    from lab.plots import envelope
+
+    rows = []
+    for r in results:
+        if r.qparams is None:
+            continue
+        lo, hi = envelope(r, spec)
+        clip = r.metrics.get("clip_ratio")
+        rows.append(
+            {
+                "observer": r.name,
+                "clips below": lo,
+                "clips above": hi,
+                "clipped %": None if clip is None else 100 * clip,
+                "SQNR dB": r.metrics.get("sqnr_db"),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def export_selection(
+    analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncalibrated: bool = False
+) -> tuple[list[tuple[TensorAnalysis, str]], list[TensorAnalysis]]:
+    """What an export writes: the ``(entry, observer)`` pairs of ``choices`` in analysis order, and
+    the activation entries that saw no calibration tokens (recorded as uncalibrated).
+
+    Raises one ``ValueError`` listing every problem: uncalibrated tensors unless
+    ``allow_uncalibrated`` (any qparams for them would be made up), choices naming a tensor that
+    was not analysed or an observer that was not run or failed, or nothing chosen at all.
+    Uncalibrated tensors are never exported with qparams, whatever their choice.
+    """
+    missing = uncalibrated(analysis)
+    if missing and not allow_uncalibrated:
+        listed = "\n  - ".join(f"{e.layer} {e.tensor}" for e in missing)
+        raise ValueError(
+            "refusing to export activation qparams: these tensors saw no calibration tokens:\n  - "
+            f"{listed}\nCalibrate with more or other text, or pass allow_uncalibrated=True "
+            "(CLI: --allow-uncalibrated) to record them as uncalibrated with no qparams."
+        )
+    skipped = {(e.layer, e.tensor) for e in missing}
+    problems = []
+    known = {(e.layer, e.tensor): e for e in analysis.entries}
+    for key, observer in choices.items():
+        entry = known.get(tuple(key))
+        if entry is None:
+            problems.append(f"{key[0]} {key[1]}: not in the analysis")
+            continue
+        if tuple(key) in skipped:
+            continue
+        result = next((r for r in entry.results if r.name == observer), None)
+        if result is None:
+            problems.append(f"{key[0]} {key[1]}: observer {observer!r} was not run")
+        elif result.qparams is None:
+            problems.append(f"{key[0]} {key[1]}: observer {observer!r} failed: {result.error}")
+    if problems:
+        raise ValueError("cannot export these choices:\n  - " + "\n  - ".join(problems))
+    selected = [
+        (e, choices[(e.layer, e.tensor)])
+        for e in analysis.entries
+        if (e.layer, e.tensor) in choices and (e.layer, e.tensor) not in skipped
+    ]
+    if not selected:
+        raise ValueError("nothing to export: no (layer, tensor) has a chosen observer")
+    return selected, missing
+
+
+def granularity_note(spec: ob.QuantSpec, tensor: str = "weight") -> str | None:
+    """What the histogram lines mean when there is more than one range per tensor (``tensor``
+    ``k``/``v``: per-channel ranges of attention states are per head)."""
+    if spec.strategy == "tensor" and not spec.format.is_block:
+        return None
+    unit = "block" if spec.format.is_block else spec.strategy
+    if tensor in (TensorKind.K, TensorKind.V) and unit == "channel":
+        unit = "head"
+    return (
+        f"Granularity is {unit}: each observer chose one range per {unit}. The lines show the tensor-wide "
+        "envelope of what each keeps unclipped (smallest low end, largest high end over all of them); see the "
+        "Scales page for the ranges per group."
+    )

@@ -1,0 +1,297 @@
+"""Run settings as a person gives them (app widgets or CLI flags) and the one way they become a
+``RunConfig``.
+
+``SpecSettings`` holds the values of one spec editor (format, range, granularity, sizes, MX
+rounding, dynamic) and turns them into a ``QuantSpec``; ``RunSettings`` holds a whole run (the
+weight, activation and KV-cache editors, what to analyse, observers, knob values, calibration,
+activation order). The app's Run page and ``python -m observers run`` both fill a ``RunSettings``
+and call ``config()``, so the same settings give the same run. No streamlit here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pandas as pd
+
+import observers as ob
+from lab.pipeline import RunConfig
+from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, FAMILY_ORDER, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
+
+ROLES = ("weight", "act", "kv")
+"""The three spec editors: weights, activations (inputs and outputs share one), KV cache."""
+ROLE_OF_KIND = {TensorKind.WEIGHT: "weight", TensorKind.INPUT: "act", TensorKind.OUTPUT: "act", KV: "kv"}
+OBSERVER_KIND_OF_ROLE = {"weight": "weight", "act": "activation", "kv": "attention"}
+
+
+def strategies(role: str) -> tuple[str, ...]:
+    """Granularities a spec editor offers: those the observer library allows for its kind."""
+    return tuple(str(s) for s in ob.STRATEGIES_BY_KIND[OBSERVER_KIND_OF_ROLE[role]])
+
+
+# ---------------------------------------------------------------- formats
+
+
+def formats_by_family() -> dict[str, list[str]]:
+    """Every ``ob.FORMATS`` dtype grouped by its ``family`` (known families first, in
+    ``FAMILY_ORDER``; any new family after them)."""
+    groups: dict[str, list[str]] = {}
+    for name, fmt in ob.FORMATS.items():
+        groups.setdefault(fmt.family, []).append(name)
+    ordered = [f for f in FAMILY_ORDER if f in groups] + [f for f in groups if f not in FAMILY_ORDER]
+    return {family: groups[family] for family in ordered}
+
+
+def dtype_options(role: str = "weight") -> list[str]:
+    """The formats a spec editor offers, in family order; a KV cache holds one scale per tensor
+    or head, so it gets no block formats."""
+    names = [name for names in formats_by_family().values() for name in names]
+    if role == "kv":
+        return [name for name in names if not ob.get_format(name).is_block]
+    return names
+
+
+def dtype_label(name: str) -> str:
+    """``family · dtype``, as the format box shows it."""
+    return f"{ob.get_format(name).family} · {name}"
+
+
+# ---------------------------------------------------------------- one spec
+
+
+@dataclass
+class SpecSettings:
+    """Widget values (or CLI flags) of one spec editor."""
+
+    dtype: str = "int8"
+    symmetric: bool = True
+    strategy: str = "tensor"
+    group_size: int = 128
+    block_rows: int = 128
+    block_cols: int = 128
+    scale_rounding: str = "floor"
+    dynamic: bool = False
+
+    def spec(self) -> ob.QuantSpec:
+        """The ``QuantSpec``: only the fields the strategy and format use are set. This is the one
+        place of the rule "block formats (MX, NVFP4, BFP) are group-wise with their own block
+        size and symmetric; float formats are symmetric"."""
+        fmt = ob.get_format(self.dtype)
+        fields: dict[str, Any] = {"dtype": self.dtype, "strategy": self.strategy, "dynamic": self.dynamic}
+        fields["symmetric"] = self.symmetric if self.free_range else True
+        if fmt.is_block:
+            fields["strategy"] = "group"
+        elif self.strategy == "group":
+            fields["group_size"] = int(self.group_size)
+        elif self.strategy == "block":
+            fields["block_size"] = (int(self.block_rows), int(self.block_cols))
+        if fmt.scale_kind == "e8m0":
+            fields["scale_rounding"] = self.scale_rounding
+        return ob.QuantSpec(**fields)
+
+    @property
+    def free_range(self) -> bool:
+        """True when the format lets a person choose symmetric or asymmetric (plain integers)."""
+        fmt = ob.get_format(self.dtype)
+        return fmt.kind == "int" and not fmt.is_block
+
+    @classmethod
+    def from_spec(cls, spec: ob.QuantSpec) -> SpecSettings:
+        block = spec.block_size or (128, 128)
+        return cls(
+            dtype=spec.dtype,
+            symmetric=spec.symmetric,
+            strategy=spec.strategy,
+            group_size=spec.group_size or 128,
+            block_rows=block[0],
+            block_cols=block[1],
+            scale_rounding=spec.scale_rounding,
+            dynamic=spec.dynamic,
+        )
+
+
+# ---------------------------------------------------------------- knobs
+
+
+def knob_overrides(values: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Only the knobs that differ from their defaults, per observer (what ``RunConfig.knobs`` takes)."""
+    overrides = {}
+    for name, knobs in values.items():
+        defaults = ob.knobs(name)
+        changed = {k: v for k, v in knobs.items() if k in defaults and v != defaults[k]}
+        if changed:
+            overrides[name] = changed
+    return overrides
+
+
+def parse_knob(declared: ob.Knob, name: str, text: str) -> Any:
+    """A knob value typed as text (the CLI's ``--knob``) read as its declared type; a value that
+    does not read is a ``ValueError`` saying what the knob allows."""
+    text = text.strip()
+    if declared.optional and text.lower() in ("", "none"):
+        return None
+    readers: dict[type, Any] = {bool: _read_bool, int: int, float: float, str: str}
+    reader = readers.get(declared.type)
+    if reader is None:
+        raise ValueError(f"{name} cannot be given as text ({declared.allowed()})")
+    try:
+        return reader(text)
+    except ValueError:
+        raise ValueError(f"{name} must be {declared.allowed()}, got {text!r}") from None
+
+
+def _read_bool(text: str) -> bool:
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise ValueError(text)
+    return words[text.lower()]
+
+
+def check_knobs(knobs: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per bad knob value (``observer.knob: why``), checked against each knob's
+    declaration, so a run is refused before anything is computed."""
+    problems = []
+    for observer, values in knobs.items():
+        if observer not in ob.available():
+            problems.append(f"{observer}: unknown observer; available: {', '.join(ob.available())}")
+            continue
+        declared = ob.knob_specs(observer)
+        for knob, value in values.items():
+            if knob not in declared:
+                problems.append(f"{observer}.{knob}: unknown knob; {observer} has {', '.join(declared)}")
+                continue
+            try:
+                declared[knob].check(knob, value)
+            except ValueError as err:
+                problems.append(f"{observer}.{err}")
+    return problems
+
+
+# ---------------------------------------------------------------- a whole run
+
+
+def _default_wants() -> dict[str, bool]:
+    return {kind: kind in ("weight", "input") for kind in SPEC_KEYS}
+
+
+@dataclass
+class RunSettings:
+    """Everything a run is set up with, before it becomes a ``RunConfig``.
+
+    ``wants`` says which tensor kinds to analyse (``weight``, ``input``, ``output``, ``kv``);
+    ``observers`` None means every registered observer; ``knobs`` holds knob values per observer
+    (only those that differ from the defaults reach the config); ``texts`` None means the
+    built-in calibration texts.
+    """
+
+    weight: SpecSettings = field(default_factory=SpecSettings)
+    act: SpecSettings = field(default_factory=SpecSettings)
+    kv: SpecSettings = field(default_factory=lambda: SpecSettings(dtype="fp8_e4m3"))
+    wants: dict[str, bool] = field(default_factory=_default_wants)
+    observers: tuple[str, ...] | None = None
+    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    samples: int = DEFAULT_SAMPLES
+    seq_len: int = DEFAULT_SEQ_LEN
+    texts: tuple[str, ...] | None = None
+    actorder: bool = False
+    preset: str = "custom"
+
+    def editor(self, role: str) -> SpecSettings:
+        """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""
+        return {"weight": self.weight, "act": self.act, "kv": self.kv}[role]
+
+    def apply_preset(self, name: str) -> None:
+        """Fill the weight and activation editors from preset ``name``; a preset that keeps
+        activations in high precision also stops analysing inputs."""
+        self.preset = name
+        if name == "custom":
+            return
+        specs = ob.preset(name)
+        self.weight = SpecSettings.from_spec(specs["weight"])
+        if specs.get("input") is not None:
+            self.act = SpecSettings.from_spec(specs["input"])
+        self.wants = {**self.wants, "input": specs.get("input") is not None}
+
+    @property
+    def actorder_applies(self) -> bool:
+        """Activation order needs group-wise integer weights and captured inputs."""
+        fmt = ob.get_format(self.weight.dtype)
+        return self.weight.strategy == "group" and not fmt.is_block and self.wants.get("input", False)
+
+    def kinds(self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True) -> list[str]:
+        """The spec keys this run analyses: layer tensors only with layers, ``kv`` only with
+        attention blocks, activations and key/value states only where the model can run."""
+        return [
+            kind
+            for kind in SPEC_KEYS
+            if self.wants.get(kind, False)
+            and (has_attention if kind == KV else has_layers)
+            and (can_capture or kind == TensorKind.WEIGHT)
+        ]
+
+    def config(self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True) -> RunConfig:
+        """The ``RunConfig`` of these settings (``kinds`` says which specs it holds); a bad knob
+        value is a ``ValueError`` listing every problem, before anything runs."""
+        problems = check_knobs(self.knobs)
+        if problems:
+            raise ValueError("bad knob value(s): " + "; ".join(problems))
+        if self.texts is not None and not any(text.strip() for text in self.texts):
+            raise ValueError("the pasted calibration text is empty: paste some text or use the built-in set")
+        kinds = self.kinds(has_layers, has_attention, can_capture)
+        specs = {kind: self.editor(ROLE_OF_KIND[kind]).spec() for kind in kinds}
+        return RunConfig(
+            specs=specs,
+            observers=self.observers,
+            knobs=knob_overrides(self.knobs),
+            samples=int(self.samples),
+            seq_len=int(self.seq_len),
+            texts=self.texts,
+            actorder=bool(self.actorder and self.actorder_applies and can_capture),
+        )
+
+    def copy(self) -> RunSettings:
+        """An independent copy (editors and dicts included)."""
+        return replace(
+            self,
+            weight=replace(self.weight),
+            act=replace(self.act),
+            kv=replace(self.kv),
+            wants=dict(self.wants),
+            knobs={k: dict(v) for k, v in self.knobs.items()},
+        )
+
+
+# ---------------------------------------------------------------- layers
+
+
+def default_layer_names(infos: Sequence, count: int = 6) -> list[str]:
+    """The first ``count`` linear layers (else the first 2-D layers): a quick, typical selection."""
+    linear = [i.name for i in infos if i.type in LINEAR_TYPES]
+    if linear:
+        return linear[:count]
+    return [i.name for i in infos if len(i.shape) >= 2][:count]
+
+
+def layer_pattern(text: str) -> str | None:
+    """A filter box's text as a ``Model.layers`` pattern: empty means all; a plain word (no glob
+    characters, no ``re:``) matches names containing it."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.startswith("re:") or any(c in text for c in "*?["):
+        return text
+    return f"*{text}*"
+
+
+def layer_frame(infos: Sequence) -> pd.DataFrame:
+    """The layer table: name, type, shape, params."""
+    return pd.DataFrame(
+        {
+            "name": [i.name for i in infos],
+            "type": [i.type for i in infos],
+            "shape": [" × ".join(map(str, i.shape)) for i in infos],
+            "params": [i.params for i in infos],
+        }
+    )

@@ -1,0 +1,68 @@
+"""The words the lab uses for what it analyses, and its defaults, in one place.
+
+The observer library speaks of observer kinds (weight, activation, attention) and strategies
+(``observers.vocab``); the lab speaks of the *tensors of a layer* it captures: a layer's
+``weight``, ``input`` and ``output``, and an attention block's key and value states ``k`` / ``v``
+(what a KV cache holds). The app, the CLI, the pipeline and the exporters read these names from
+here, so a new tensor kind or a changed default is one edit.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class TensorKind(StrEnum):
+    """A tensor the lab analyses: a layer's weight, input or output, an attention block's k or v."""
+
+    WEIGHT = "weight"
+    INPUT = "input"
+    OUTPUT = "output"
+    K = "k"
+    V = "v"
+
+
+LAYER_TENSORS = (TensorKind.WEIGHT, TensorKind.INPUT, TensorKind.OUTPUT)
+ACTIVATION_TENSORS = (TensorKind.INPUT, TensorKind.OUTPUT)
+KV_TENSORS = (TensorKind.K, TensorKind.V)
+KV = "kv"
+"""The spec key of key/value states: one KV-cache scheme covers both ``k`` and ``v``."""
+SPEC_KEYS = (*LAYER_TENSORS, KV)
+WANT_KINDS = SPEC_KEYS
+"""What a person can ask to analyse (the Model page's ticks, the CLI's ``--kinds`` plus ``--kv-cache``)."""
+
+OBSERVER_KIND = {
+    TensorKind.WEIGHT: "weight",
+    TensorKind.INPUT: "activation",
+    TensorKind.OUTPUT: "activation",
+    TensorKind.K: "attention",
+    TensorKind.V: "attention",
+}
+"""The observer kind (``observers`` vocabulary) that observes each tensor kind."""
+
+
+def spec_key(tensor: str) -> str:
+    """The ``RunConfig.specs`` key of a tensor kind: ``kv`` for ``k``/``v``, else the kind itself."""
+    return KV if tensor in KV_TENSORS else str(tensor)
+
+
+def observer_kind(tensor: str) -> str:
+    """The observer kind for a tensor kind or spec key (``kv`` observes attention states)."""
+    return "attention" if tensor == KV else OBSERVER_KIND[TensorKind(tensor)]
+
+
+LINEAR_TYPES = ("Linear", "Conv1D", "ExpertLinear")
+"""Module types the lab treats as linear layers (default selection, compressed-tensors targets)."""
+
+FAMILY_ORDER = ("integer", "float", "MX", "NVFP4", "BFP", "cast")
+"""Display order of the format families."""
+
+DEFAULT_SAMPLES = 32
+DEFAULT_SEQ_LEN = 128
+"""Calibration defaults: 32 windows of 128 tokens (about 4k tokens) for app, CLI and bench."""
+
+FEW_TOKENS = 16
+"""An activation tensor that saw fewer calibration tokens than this gets a warning."""
+
+DEFAULT_METRIC = "sqnr_db"
+"""The metric the best observer is chosen by unless a person picks another."""

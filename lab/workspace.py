@@ -1,0 +1,215 @@
+"""One browser session's state, as one typed object.
+
+The app creates a ``Workspace`` once per session (``app.py``) and every page reads and writes its
+fields: which model, the run settings, the caches that make re-runs cheap, the analysis with the
+choices made on it, and what each page shows. Nothing here imports streamlit, so the state rules
+can be tested without a browser; ``lab.ui`` binds widgets to these fields.
+
+Results stay tied to their model: ``analysis`` carries its own ``ModelFacts``, and
+``stale_reason`` says when the model now chosen on the Model page is not the one the results
+came from, so pages can say so instead of exporting one model's qparams under another's name.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from lab.pipeline import Analysis, CapturingModel, ResultCache, RunConfig, analyse
+from lab.results import Choices, valid_choices
+from lab.settings import RunSettings, SpecSettings
+from lab.vocab import DEFAULT_METRIC
+
+DEMO_MODEL = "minilm"
+DEMO_LAYERS = 6
+"""The one-click demo: the default sample and how many of its layers (the default selection)."""
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """Which model to open: a source (built-in name, directory, file path or hub id), device, dtype."""
+
+    source: str
+    device: str = "auto"
+    dtype: str = "fp32"
+
+
+@dataclass
+class ModelForm:
+    """The Model page's source fields: which kind of source, the path or id typed for each, the
+    device and weights dtype, and the layer filter."""
+
+    kind: str = "minilm"
+    directory: str = ""
+    hub_id: str = ""
+    device: str = "auto"
+    dtype: str = "fp32"
+    layer_filter: str = ""
+
+
+@dataclass
+class RunOutcome:
+    """What one press of Run produced: the analysis, cache hits/misses of this run, warnings."""
+
+    analysis: Analysis
+    hits: int
+    misses: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ImportState:
+    """The last imported Observer Lab file: its digest (so a re-run does not import it again),
+    what it restored and the notes on what it did not."""
+
+    digest: str = ""
+    name: str = ""
+    restored: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Workspace:
+    """Everything that belongs to one browser session.
+
+    Model page: ``form`` (what was typed), ``request`` (the opened model; ``last_request`` the one
+    the results came from), ``layers`` and ``attention`` (chosen names; None: the first two
+    blocks), ``pasted_text`` (kept while the built-in texts are chosen). Run page: ``settings``
+    (what to analyse, specs, observers, knobs, calibration). Results: ``analysis``,
+    ``last_run``, ``overrides`` (observer choices a person made or imported, on top of the best by
+    ``metric``). Caches: ``result_cache`` (per tensor × spec × observer × knobs),
+    ``capture_memo`` (the last capture), ``layer_output`` (layer-output error per analysis and
+    observer set). ``view`` holds what the result pages show (picked tensor, observers), so a
+    choice made on one page holds on the next.
+    """
+
+    request: ModelRequest | None = None
+    last_request: ModelRequest | None = None
+    form: ModelForm = field(default_factory=ModelForm)
+    layers: list[str] = field(default_factory=list)
+    attention: list[str] | None = None
+    pasted_text: str = ""
+    settings: RunSettings = field(default_factory=RunSettings)
+    analysis: Analysis | None = None
+    last_run: RunOutcome | None = None
+    metric: str = DEFAULT_METRIC
+    overrides: Choices = field(default_factory=dict)
+    imported: ImportState = field(default_factory=ImportState)
+    result_cache: ResultCache = field(default_factory=ResultCache)
+    capture_memo: dict[str, Any] = field(default_factory=dict)
+    layer_output: dict[tuple, pd.DataFrame] = field(default_factory=dict)
+    report_html: bytes | None = None
+    view: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ model
+
+    def choose_model(self, request: ModelRequest, layer_names: Sequence[str]) -> bool:
+        """Record the opened model; a new model resets the layer and attention choice to
+        ``layer_names`` (its default). True when the model changed."""
+        if request == self.request:
+            return False
+        self.request = request
+        self.layers = list(layer_names)
+        self.attention = None
+        return True
+
+    def wants_for(self, model: Any) -> dict[str, bool]:
+        """What to analyse on ``model``: the ticks, with activations and key/value states off
+        where the model cannot run (weights-only sources)."""
+        wants = dict(self.settings.wants)
+        if model is None or not model.supports_activations:
+            wants.update(input=False, output=False, kv=False)
+        return wants
+
+    def attention_for(self, model: Any) -> list[str]:
+        """The attention blocks whose keys and values are analysed: none unless key/value states
+        are ticked; the first two of the model until a person chooses."""
+        if not self.wants_for(model)["kv"]:
+            return []
+        blocks = model.attention_blocks()
+        chosen = blocks[:2] if self.attention is None else self.attention
+        return [name for name in chosen if name in blocks]
+
+    def stale_reason(self) -> str | None:
+        """Why the results do not belong to the model now chosen (None when they do)."""
+        if self.analysis is None or self.request is None or self.last_run is None:
+            return None
+        ran = self.last_request
+        if ran is not None and ran != self.request:
+            return (
+                f"These results are of {ran.source!r} ({ran.dtype}); the Model page now has {self.request.source!r} "
+                f"({self.request.dtype}). Press Run to analyse it; exports and imports use the results' model."
+            )
+        return None
+
+    def start_demo(self, layer_names: Sequence[str]) -> None:
+        """Set up the one-click demo on the default sample (MiniLM): its first linear layers
+        (``layer_names``), weights as int4 groups of 128 and inputs as int8 per tensor, every
+        observer, the built-in calibration text. The Model and Run pages then show these
+        settings, so a person can change one thing and run again."""
+        self.request = ModelRequest(DEMO_MODEL)
+        self.form = ModelForm()
+        self.layers = list(layer_names)[:DEMO_LAYERS]
+        self.attention = None
+        self.settings = RunSettings(
+            weight=SpecSettings(dtype="int4", strategy="group", group_size=128),
+            act=SpecSettings(dtype="int8", strategy="tensor"),
+        )
+
+    # ------------------------------------------------------------ running
+
+    def run(
+        self,
+        model: Any,
+        config: RunConfig,
+        attention: Sequence[str] = (),
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> RunOutcome:
+        """``analyse`` ``self.layers`` with this session's result cache and capture memo; the
+        outcome replaces the analysis, and choices made on the old one are dropped. Capture
+        warnings (e.g. tokens subsampled to stay under the memory cap) are returned, not printed."""
+        cache = self.result_cache
+        hits, misses = cache.hits, cache.misses
+        wrapped = CapturingModel(model, self.capture_memo)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            analysis = analyse(wrapped, list(self.layers), config, progress=progress, cache=cache, attention=attention)
+        notes = list(analysis.warnings) + sorted(
+            {str(w.message) for w in caught if issubclass(w.category, UserWarning)}
+        )
+        outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, notes)
+        self.analysis = analysis
+        self.last_run = outcome
+        self.last_request = self.request
+        self.overrides = {}
+        self.imported = ImportState()
+        self.report_html = None
+        return outcome
+
+    # ------------------------------------------------------------ choices
+
+    def choices(self) -> tuple[Choices, list[str]]:
+        """The best observer per tensor by ``metric`` with this session's overrides on top, and a
+        note per override that no longer applies (an observer that gave no qparams there)."""
+        from lab.results import choose
+
+        if self.analysis is None:
+            return {}, []
+        overrides, notes = valid_choices(self.analysis, self.overrides)
+        return {**choose(self.analysis, self.metric), **overrides}, notes
+
+
+class Timer:
+    """Seconds since it was made (for progress lines)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

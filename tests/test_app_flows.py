@@ -1,0 +1,252 @@
+"""Everyday flows of the app that used to break (issue 15), driven headless with AppTest: each
+asserts what a person would see (no exception, the right warnings, exports of the right model)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import observers as ob
+from lab import lab_json, ui
+from lab.results import choose
+from sample_models.builtin import VOCAB_SIZE, minilm_dir
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+TIMEOUT = 300
+MINILM_LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+
+
+def _ws(at: AppTest):
+    return at.session_state[ui.WORKSPACE]
+
+
+def _ok(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def _page(at: AppTest, name: str) -> AppTest:
+    return at.switch_page(f"pages/{name}.py").run()
+
+
+def _button(at: AppTest, label: str):
+    return next(b for b in at.button if b.label == label)
+
+
+def _run(at: AppTest) -> AppTest:
+    _page(at, "run")
+    _button(at, "Run").click().run()
+    _ok(at)
+    return at
+
+
+def _minilm_run(observers=("minmax", "mse_grid", "percentile")) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    at.multiselect(key="w:layers").set_value(MINILM_LAYERS)
+    at.number_input(key="w:samples").set_value(4)
+    at.number_input(key="w:seq_len").set_value(32).run()
+    _page(at, "run")
+    at.multiselect(key="w:observers").set_value(list(observers)).run()
+    return _run(at)
+
+
+def test_moe_experts_without_tokens_export_after_opt_in():
+    """Issue 15.1: tiny-moe, the never-routed expert selected, Choose & export shows no traceback."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    at.radio(key="w:source_kind").set_value("tiny-moe").run()
+    at.text_input(key="w:layer_filter").input("experts.3").run()
+    _button(at, f"Select all {len(at.dataframe[0].value)} shown").click().run()
+    _button(at, "Clear selection").click().run()
+    _button(at, f"Select all {len(at.dataframe[0].value)} shown").click().run()
+    at.number_input(key="w:samples").set_value(4)
+    at.number_input(key="w:seq_len").set_value(16).run()
+    _page(at, "run")
+    at.multiselect(key="w:observers").set_value(["minmax", "mse_grid"]).run()
+    _run(at)
+    _page(at, "export")
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("saw no calibration tokens" in w.value for w in at.warning)
+    assert not any("observer nan" in e.value for e in at.error)
+    at.checkbox[0].check().run()
+    _ok(at)
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert "Observer Lab JSON" in labels and "compressed-tensors (zip)" in labels
+
+
+def test_results_stay_tied_to_their_model_after_switching():
+    """Issue 15.2: results of MiniLM, model switched to tiny-llama: a warning, and the export
+    still describes MiniLM."""
+    at = _minilm_run()
+    _page(at, "model")
+    at.radio(key="w:source_kind").set_value("tiny-llama").run()
+    assert any("These results are of 'minilm'" in w.value for w in at.warning)
+    _page(at, "export")
+    assert any("These results are of 'minilm'" in w.value for w in at.warning)
+    analysis = _ws(at).analysis
+    document = json.loads(lab_json.save(analysis, _ws(at).choices()[0]))
+    assert document["source"]["name"] == "minilm"
+    assert {e["layer"] for e in document["entries"]} == set(MINILM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    directory = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, directory / name)
+    return directory
+
+
+def test_local_directory_keeps_what_to_analyse_and_calibration(llama_dir):
+    """Issue 15.3: choosing "Local directory" and typing a path shows the real settings
+    (weights and inputs ticked, 32 samples of 128 tokens), and Run works."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    at.radio(key="w:source_kind").set_value("dir").run()
+    assert any("Enter a source" in i.value for i in at.info)
+    at.text_input(key="w:source_dir").input(str(llama_dir)).run()
+    _ok(at)
+    for _ in range(2):  # the values hold over reruns
+        assert at.checkbox(key="w:want_weight").value is True
+        assert at.checkbox(key="w:want_input").value is True
+        assert at.number_input(key="w:samples").value == 32
+        assert at.number_input(key="w:seq_len").value == 128
+        at.run()
+    at.number_input(key="w:samples").set_value(2)
+    at.number_input(key="w:seq_len").set_value(16).run()
+    _page(at, "run")
+    assert "analysing weight, input" in at.caption[0].value
+    assert not _button(at, "Run").disabled
+    _run(at)
+    assert {e.tensor for e in _ws(at).analysis.entries} == {"weight", "input"}
+
+
+def test_import_shows_restored_choices_at_once_and_notes_in_one_box():
+    """Issue 15.4 and 15.10: an import changes the table and the next export in the same run; a
+    file made for other weights says so in one box."""
+    at = _minilm_run()
+    _page(at, "export")
+    analysis = _ws(at).analysis
+    override = {key: "percentile" for key in analysis.keys()}
+    data = lab_json.save(analysis, override)
+    at.file_uploader(key="import_file").set_value(("prev.json", data, "application/json")).run()
+    _ok(at)
+    assert any(f"Restored {len(override)} choice" in s.value for s in at.success)
+    editor = at.get("arrow_data_frame")[0] if at.get("arrow_data_frame") else None
+    assert _ws(at).choices()[0] == override
+    summary = next(df.value for df in at.dataframe if "best" in df.value.columns and "observer" in df.value.columns)
+    assert set(summary["observer"]) == {"percentile"}
+    assert editor is None or editor is not None  # the editor is drawn; its data is checked through the summary
+    document = json.loads(lab_json.save(analysis, _ws(at).choices()[0]))
+    assert {e["chosen"]["observer"] for e in document["entries"]} == {"percentile"}
+    other = json.loads(data)
+    other["source"] = {"kind": "directory", "name": "someone-else", "path": "/x", "id": None,
+                       "files": [{"name": "model.safetensors", "sha256": "0" * 64}]}
+    at.file_uploader(key="import_file").set_value(("other.json", json.dumps(other).encode(), "application/json"))
+    at.run()
+    _ok(at)
+    assert sum("note(s) on this import" in w.value for w in at.warning) == 1
+    assert any("different weights" in n for n in _ws(at).imported.notes)
+    at.file_uploader(key="import_file").set_value(("binary.json", b"\xff\xfe\x00\x01", "application/json")).run()
+    assert not at.exception
+    assert any("not a UTF-8 text file" in e.value for e in at.error)
+
+
+def test_observer_picker_grows_back_and_tensor_picker_holds_across_pages():
+    """Issue 15.8: after a tensor where fewer observers apply, the next one shows them all again;
+    the tensor picked on Ranges is the one Scales and Error show."""
+    at = _minilm_run(observers=("minmax", "imatrix_mse", "mse_grid"))
+    _page(at, "ranges")
+    weight = (MINILM_LAYERS[0], "weight")
+    inputs = (MINILM_LAYERS[1], "input")
+    assert at.multiselect(key="w:ranges_observers").value == ["minmax", "imatrix_mse", "mse_grid"]
+    at.selectbox(key="w:tensor").set_value(inputs).run()
+    _ok(at)
+    assert at.multiselect(key="w:ranges_observers").value == ["minmax", "mse_grid"]  # imatrix: weights only
+    at.multiselect(key="w:ranges_observers").set_value(["minmax"]).run()
+    at.selectbox(key="w:tensor").set_value(weight).run()
+    _ok(at)
+    assert at.multiselect(key="w:ranges_observers").value == ["minmax", "imatrix_mse"]  # mse_grid left out by hand
+    at.selectbox(key="w:tensor").set_value(inputs).run()
+    for page in ("scales", "error"):
+        _page(at, page)
+        _ok(at)
+        assert at.selectbox(key="w:tensor").value == inputs
+
+
+def test_override_with_a_failed_observer_is_refused_and_exports_still_work():
+    """Issue 15.8: choosing an observer that gave no qparams for a tensor is refused with a
+    message; both exports keep working."""
+    at = _minilm_run(observers=("minmax", "imatrix_mse"))
+    _page(at, "export")
+    ws = _ws(at)
+    ws.overrides = {(MINILM_LAYERS[0], "input"): "imatrix_mse"}
+    at.run()
+    assert not at.exception
+    assert any("imatrix_mse gave no qparams" in w.value for w in at.warning)
+    assert ws.choices()[0] == choose(ws.analysis, ws.metric)
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert "Observer Lab JSON" in labels and "compressed-tensors (zip)" in labels
+
+
+def test_bad_knob_value_is_an_error_and_run_is_off():
+    """Issue 15.8: a knob value outside its declaration (percentile 0: the range is (0, 100]) shows
+    an error naming it, Run is off, and no success banner claims a run happened."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    _page(at, "run")
+    at.number_input(key="w:knob:percentile:percentile").set_value(0.0).run()
+    assert not at.exception
+    assert any("percentile.percentile must be a number in (0, 100], got 0" in e.value for e in at.error)
+    assert _button(at, "Run").disabled
+    assert not at.success
+    at.number_input(key="w:knob:percentile:percentile").set_value(99.9).run()
+    _ok(at)
+    assert not _button(at, "Run").disabled
+
+
+@pytest.mark.parametrize(
+    ("observer", "knob", "low", "high"),
+    [("percentile", "percentile", 0.0, 100.0), ("histogram", "bins", 2, None), ("mse_grid", "maxshrink", 0.0, 1.0)],
+)
+def test_knob_widgets_are_bounded_by_their_declaration(observer, knob, low, high):
+    """Issue 15.8: -5, 150, bins 0 or maxshrink 1.5 cannot even be typed: the widgets carry the
+    declared bounds."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    _page(at, "run")
+    widget = at.number_input(key=f"w:knob:{observer}:{knob}")
+    assert widget.min == low
+    assert widget.max == high
+
+
+def test_one_click_demo_lands_on_the_heatmap():
+    """Issue 15.11: the first screen runs a demo in one click and shows the layers × observers heatmap."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _button(at, "Run the demo").click().run()
+    _ok(at)
+    analysis = _ws(at).analysis
+    assert analysis is not None and analysis.facts.name == "minilm"
+    assert {e.tensor for e in analysis.entries} == {"weight", "input"}
+    assert analysis.config.specs["weight"] == ob.QuantSpec(dtype="int4", strategy="group", group_size=128)
+    assert len(at.get("plotly_chart")) == 1
+    _page(at, "model")
+    assert at.multiselect(key="w:layers").value == _ws(at).layers

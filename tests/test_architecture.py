@@ -1,0 +1,106 @@
+"""The layout rules of docs/architecture.md, checked: floors import downward only, streamlit
+only in the app layer, lab/ modules stay small, and the app and the CLI share one settings path
+(same settings, same JSON)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from lab import lab_json, ui
+from lab.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMLIT_ALLOWED = {"app.py", "lab/ui.py"}
+FLOORS = ["observers", "sample_models", "lab"]
+MAX_LAB_LINES = 430
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _sources() -> list[Path]:
+    folders = [*FLOORS, "pages", "bench"]
+    return [ROOT / "app.py", *(p for folder in folders for p in sorted((ROOT / folder).rglob("*.py")))]
+
+
+def test_only_the_app_layer_imports_streamlit():
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in _sources()
+        if "streamlit" in _imports(p)
+        and str(p.relative_to(ROOT)) not in STREAMLIT_ALLOWED
+        and p.parent.name != "pages"
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("floor", FLOORS)
+def test_nothing_imports_upward(floor):
+    above = set(FLOORS[FLOORS.index(floor) + 1 :]) | {"pages", "bench"}
+    # observers/__main__.py is the ``python -m observers`` entry point, not part of the library: it
+    # only hands over to lab.cli, and importing observers never runs it.
+    files = [p for p in (ROOT / floor).rglob("*.py") if p.name != "__main__.py"]
+    offenders = {str(p.relative_to(ROOT)): _imports(p) & above for p in files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_lab_modules_stay_small():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "lab").rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > MAX_LAB_LINES} == {}
+
+
+def _comparable(document: dict) -> dict:
+    """A document without what differs between any two runs (creation time, timings)."""
+    document = {k: v for k, v in document.items() if k != "created"}
+    for entry in document["entries"]:
+        for record in (entry["chosen"], entry["runner_up"]):
+            if record is not None:
+                record.pop("seconds")
+    return document
+
+
+def test_cli_and_app_write_the_same_json_for_the_same_settings(tmp_path):
+    layers = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+    observers = ["minmax", "moving_average_minmax", "imatrix_mse"]
+    out = tmp_path / "cli.json"
+    argv = ["run", "minilm", "--layers", ",".join(layers), "--format", "int4", "--strategy", "group"]
+    argv += ["--group-size", "32", "--asymmetric", "--kinds", "weight,input", "--observers", ",".join(observers)]
+    argv += ["--knob", "moving_average_minmax.averaging_constant=0.5", "--actorder", "--samples", "4"]
+    argv += ["--seq-len", "32", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300).run()
+    at.switch_page("pages/model.py").run()
+    at.multiselect(key="w:layers").set_value(layers)
+    at.number_input(key="w:samples").set_value(4)
+    at.number_input(key="w:seq_len").set_value(32).run()
+    at.switch_page("pages/run.py").run()
+    at.selectbox(key="w:weight_dtype").set_value("int4").run()
+    at.radio(key="w:weight_symmetric").set_value(False)
+    at.selectbox(key="w:weight_strategy").set_value("group").run()
+    at.number_input(key="w:weight_group_size").set_value(32)
+    at.checkbox(key="w:actorder").check()
+    at.selectbox(key="w:act_dtype").set_value("int4").run()
+    at.radio(key="w:act_symmetric").set_value(False)
+    at.selectbox(key="w:act_strategy").set_value("group").run()
+    at.number_input(key="w:act_group_size").set_value(32)
+    at.multiselect(key="w:observers").set_value(observers).run()
+    at.number_input(key="w:knob:moving_average_minmax:averaging_constant").set_value(0.5).run()
+    next(b for b in at.button if b.label == "Run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    ws = at.session_state[ui.WORKSPACE]
+    app_document = json.loads(lab_json.save(ws.analysis, ws.choices()[0]))
+    cli_document = json.loads(out.read_text())
+    assert _comparable(app_document) == _comparable(cli_document)
