@@ -83,6 +83,8 @@ if never_calibrated:
         + ". Export refuses them unless you record them as uncalibrated (or calibrate with other text)."
     )
     allow_uncalibrated = st.checkbox("Record them as uncalibrated (no qparams) and export the rest")
+    if not allow_uncalibrated:
+        st.stop()
 c1, c2, c3 = st.columns(3)
 with c1, ui.guard("JSON export"):
     st.download_button(

@@ -250,3 +250,34 @@ def test_one_click_demo_lands_on_the_heatmap():
     assert len(at.get("plotly_chart")) == 1
     _page(at, "model")
     assert at.multiselect(key="w:layers").value == _ws(at).layers
+
+
+def test_layer_output_error_is_computed_once_per_run(monkeypatch):
+    """Issue 15.6: the layer-output error is kept per run, not recomputed on every visit or widget change."""
+    from lab import results
+
+    calls = []
+    original = results.layer_output_rows
+    monkeypatch.setattr(results, "layer_output_rows", lambda *a, **k: calls.append(1) or original(*a, **k))
+    at = _minilm_run(observers=("minmax",))
+    _page(at, "error")
+    at.toggle(key="w:layer_output").set_value(True).run()
+    _ok(at)
+    at.selectbox(key="w:metric").set_value("mse").run()
+    _page(at, "ranges")
+    _page(at, "error")
+    _ok(at)
+    assert len(calls) == 1
+    assert len(at.get("plotly_chart")) == 3
+
+
+def test_upload_errors_name_the_uploaded_file():
+    """Issue 15.10: a broken upload is named as the person named it, not by an internal hash."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    at.radio(key="w:source_kind").set_value("upload").run()
+    broken = ("my-weights.safetensors", b"\x00" * 64, "application/octet-stream")
+    at.file_uploader(key="source_upload").set_value(broken)
+    at.run()
+    assert not at.exception
+    assert any("my-weights.safetensors" in e.value for e in at.error), [e.value for e in at.error]

@@ -108,7 +108,8 @@ def metric_bars(frame: pd.DataFrame, metric: str = "sqnr_db", order: Sequence[st
 def metric_heatmap(frame: pd.DataFrame, metric: str = "sqnr_db") -> go.Figure:
     """Layers (rows) x observers (columns) colored by ``metric``, values written in the cells,
     so a whole model can be scanned at a glance. Higher-is-better metrics use the reversed scale
-    so that better is always the same color. 28 px per row, and margins that grow to the longest
+    so that better is always the same color. 28 px per row plus room for the rotated observer
+    names, every row labelled, and margins that grow to the longest
     layer and observer names (``automargin``), so no name is cut and no axis title overlaps them."""
     frame = frame.assign(label=[tensor_label(a, b) for a, b in zip(frame["layer"], frame["tensor"], strict=True)])
     table = frame.pivot_table(index="label", columns="observer", values=metric, sort=False, aggfunc="first")
@@ -130,8 +131,8 @@ def metric_heatmap(frame: pd.DataFrame, metric: str = "sqnr_db") -> go.Figure:
     fig.update_layout(
         title=f"{METRIC_LABELS.get(metric, metric)}: layers × observers",
         xaxis={"title": "observer", "automargin": True},
-        yaxis={"title": "layer · tensor", "automargin": True, "autorange": "reversed"},
-        height=max(320, 60 + 28 * len(table.index)),
+        yaxis={"title": "layer · tensor", "automargin": True, "autorange": "reversed", "dtick": 1},
+        height=max(320, 200 + 28 * len(table.index)),
     )
     return fig
 
