@@ -18,6 +18,7 @@ import observers as ob
 from bench.common import case, median_seconds, synchronize
 from lab.pipeline import CapturingModel, ResultCache, RunConfig, analyse
 from lab.settings import default_layer_names
+from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 
 TARGET_S = 30.0
 SPECS = {
@@ -34,7 +35,7 @@ def _setup(device: str):
 
 
 def _config(spec: ob.QuantSpec, knobs: dict | None = None) -> RunConfig:
-    return RunConfig(specs={"weight": spec, "input": spec}, knobs=knobs or {}, samples=32, seq_len=128)
+    return RunConfig(specs={"weight": spec, "input": spec}, knobs=knobs or {})
 
 
 def _float_knob() -> tuple[str, str, float] | None:
@@ -67,7 +68,7 @@ def _rerun_seconds(model, layers: list[str], name: str, knob: str, default: floa
 
 def cases(device: str) -> list[dict]:
     model, layers = _setup(device)
-    capture_s = median_seconds(lambda: model.capture(layers, samples=32, seq_len=128), device)
+    capture_s = median_seconds(lambda: model.capture(layers, samples=DEFAULT_SAMPLES, seq_len=DEFAULT_SEQ_LEN), device)
     rows = []
     for label, spec in SPECS.items():
         config = _config(spec)

@@ -14,11 +14,12 @@ from collections.abc import Callable
 import torch
 
 from bench.common import SETTINGS, case
+from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches, token_windows
 
-SAMPLES = 32
-SEQ_LEN = 128
+SAMPLES = DEFAULT_SAMPLES
+SEQ_LEN = DEFAULT_SEQ_LEN
 BATCH_SIZE = 8
 
 

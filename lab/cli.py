@@ -20,6 +20,7 @@ import observers as ob
 from lab.results import spec_text
 from lab.settings import RunSettings, SpecSettings, parse_knob
 from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS
+from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
 BAR_WIDTH = 30
@@ -225,8 +226,12 @@ def _cmd_list(out: IO[str]) -> None:
         knobs = ", ".join(f"{k}={v!r}" for k, v in ob.knobs(name).items() if ob.knob_specs(name)[k].editable)
         out.write(f"  {name:<28} {description}\n  {'':<28} knobs: {knobs}\n")
     out.write("formats:\n")
-    for name, fmt in ob.FORMATS.items():
-        out.write(f"  {name:<28} {fmt.description}\n")
+    for row in formats_table():
+        block = f"block {row['block_size']}" if row["block_size"] else "no block"
+        out.write(
+            f"  {row['name']:<28} {row['family']:<7} {row['element']:<10} {block:<10} scale {row['scale']:<24} "
+            f"max {row['max_value']:g}\n"
+        )
     out.write("presets:\n")
     for name in ob.PRESET_NAMES:
         parts = [f"{kind}: {'-' if spec is None else spec_text(spec)}" for kind, spec in ob.preset(name).items()]

@@ -18,10 +18,9 @@ import pandas as pd
 
 import observers as ob
 from lab.pipeline import RunConfig
-from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, FAMILY_ORDER, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
+from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
+from observers.formats import FAMILIES
 
-ROLES = ("weight", "act", "kv")
-"""The three spec editors: weights, activations (inputs and outputs share one), KV cache."""
 ROLE_OF_KIND = {TensorKind.WEIGHT: "weight", TensorKind.INPUT: "act", TensorKind.OUTPUT: "act", KV: "kv"}
 OBSERVER_KIND_OF_ROLE = {"weight": "weight", "act": "activation", "kv": "attention"}
 
@@ -35,12 +34,12 @@ def strategies(role: str) -> tuple[str, ...]:
 
 
 def formats_by_family() -> dict[str, list[str]]:
-    """Every ``ob.FORMATS`` dtype grouped by its ``family`` (known families first, in
-    ``FAMILY_ORDER``; any new family after them)."""
+    """Every ``ob.FORMATS`` dtype grouped by its ``family`` (known families first, in the order
+    of ``observers.formats.FAMILIES``; any new family after them)."""
     groups: dict[str, list[str]] = {}
     for name, fmt in ob.FORMATS.items():
         groups.setdefault(fmt.family, []).append(name)
-    ordered = [f for f in FAMILY_ORDER if f in groups] + [f for f in groups if f not in FAMILY_ORDER]
+    ordered = [f for f in FAMILIES if f in groups] + [f for f in groups if f not in FAMILIES]
     return {family: groups[family] for family in ordered}
 
 

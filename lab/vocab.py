@@ -28,8 +28,6 @@ KV_TENSORS = (TensorKind.K, TensorKind.V)
 KV = "kv"
 """The spec key of key/value states: one KV-cache scheme covers both ``k`` and ``v``."""
 SPEC_KEYS = (*LAYER_TENSORS, KV)
-WANT_KINDS = SPEC_KEYS
-"""What a person can ask to analyse (the Model page's ticks, the CLI's ``--kinds`` plus ``--kv-cache``)."""
 
 OBSERVER_KIND = {
     TensorKind.WEIGHT: "weight",
@@ -53,9 +51,6 @@ def observer_kind(tensor: str) -> str:
 
 LINEAR_TYPES = ("Linear", "Conv1D", "ExpertLinear")
 """Module types the lab treats as linear layers (default selection, compressed-tensors targets)."""
-
-FAMILY_ORDER = ("integer", "float", "MX", "NVFP4", "BFP", "cast")
-"""Display order of the format families."""
 
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQ_LEN = 128

@@ -207,7 +207,8 @@ def get_format(dtype: str) -> ElementFormat:
 
 
 def formats_table() -> list[dict[str, Any]]:
-    """One row per dtype for the README and the app: name, family, element, block size, scale type, max value.
+    """One row per dtype (what ``python -m observers list`` prints): name, family, element, block
+    size, scale type, max value.
 
     ``max_value`` is the largest element magnitude in units of the scale (integers: ``qmax``).
     """

@@ -45,13 +45,18 @@ editor_rows = results.choices_frame(analysis, choices, metric)
 editor_rows = editor_rows[
     [(layer, tensor) not in skipped for layer, tensor in zip(editor_rows["layer"], editor_rows["tensor"], strict=True)]
 ]
+choosable = [  # observers that produced qparams on at least one tensor of the table
+    name
+    for name in analysis.config.observer_names
+    if any(name in results.usable_observers(e) for e in analysis.entries if (e.layer, e.tensor) not in skipped)
+]
 edited = st.data_editor(
     editor_rows[["layer", "tensor", "observer", "best"]],
     hide_index=True,
     disabled=["layer", "tensor", "best"],
     column_config={
         "observer": st.column_config.SelectboxColumn(
-            "observer (click to change)", options=list(analysis.config.observer_names), required=True
+            "observer (click to change)", options=choosable, required=True
         ),
         "best": st.column_config.TextColumn(f"best by {plots.METRIC_LABELS.get(metric, metric)}"),
     },

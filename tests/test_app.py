@@ -14,7 +14,7 @@ import observers as ob
 from lab import lab_json, results, settings, ui
 from lab.pipeline import CapturingModel
 from lab.results import choose
-from lab.vocab import FAMILY_ORDER
+from observers.formats import FAMILIES
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
@@ -299,7 +299,7 @@ def test_formats_grouped_by_family_cover_every_dtype_once():
     groups = settings.formats_by_family()
     flat = [name for names in groups.values() for name in names]
     assert sorted(flat) == sorted(ob.FORMATS) and len(flat) == len(set(flat))
-    known = [f for f in FAMILY_ORDER if f in groups]
+    known = [f for f in FAMILIES if f in groups]
     assert list(groups)[: len(known)] == known
 
 

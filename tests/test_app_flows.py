@@ -4,18 +4,15 @@ asserts what a person would see (no exception, the right warnings, exports of th
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import save_checkpoint, tiny_llama
 from streamlit.testing.v1 import AppTest
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import observers as ob
 from lab import lab_json, ui
 from lab.results import choose
-from sample_models.builtin import VOCAB_SIZE, minilm_dir
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
@@ -98,21 +95,7 @@ def test_results_stay_tied_to_their_model_after_switching():
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    directory = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(minilm_dir() / name, directory / name)
-    return directory
+    return save_checkpoint(tiny_llama(), tmp_path_factory.mktemp("llama"))
 
 
 def test_local_directory_keeps_what_to_analyse_and_calibration(llama_dir):

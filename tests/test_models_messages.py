@@ -6,7 +6,6 @@ and the README say what the code does. Small files generated in tmp_path; nothin
 import http.server
 import json
 import re
-import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -14,38 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_checkpoint, tiny_llama
 from huggingface_hub import constants
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import observers as ob
 from sample_models import ActivationsUnavailableError, HubUnreachableError, ModelSourceError, open_model
-from sample_models.builtin import TINY_MOE_DESCRIPTION, VOCAB_SIZE, minilm_dir
+from sample_models.builtin import TINY_MOE_DESCRIPTION
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS_ONLY = "activations cannot be captured; weights can be analysed"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
-def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
-def _save(model, directory: Path, tokenizer: bool = True) -> Path:
-    model.save_pretrained(directory)
-    for name in TOKENIZER_FILES if tokenizer else ():
-        shutil.copy(minilm_dir() / name, directory / name)
-    return directory
 
 
 def _assert_weights_only(model, reason: str) -> None:
@@ -73,7 +55,7 @@ def test_unknown_model_type_opens_weights_only(tmp_path):
 
 
 def test_remote_code_architecture_opens_weights_only_without_running_it(tmp_path):
-    directory = _save(_tiny_llama(), tmp_path / "remote")
+    directory = save_checkpoint(tiny_llama(layers=1), tmp_path / "remote")
     marker = tmp_path / "ran"
     (directory / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     config = json.loads((directory / "config.json").read_text())
@@ -83,7 +65,7 @@ def test_remote_code_architecture_opens_weights_only_without_running_it(tmp_path
     model = open_model(directory)
     _assert_weights_only(model, "'EvilForCausalLM'")
     assert "remote code is never run" in model.weights_only_reason
-    reference = _tiny_llama()
+    reference = tiny_llama(layers=1)
     torch.testing.assert_close(model.weight("model.layers.0.mlp.up_proj"), reference.model.layers[0].mlp.up_proj.weight)
     assert not marker.exists()
 
@@ -99,7 +81,7 @@ def test_config_that_is_not_json_is_an_error_naming_it(tmp_path):
 
 
 def test_checkpoint_without_tokenizer_says_so_when_opened(tmp_path):
-    directory = _save(_tiny_llama(), tmp_path / "no-tokenizer", tokenizer=False)
+    directory = save_checkpoint(tiny_llama(layers=1), tmp_path / "no-tokenizer", tokenizer=False)
     model = open_model(directory)
     expected = f"no tokenizer files (tokenizer.json / tokenizer.model) in {directory}: {WEIGHTS_ONLY}"
     assert model.weights_only_reason == expected
@@ -112,7 +94,7 @@ def test_weights_only_checkpoint_keeps_the_layer_types_of_its_architecture(tmp_p
     """GPT-2 stores Conv1D weights (in, out): without a tokenizer they must still come out (out, in)."""
     torch.manual_seed(0)
     reference = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    model = open_model(_save(reference, tmp_path / "gpt2", tokenizer=False))
+    model = open_model(save_checkpoint(reference, tmp_path / "gpt2", tokenizer=False))
     assert not model.supports_activations
     info = model.layer("transformer.h.0.attn.c_attn")
     assert info.type == "Conv1D" and info.shape == (96, 32)
@@ -120,7 +102,7 @@ def test_weights_only_checkpoint_keeps_the_layer_types_of_its_architecture(tmp_p
 
 
 def test_unloadable_tokenizer_says_so_when_opened(tmp_path):
-    directory = _save(_tiny_llama(), tmp_path / "bad-tokenizer", tokenizer=False)
+    directory = save_checkpoint(tiny_llama(layers=1), tmp_path / "bad-tokenizer", tokenizer=False)
     (directory / "tokenizer.json").write_text(json.dumps({"not": "a tokenizer"}))
     _assert_weights_only(open_model(directory), f"no usable tokenizer in {directory}")
 
@@ -132,7 +114,7 @@ def test_bare_weights_file_says_why_it_is_weights_only(tmp_path):
 
 
 def test_a_full_directory_supports_activations(tmp_path):
-    model = open_model(_save(_tiny_llama(), tmp_path / "llama"))
+    model = open_model(save_checkpoint(tiny_llama(layers=1), tmp_path / "llama"))
     assert model.supports_activations and model.weights_only_reason is None
 
 

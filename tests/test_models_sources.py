@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_checkpoint, tiny_llama
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import sample_models
 from sample_models import (
@@ -20,46 +21,25 @@ from sample_models import (
     filter_layers,
     open_model,
 )
-from sample_models.builtin import MASSIVE_CHANNELS, VOCAB_SIZE, minilm_dir
+from sample_models.builtin import MASSIVE_CHANNELS, VOCAB_SIZE
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 TEXTS = ["A short sentence.", "Another, slightly longer sentence about quantization observers."]
 
 
-def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
-def _copy_tokenizer(directory: Path) -> None:
-    for name in TOKENIZER_FILES:
-        shutil.copy(minilm_dir() / name, directory / name)
 
 
-def _save(model, directory: Path, **kwargs) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, **kwargs)
-    _copy_tokenizer(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    return _save(_tiny_llama(), tmp_path_factory.mktemp("llama"))
+    return save_checkpoint(tiny_llama(), tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory) -> Path:
-    return _save(_tiny_llama(), tmp_path_factory.mktemp("sharded"), max_shard_size="400KB")
+    return save_checkpoint(tiny_llama(), tmp_path_factory.mktemp("sharded"), max_shard_size="400KB")
 
 
 @pytest.fixture
@@ -67,7 +47,7 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     """A Hugging Face cache holding org/tiny-llama, as snapshot_download leaves it."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "models--org--tiny-llama"
-    _save(_tiny_llama(), repo / "snapshots" / commit)
+    save_checkpoint(tiny_llama(), repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -162,7 +142,7 @@ def test_filters_glob_regex_and_exact():
 
 
 def test_local_directory_lists_from_headers_and_loads_only_for_capture(llama_dir, monkeypatch):
-    reference = _tiny_llama()
+    reference = tiny_llama()
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", _must_not_load)
     model = open_model(llama_dir)
     names = [info.name for info in model.layers()]
@@ -182,7 +162,7 @@ def _must_not_load(*args, **kwargs):
 def test_sharded_checkpoint_reads_each_tensor_from_its_shard(sharded_dir):
     assert (sharded_dir / "model.safetensors.index.json").is_file()
     assert len(list(sharded_dir.glob("*.safetensors"))) > 1
-    reference = _tiny_llama()
+    reference = tiny_llama()
     model = open_model(sharded_dir)
     for info in model.layers():
         torch.testing.assert_close(model.weight(info.name), reference.get_submodule(info.name).weight)
@@ -225,7 +205,7 @@ def test_gpt2_conv1d_weights_are_reported_and_returned_out_by_in(tmp_path):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB_SIZE, n_embd=32, n_layer=1, n_head=2, n_positions=128)
     reference = GPT2LMHeadModel(config).eval()
-    model = open_model(_save(reference, tmp_path / "gpt2"))
+    model = open_model(save_checkpoint(reference, tmp_path / "gpt2"))
     info = model.layer("transformer.h.0.attn.c_attn")
     assert info.type == "Conv1D" and info.shape == (96, 32)
     torch.testing.assert_close(model.weight(info.name), reference.transformer.h[0].attn.c_attn.weight.t())
@@ -246,7 +226,7 @@ def test_checkpoint_names_that_transformers_renames_are_listed_but_not_capturabl
         num_local_experts=2,
     )
     reference = MixtralForCausalLM(config).eval()
-    model = open_model(_save(reference, tmp_path / "mixtral"))
+    model = open_model(save_checkpoint(reference, tmp_path / "mixtral"))
     legacy = "model.layers.0.block_sparse_moe.experts.1.w2"
     assert model.layer(legacy).shape == (32, 64)
     torch.testing.assert_close(model.weight(legacy), reference.model.layers[0].mlp.experts.down_proj[1])
@@ -256,8 +236,8 @@ def test_checkpoint_names_that_transformers_renames_are_listed_but_not_capturabl
 
 
 def test_weights_only_bin_directory(tmp_path):
-    reference = _tiny_llama()
-    directory = _save(reference, tmp_path / "bin")
+    reference = tiny_llama()
+    directory = save_checkpoint(reference, tmp_path / "bin")
     for file in directory.glob("*.safetensors"):
         file.unlink()
     torch.save(reference.state_dict(), directory / "pytorch_model.bin")

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port, wait_healthy
 from streamlit import config as st_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,23 +55,8 @@ def test_config_names_only_options_this_streamlit_knows():
     assert [name for name in names if name not in known] == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"streamlit exited early with code {server.returncode}"
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"streamlit did not answer on {url} within {timeout:.0f} s")
 
 
 def _open_session(port: int) -> socket.socket:
@@ -93,7 +78,7 @@ def _open_session(port: int) -> socket.socket:
 def test_served_app_does_not_flood_the_terminal(tmp_path):
     """``streamlit run app.py`` from the repository root with the project config only (as
     scripts/app.sh runs it), a session open for about 20 s: not one inotify message."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
     command += ["--server.port", str(port)]
     log_path = tmp_path / "streamlit.log"
@@ -103,7 +88,7 @@ def test_served_app_does_not_flood_the_terminal(tmp_path):
             command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT
         )
         try:
-            _wait_healthy(f"http://127.0.0.1:{port}", server)
+            wait_healthy(f"http://127.0.0.1:{port}", server)
             with _open_session(port):
                 time.sleep(max(0.0, APP_SECONDS - (time.monotonic() - started)))
                 assert server.poll() is None, "streamlit exited while a session was open"

@@ -1,0 +1,64 @@
+"""Test helpers shared by several test modules: a tiny Llama checkpoint written to disk, and a
+Streamlit server's port and health check."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sample_models.builtin import VOCAB_SIZE, minilm_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def tiny_llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    """A random Llama (GQA: 4 heads, 2 KV heads) small enough to write and open in a test."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save_checkpoint(model, directory: Path, tokenizer: bool = True, **kwargs) -> Path:
+    """``model.save_pretrained(directory)`` plus MiniLM's tokenizer files (its vocabulary covers
+    ``VOCAB_SIZE``), so the directory opens like a downloaded checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, **kwargs)
+    for name in TOKENIZER_FILES if tokenizer else ():
+        shutil.copy(minilm_dir() / name, directory / name)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Wait until a ``streamlit run`` answers on ``/_stcore/health``; fail if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"streamlit exited early with code {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"streamlit did not answer on {url} within {timeout:.0f} s")
