@@ -260,7 +260,10 @@ def knob_editor(observer: str, values: dict[str, Any]) -> dict[str, Any]:
         elif declared.choices:
             values[knob] = bound(st.selectbox, knob, name, current, options=list(declared.choices), help=help_text)
         elif declared.type in (int, float):
-            values[knob] = bound(st.number_input, knob, name, current, help=help_text, **declared.widget_bounds())
+            shown = {"format": "%.6g"} if declared.type is float else {"step": 1}
+            values[knob] = bound(
+                st.number_input, knob, name, current, help=help_text, **shown, **declared.widget_bounds()
+            )
         else:
             values[knob] = bound(st.text_input, knob, name, str(current), help=help_text)
     return values

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_healthy
+from helpers import free_port, save_checkpoint, tiny_llama, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -286,3 +286,38 @@ def test_moe_expert_without_tokens_exports_in_a_browser(page):
     _settle(tab)
     _no_exception(tab)
     _shot(tab, "14_moe_export")
+
+
+def test_local_directory_and_knob_errors_in_a_browser(page, tmp_path):
+    """Issue 15.3 and 15.8 as a person meets them: a typed directory path keeps "what to analyse"
+    and the calibration settings; a knob outside its bounds is named and Run stays off."""
+    directory = save_checkpoint(tiny_llama(), tmp_path / "llama")
+    tab = page
+    _go(tab, "Model")
+    tab.get_by_text("Local directory", exact=True).click()
+    _see(tab, "Enter a source to open.")
+    _fill(tab, "Directory (config.json + weights)", str(directory))
+    _see(tab, "Layers to analyse")
+    for label in ("Weights", "Input activations"):
+        assert tab.get_by_label(label, exact=True).is_checked()
+    assert tab.get_by_label("Samples", exact=True).input_value() == "32"
+    assert tab.get_by_label("Sequence length (tokens)", exact=True).input_value() == "128"
+    _no_exception(tab)
+    _shot(tab, "15_local_directory")
+
+    _go(tab, "Run")
+    _see(tab, "analysing weight, input")
+    tab.get_by_text("percentile: ").first.click()
+    knob = tab.get_by_role("spinbutton", name="percentile", exact=True)
+    knob.fill("0")
+    knob.press("Enter")
+    _see(tab, "percentile.percentile must be a number in (0, 100], got 0")
+    assert tab.get_by_role("button", name="Run", exact=True).is_disabled()
+    _see(tab, "Run is off: fix the knob values above.")
+    _shot(tab, "16_knob_error")
+    knob.fill("99.9")
+    knob.press("Enter")
+    tab.get_by_role("button", name="Run", exact=True).wait_for(timeout=SLOW_MS)
+    _settle(tab)
+    assert tab.get_by_role("button", name="Run", exact=True).is_enabled()
+    _no_exception(tab)
