@@ -35,7 +35,11 @@ class RunConfig:
     """What to run: a spec per tensor kind (``weight``/``input``/``output`` of layers, ``kv`` for
     the key and value states of attention blocks, as one KV-cache scheme covers both; absent =
     skip), the observers (None = all registered), knob overrides per observer, calibration settings,
-    and whether group weights use activation order (``actorder``)."""
+    and whether group weights use activation order (``actorder``).
+
+    ``sequential`` and ``max_memory`` say *how* activations are captured (layer by layer, under a
+    memory budget in bytes; None: the model decides, see ``sample_models.Model.capture``); they
+    do not change a single captured value, so they are not part of ``to_dict`` or any cache key."""
 
     specs: dict[str, ob.QuantSpec]
     observers: tuple[str, ...] | None = None
@@ -44,6 +48,8 @@ class RunConfig:
     seq_len: int = DEFAULT_SEQ_LEN
     texts: tuple[str, ...] | None = None
     actorder: bool = False
+    sequential: bool | None = None
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.specs) - set(SPEC_KEYS)
@@ -71,6 +77,17 @@ class RunConfig:
             "texts": None if self.texts is None else list(self.texts),
             "actorder": self.actorder,
         }
+
+    def capture_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``capture`` / ``capture_kv`` for this run: the calibration set,
+        and how to capture when one was chosen."""
+        options: dict[str, Any] = {
+            "texts": None if self.texts is None else list(self.texts),
+            "samples": self.samples,
+            "seq_len": self.seq_len,
+        }
+        how = {"sequential": self.sequential, "max_memory": self.max_memory}
+        return options | {k: v for k, v in how.items() if v is not None}
 
     def calibration_key(self) -> str:
         """Changes exactly when the captured activations would change."""
@@ -177,10 +194,7 @@ def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str
     wants_output = "output" in config.specs
     if not (wants_input or wants_output):
         return {}
-    texts = None if config.texts is None else list(config.texts)
-    captured = model.capture(
-        list(layers), texts=texts, samples=config.samples, seq_len=config.seq_len, outputs=wants_output
-    )
+    captured = model.capture(list(layers), outputs=wants_output, **config.capture_options())
     found: dict[tuple[str, str], torch.Tensor] = {}
     for layer, value in captured.items():
         if isinstance(value, dict):
@@ -197,8 +211,7 @@ def _captured_kv(model, attention: Sequence[str], config: RunConfig) -> dict[tup
     """Key and value states as ``{(block, "k"|"v"): (1, kv_heads, tokens, head_dim)}``."""
     if not attention:
         return {}
-    texts = None if config.texts is None else list(config.texts)
-    states = model.capture_kv(list(attention), texts=texts, samples=config.samples, seq_len=config.seq_len)
+    states = model.capture_kv(list(attention), **config.capture_options())
     return {(block, which): data for block, pair in states.items() for which, data in pair.items()}
 
 

@@ -10,6 +10,7 @@ and call ``config()``, so the same settings give the same run. No streamlit here
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -196,6 +197,8 @@ class RunSettings:
     texts: tuple[str, ...] | None = None
     actorder: bool = False
     preset: str = "custom"
+    sequential: bool | None = None
+    max_memory: int | None = None
 
     def editor(self, role: str) -> SpecSettings:
         """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""
@@ -248,6 +251,8 @@ class RunSettings:
             seq_len=int(self.seq_len),
             texts=self.texts,
             actorder=bool(self.actorder and self.actorder_applies and can_capture),
+            sequential=self.sequential,
+            max_memory=self.max_memory,
         )
 
     def copy(self) -> RunSettings:
@@ -260,6 +265,22 @@ class RunSettings:
             wants=dict(self.wants),
             knobs={k: dict(v) for k, v in self.knobs.items()},
         )
+
+
+# ---------------------------------------------------------------- memory
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
+_UNITS |= {"gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A memory size as a person writes it (``150MB``, ``8GiB``, ``1.5 GB``, ``4096``) in bytes;
+    anything else is a ``ValueError`` saying what is accepted."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"memory size {text!r} must be a positive number with an optional unit (MB, GB, MiB, GiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 # ---------------------------------------------------------------- layers

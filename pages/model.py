@@ -3,7 +3,7 @@
 import streamlit as st
 
 from lab import ui
-from lab.settings import default_layer_names, layer_frame, layer_pattern
+from lab.settings import default_layer_names, layer_frame, layer_pattern, parse_bytes
 from lab.workspace import ModelRequest
 
 SOURCES = {
@@ -14,6 +14,8 @@ SOURCES = {
     "upload": "Upload a .safetensors file",
     "hub": "Hugging Face Hub id",
 }
+CAPTURE_MODES = {"automatic": None, "whole model": False, "layer by layer": True}
+CAPTURE_MODES_BY_VALUE = {value: name for name, value in CAPTURE_MODES.items()}
 WHAT = {
     "weight": "Weights",
     "input": "Input activations",
@@ -122,5 +124,28 @@ if wants["input"] or wants["output"] or wants["kv"]:
         run.seq_len = ui.bound(
             st.number_input, "Sequence length (tokens)", "seq_len", run.seq_len, min_value=8, max_value=8192, step=8
         )
+
+    c3, c4 = st.columns(2)
+    with c3:
+        mode = ui.bound(
+            st.radio,
+            "Capture",
+            "capture_mode",
+            CAPTURE_MODES_BY_VALUE[run.sequential],
+            options=list(CAPTURE_MODES),
+            help="Layer by layer loads one block at a time (for models larger than memory); same activations.",
+        )
+        run.sequential = CAPTURE_MODES[mode]
+    with c4:
+        ws.view["memory_budget"] = ui.bound(
+            st.text_input,
+            "Memory budget (e.g. 8GB; empty: half of the free memory)",
+            "memory_budget",
+            ws.view.get("memory_budget", ""),
+        )
+        run.max_memory = None
+        if ws.view["memory_budget"].strip():
+            with ui.guard("Reading the memory budget"):
+                run.max_memory = parse_bytes(ws.view["memory_budget"])
 
 st.page_link("pages/run.py", label="Next: Run", icon=":material/play_arrow:")
