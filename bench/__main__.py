@@ -29,7 +29,9 @@ MODULES = [
     "bench_minilm",
     "bench_scaling",
     "bench_capture",
+    "bench_sequential",
     "bench_app",
+    "bench_sweep",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab.lab_json import json_safe
+from lab.json_values import json_safe
 from lab.pipeline import Analysis, TensorAnalysis
 from lab.results import export_selection
 from lab.vocab import KV_TENSORS, LAYER_TENSORS

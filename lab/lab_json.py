@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.model_facts import ModelFacts, same_weights
 from lab.pipeline import Analysis, TensorAnalysis
 from lab.results import Choices, check_metric, export_selection, rank
@@ -36,46 +36,6 @@ from observers.suite import SuiteResult
 FORMAT_NAME = "observer-lab-qparams"
 FORMAT_VERSION = 1
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "observer_lab.schema.json"
-NONFINITE = {math.inf: "inf", -math.inf: "-inf"}
-
-
-# ---------------------------------------------------------------- JSON values
-
-
-def _finite_or_string(value: Any) -> Any:
-    """JSON has no inf/NaN: non-finite floats become the strings "inf", "-inf", "nan"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else NONFINITE[value]
-    return value
-
-
-def _float_from_json(value: Any) -> Any:
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        return float(value)
-    return value
-
-
-def json_safe(value: Any) -> Any:
-    """Knob values and metrics as JSON values (tuples become lists, non-finite floats strings)."""
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return json_safe(value.tolist())
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return _finite_or_string(value)
-    return str(value)
-
-
-def _metrics_to_json(metrics: Mapping[str, float | None]) -> dict[str, Any]:
-    return {k: _finite_or_string(None if v is None else float(v)) for k, v in metrics.items()}
-
-
-def _metrics_from_json(metrics: Mapping[str, Any]) -> dict[str, float | None]:
-    return {k: _float_from_json(v) for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------- writing
@@ -85,7 +45,7 @@ def _observer_record(result: SuiteResult) -> dict[str, Any]:
     return {
         "observer": result.name,
         "knobs": json_safe(result.knobs),
-        "metrics": _metrics_to_json(result.metrics),
+        "metrics": metrics_to_json(result.metrics),
         "seconds": float(result.seconds),
     }
 
@@ -102,6 +62,11 @@ def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str
         "runner_up": _observer_record(others[0]) if others else None,
         "qparams": chosen.qparams.to_dict(),
     }
+
+
+def uncalibrated_record(entry: TensorAnalysis) -> dict[str, Any]:
+    """How a file records a tensor that saw no calibration tokens: named, with no qparams."""
+    return {"layer": entry.layer, "tensor": entry.tensor, "num_observed_tokens": 0}
 
 
 def build_document(
@@ -127,7 +92,7 @@ def build_document(
         "metric": metric,
         "config": json_safe(analysis.config.to_dict()),
         "entries": [_entry_record(entry, observer, metric) for entry, observer in selected],
-        "uncalibrated": [{"layer": e.layer, "tensor": e.tensor, "num_observed_tokens": 0} for e in missing],
+        "uncalibrated": [uncalibrated_record(e) for e in missing],
     }
     problems = schema_problems(document)
     if problems:
@@ -257,7 +222,7 @@ def _restore_entry(index: int, raw: dict[str, Any], problems: list[str]) -> LabE
         observer=observer,
         knobs=dict(raw["chosen"]["knobs"]),
         qparams=qparams,
-        metrics=_metrics_from_json(raw["chosen"]["metrics"]),
+        metrics=metrics_from_json(raw["chosen"]["metrics"]),
         runner_up=raw["runner_up"],
     )
 

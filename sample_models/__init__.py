@@ -6,6 +6,7 @@ calibration activations and KV states, and measure a layer's output error under 
     m.layers("*.intermediate.dense")
     w = m.weight("encoder.layer.0.intermediate.dense")
     acts = m.capture(["encoder.layer.0.intermediate.dense"])
+    acts = m.capture([...], sequential=True)      # one block of weights in memory at a time
 """
 
 from .calibration import CaptureSubsampledWarning, builtin_texts
@@ -16,11 +17,13 @@ from .errors import (
     HubUnreachableError,
     LayerNotFoundError,
     ModelSourceError,
+    SequentialUnsupportedError,
 )
 from .kv import split_heads
 from .layer_error import layer_output_error
 from .layers import LayerInfo, filter_layers
-from .model import DEFAULT_MAX_BYTES, Model
+from .model import DEFAULT_MAX_BYTES, Model, SequentialFallbackWarning
+from .sequential import SequentialStats
 from .sources import BUILTIN_NAMES, DEFAULT_MAX_FILE_BYTES, open_model, resolve_device, resolve_dtype
 
 __all__ = [
@@ -36,6 +39,9 @@ __all__ = [
     "LayerNotFoundError",
     "Model",
     "ModelSourceError",
+    "SequentialFallbackWarning",
+    "SequentialStats",
+    "SequentialUnsupportedError",
     "builtin_texts",
     "filter_layers",
     "layer_output_error",

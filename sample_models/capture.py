@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .calibration import Batch
 from .layers import LayerRef
+from .sequential import SequentialRunner
 
 
 class Activations(dict):
@@ -227,23 +228,61 @@ def capture_activations(
     model: nn.Module, refs: dict[str, LayerRef], batches: list[Batch], outputs: bool, kept_fraction: float
 ) -> Activations:
     """Run ``batches`` through ``model`` and return the hooked layers' activations."""
-    kept = int(sum(int(batch.keep.sum()) for batch in batches))
-    recorder = _Recorder(outputs, kept)
+    recorder = _Recorder(outputs, _kept(batches))
     with hooks_installed(recorder, refs), torch.no_grad():
         for batch in batches:
             recorder.start(batch)
             model(**forward_kwargs(model, batch))
+    return _activations(recorder, refs, batches, kept_fraction, _device_of(model))
+
+
+def capture_sequential(
+    runner: SequentialRunner, refs: dict[str, LayerRef], batches: list[Batch], outputs: bool, kept_fraction: float
+) -> Activations:
+    """The same activations as ``capture_activations``, one block in memory at a time: the hooks of
+    the layers inside a block are installed while that block runs its batches, those of the layers
+    before the blocks (embeddings) during the recording pass, and those after the blocks (head,
+    pooler) during a last pass that runs only when one of them is asked for."""
+    recorder = _Recorder(outputs, _kept(batches))
+    outer = {name: ref for name, ref in refs.items() if runner.block_of(name) is None}
+    with hooks_installed(recorder, outer):
+        runner.head(forward_kwargs, recorder.start)
+    for index in runner.blocks():
+        inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
+        with hooks_installed(recorder, inside):
+            for batch_index, batch in enumerate(batches):
+                recorder.start(batch)
+                runner.run(index, batch_index)
+    after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
+    if after:
+        with hooks_installed(recorder, after):
+            runner.tail(forward_kwargs, recorder.start)
+    return _activations(recorder, refs, batches, kept_fraction, runner.device)
+
+
+def _kept(batches: list[Batch]) -> int:
+    return int(sum(int(batch.keep.sum()) for batch in batches))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _activations(
+    recorder: _Recorder, refs: dict[str, LayerRef], batches: list[Batch], kept_fraction: float, device: torch.device
+) -> Activations:
     tokens = int(sum(int(batch.valid.sum()) for batch in batches))
-    inputs = {name: _or_empty(recorder.result(name, "input"), ref, "input") for name, ref in refs.items()}
-    outs = {name: _or_empty(recorder.result(name, "output"), ref, "output") for name, ref in refs.items()}
+    inputs = {name: _or_empty(recorder.result(name, "input"), ref, "input", device) for name, ref in refs.items()}
+    outs = {name: _or_empty(recorder.result(name, "output"), ref, "output", device) for name, ref in refs.items()}
     counts = {name: recorder.counts.get(name, 0) for name in refs}
-    return Activations(inputs, outs if outputs else {}, counts, tokens, kept_fraction)
+    return Activations(inputs, outs if recorder.want_outputs else {}, counts, tokens, kept_fraction)
 
 
-def _or_empty(rows: torch.Tensor | None, ref: LayerRef, side: str) -> torch.Tensor:
-    """A layer that never ran gives an empty (0, features) tensor."""
+def _or_empty(rows: torch.Tensor | None, ref: LayerRef, side: str, device: torch.device) -> torch.Tensor:
+    """A layer that never ran gives an empty (0, features) tensor. Built from the weight's shape only,
+    because in a sequential run the weight is back on the meta device by now."""
     if rows is not None:
         return rows
     weight = ref.weight()
     features = weight.shape[1] if side == "input" else weight.shape[0]
-    return weight.new_empty((0, features))
+    return torch.empty((0, features), dtype=weight.dtype, device=device)

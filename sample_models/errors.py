@@ -25,3 +25,8 @@ class LayerNotFoundError(ValueError):
 class ActivationsUnavailableError(ValueError):
     """Activations were asked of a source that has weights only (a bare weights file, an architecture
     transformers does not know, no usable tokenizer); the message is the model's ``weights_only_reason``."""
+
+
+class SequentialUnsupportedError(ValueError):
+    """Sequential (block-by-block) calibration cannot run on this model: its blocks cannot be found,
+    or its checkpoint names tensors differently from the modules that would hold them."""

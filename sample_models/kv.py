@@ -16,10 +16,11 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from .calibration import Batch
 from .capture import forward_kwargs
+from .sequential import SequentialRunner
 
 DECODER_KV = ("k_proj", "v_proj")
 ENCODER_KV = ("key", "value")
@@ -89,21 +90,69 @@ def capture_kv_states(
     no cache; their key/value projection outputs are hooked and split into heads.
     """
     sink: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: {"k": [], "v": []})
-    cached = {name: block for name, block in blocks.items() if attention_kind(block) == "cache"}
-    projected = {name: block for name, block in blocks.items() if name not in cached}
+    cached, projected = _split_by_kind(blocks)
     current: list[Batch] = []
     with _projection_hooks(projected, sink, current, head_dim_of(config)), torch.no_grad():
         for batch in batches:
             current[:] = [batch]
-            kwargs = forward_kwargs(model, batch)
-            if cached:
-                cache = DynamicCache(config=config)
-                kwargs.update(past_key_values=cache, use_cache=True)
+            kwargs = kv_forward_kwargs(model, batch, bool(cached))
             model(**kwargs)
-            for name, block in cached.items():
-                layer = cache.layers[block.layer_idx]
-                sink[name]["k"].append(layer.keys.transpose(1, 2)[batch.keep])
-                sink[name]["v"].append(layer.values.transpose(1, 2)[batch.keep])
+            _read_cache(sink, cached, kwargs.get("past_key_values"), batch)
+    return _result(sink, blocks)
+
+
+def capture_kv_sequential(
+    runner: SequentialRunner, config, blocks: dict[str, nn.Module], batches: list[Batch]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The same states as ``capture_kv_states``, one block in memory at a time. Every block call
+    gets a fresh cache, read right after it when the block holds a requested attention module, so
+    caches never accumulate the keys of every layer."""
+    sink: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: {"k": [], "v": []})
+    cached, projected = _split_by_kind(blocks)
+    current: list[Batch] = []
+    runner.head(lambda model, batch: kv_forward_kwargs(model, batch, bool(cached)), lambda batch: None)
+    for index in runner.blocks():
+        cached_here = {name: block for name, block in cached.items() if runner.block_of(name) == index}
+        projected_here = {name: block for name, block in projected.items() if runner.block_of(name) == index}
+        with _projection_hooks(projected_here, sink, current, head_dim_of(config)):
+            for batch_index, batch in enumerate(batches):
+                current[:] = [batch]
+                has_cache = isinstance(runner.recorded_kwargs(index, batch_index).get("past_key_values"), Cache)
+                overrides = {"past_key_values": _full_cache()} if has_cache else {}
+                runner.run(index, batch_index, **overrides)
+                _read_cache(sink, cached_here, overrides.get("past_key_values"), batch)
+    return _result(sink, blocks)
+
+
+def kv_forward_kwargs(model: nn.Module, batch: Batch, cached: bool) -> dict:
+    """Forward arguments of a KV capture: a fresh cache when decoder blocks are read from it."""
+    kwargs = forward_kwargs(model, batch)
+    if cached:
+        kwargs.update(past_key_values=_full_cache(), use_cache=True)
+    return kwargs
+
+
+def _full_cache() -> DynamicCache:
+    """A cache that keeps every token of every layer. Built without the config on purpose: with it,
+    sliding-window layers (Mistral, Qwen2) keep only their last window, and the statistics must
+    cover all calibration tokens."""
+    return DynamicCache()
+
+
+def _split_by_kind(blocks: dict[str, nn.Module]) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """(blocks read from the KV cache, blocks read from their key/value projections)."""
+    cached = {name: block for name, block in blocks.items() if attention_kind(block) == "cache"}
+    return cached, {name: block for name, block in blocks.items() if name not in cached}
+
+
+def _read_cache(sink: dict, cached: dict[str, nn.Module], cache: Cache | None, batch: Batch) -> None:
+    for name, block in cached.items():
+        layer = cache.layers[block.layer_idx]
+        sink[name]["k"].append(layer.keys.transpose(1, 2)[batch.keep])
+        sink[name]["v"].append(layer.values.transpose(1, 2)[batch.keep])
+
+
+def _result(sink: dict, blocks: dict[str, nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
     return {name: {which: _heads_first(sink[name][which]) for which in "kv"} for name in blocks}
 
 

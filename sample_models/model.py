@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+import warnings
 from collections.abc import Callable
 from functools import cached_property
 from typing import Generic, TypeVar
@@ -18,11 +19,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from .calibration import check_knobs, make_batches, plan_batches, token_windows
-from .capture import Activations, capture_activations
-from .errors import ActivationsUnavailableError, LayerNotFoundError
-from .kv import attention_blocks, attention_kind, capture_kv_states, head_dim_of, split_heads
+from .calibration import Batch, check_knobs, make_batches, plan_batches, token_windows
+from .capture import Activations, capture_activations, capture_sequential
+from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
+from .kv import attention_blocks, attention_kind, capture_kv_sequential, capture_kv_states, head_dim_of, split_heads
 from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer
+from .sequential import Progress, SequentialModel, SequentialRunner, SequentialStats, default_max_memory
 from .stores import WeightStore
 
 T = TypeVar("T")
@@ -30,6 +32,11 @@ DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_BATCH_SIZE = 8
 QUERY_NAMES = ("q_proj", "query")
 KV_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
+class SequentialFallbackWarning(UserWarning):
+    """An automatic capture would have gone block by block, but the model cannot (see the message),
+    so the whole model was loaded instead."""
 
 
 class Lazy(Generic[T]):
@@ -40,6 +47,11 @@ class Lazy(Generic[T]):
         self._value: T | None = None
         self._lock = threading.Lock()
 
+    @property
+    def ready(self) -> bool:
+        """True once the value is built (it is never built by asking)."""
+        return self._value is not None
+
     def get(self) -> T:
         if self._value is None:
             with self._lock:
@@ -49,13 +61,20 @@ class Lazy(Generic[T]):
 
 
 class Runtime:
-    """What activations need: the executable module and its tokenizer, both lazy."""
+    """What activations need: the executable module and its tokenizer, both lazy, and how to build
+    the module's skeleton (parameters on the meta device), which answers structural questions and
+    runs sequential calibration without loading the weights."""
 
     def __init__(
-        self, build_module: Callable[[], nn.Module], build_tokenizer: Callable[[], PreTrainedTokenizerBase]
+        self,
+        build_module: Callable[[], nn.Module],
+        build_tokenizer: Callable[[], PreTrainedTokenizerBase],
+        build_skeleton: Callable[[], nn.Module],
     ) -> None:
         self.module = Lazy(build_module)
         self.tokenizer = Lazy(build_tokenizer)
+        self.build_skeleton = build_skeleton
+        self.structure = Lazy(build_skeleton)
 
 
 class Model:
@@ -73,6 +92,7 @@ class Model:
         weights_only_reason: None when activations can be captured, else the sentence that says why
             not (naming the file or directory) for the UI to show; captures raise it as
             ActivationsUnavailableError.
+        last_sequential: what the last sequential capture held in memory (SequentialStats), or None.
     """
 
     def __init__(
@@ -100,6 +120,8 @@ class Model:
         self._store = store
         self._runtime = runtime
         self._capture_lock = threading.RLock()
+        self._sequential = Lazy(self._sequential_model)
+        self.last_sequential: SequentialStats | None = None
 
     def __repr__(self) -> str:
         return f"Model({self.name!r}, device={self.device}, dtype={self.dtype})"
@@ -152,6 +174,10 @@ class Model:
         outputs: bool = False,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        sequential: bool | None = None,
+        max_memory: int | None = None,
+        progress: Progress | None = None,
     ) -> Activations:
         """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
         as ``{name: (tokens, features)}`` without padding tokens.
@@ -161,21 +187,31 @@ class Model:
         ``max_bytes`` a random subset of tokens is kept and a CaptureSubsampledWarning is issued
         (``result.kept_fraction`` records it). ``result.token_counts`` gives the real tokens each
         layer saw: 0 for an expert the router never chose.
+
+        ``sequential=True`` loads one block of weights at a time (see ``sequential.py``);
+        ``None`` does so when the weights exceed ``max_memory`` bytes (default: half the free
+        memory of the device) and the whole model is not loaded already. The result is the same
+        either way. ``progress(done, total, block)`` is called after each block of a sequential run.
         """
         names = [names] if isinstance(names, str) else list(names)
         if not names:
             raise ValueError("choose at least one layer to capture")
         with self._capture_lock:
-            module = self.module()
+            budget = self._sequential_budget(sequential, max_memory)
+            module = self.module() if budget is None else self._sequential.get().module
             refs = {name: self._layer_ref(module, name) for name in names}
             widths = [io_widths(ref.info(name)) for name, ref in refs.items()]
             per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
             batches, fraction = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
-            return capture_activations(module, refs, batches, outputs, fraction)
+            if budget is None:
+                return capture_activations(module, refs, batches, outputs, fraction)
+            with self._runner(batches, budget, progress) as runner:
+                return capture_sequential(runner, refs, batches, outputs, fraction)
 
     def attention_blocks(self) -> list[str]:
-        """Names of attention blocks ``capture_kv`` accepts (e.g. ``model.layers.0.self_attn``)."""
-        return attention_blocks(self.module())
+        """Names of attention blocks ``capture_kv`` accepts (e.g. ``model.layers.0.self_attn``).
+        Read from the skeleton, so listing them never loads the weights."""
+        return attention_blocks(self._structure())
 
     def capture_kv(
         self,
@@ -185,25 +221,33 @@ class Model:
         seq_len: int = 128,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        sequential: bool | None = None,
+        max_memory: int | None = None,
+        progress: Progress | None = None,
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Key and value states of attention blocks, per head:
         ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``. Keys are taken as the KV
         cache holds them (after RoPE), with ``num_key_value_heads`` heads under grouped-query
-        attention. Same calibration knobs as ``capture``."""
+        attention. Same calibration and memory knobs as ``capture``."""
         blocks = [blocks] if isinstance(blocks, str) else list(blocks)
         if not blocks:
             raise ValueError("choose at least one attention block")
         with self._capture_lock:
-            module = self.module()
+            budget = self._sequential_budget(sequential, max_memory)
+            module = self.module() if budget is None else self._sequential.get().module
             found = {name: self._attention_block(module, name) for name in blocks}
             per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
             batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
-            return capture_kv_states(module, self.config, found, batches)
+            if budget is None:
+                return capture_kv_states(module, self.config, found, batches)
+            with self._runner(batches, budget, progress) as runner:
+                return capture_kv_sequential(runner, self.config, found, batches)
 
     def kv_shape(self, block: str) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of an attention block's keys and values (``kv_heads`` <
         query heads under grouped-query attention): the shape per-head KV scales must fit."""
-        found = self._attention_block(self.module(), block)
+        found = self._attention_block(self._structure(), block)
         head_dim = head_dim_of(self.config)
         return _kv_width(found) // head_dim, head_dim
 
@@ -220,6 +264,49 @@ class Model:
         tokenizer = self.tokenizer()
         windows = token_windows(tokenizer, texts, samples, seq_len)
         return plan_batches(make_batches(tokenizer, windows, batch_size, self.device), per_token, max_bytes)
+
+    def _structure(self) -> nn.Module:
+        """The model's skeleton: module names and shapes without weights. Never run or loaded."""
+        return self._require_runtime().structure.get()
+
+    def _sequential_model(self) -> SequentialModel:
+        runtime = self._require_runtime()
+        return SequentialModel(runtime.build_skeleton(), self._store, self.source, self.config.num_hidden_layers)
+
+    def _sequential_budget(self, sequential: bool | None, max_memory: int | None) -> int | None:
+        """The weights budget of a sequential capture, or None for a whole-model one. Automatic
+        (``sequential=None``) goes sequential only when the weights exceed the budget and the whole
+        model is not loaded already; a model it cannot run block by block is then captured whole,
+        with a SequentialFallbackWarning that says why."""
+        runtime = self._require_runtime()
+        if max_memory is not None and (not isinstance(max_memory, int) or max_memory < 1):
+            raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
+        if sequential is False:
+            return None
+        budget = default_max_memory(self.device) if max_memory is None else max_memory
+        if sequential is None:
+            if runtime.module.ready or self._store.total_bytes() <= budget:
+                return None
+            try:
+                self._sequential.get()
+            except SequentialUnsupportedError as err:
+                warnings.warn(f"{err}; capturing with the whole model", SequentialFallbackWarning, stacklevel=3)
+                return None
+        return budget
+
+    def _runner(self, batches: list[Batch], budget: int, progress: Progress | None) -> SequentialRunner:
+        hidden_bytes = sum(b.input_ids.numel() for b in batches) * self.config.hidden_size * _element_size(self.dtype)
+        runner = SequentialRunner(
+            self._sequential.get(),
+            self._store,
+            batches,
+            device=self.device,
+            max_memory=budget,
+            hidden_bytes=hidden_bytes,
+            progress=progress,
+        )
+        self.last_sequential = runner.stats
+        return runner
 
     def _require_runtime(self) -> Runtime:
         if self._runtime is None:

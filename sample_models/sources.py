@@ -30,12 +30,20 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from . import builtin
 from .errors import FileTooLargeError, HubUnreachableError, ModelSourceError
 from .model import Model, Runtime
+from .sequential import empty_model, from_config
 from .stores import CheckpointWeights, ModuleWeights, checkpoint_files
 
 DEFAULT_MAX_FILE_BYTES = 8 << 30
@@ -121,11 +129,25 @@ def _open_builtin(name: str, device: str, dtype: torch.dtype) -> Model:
         return open_directory(
             builtin.minilm_dir(), torch_device, dtype, name="minilm", description=builtin.MINILM_DESCRIPTION
         )
-    build, config, description = {
-        "tiny-llama": (builtin.build_tiny_llama, builtin.tiny_llama_config(), builtin.TINY_LLAMA_DESCRIPTION),
-        "tiny-moe": (builtin.build_tiny_moe, builtin.tiny_moe_config(), builtin.TINY_MOE_DESCRIPTION),
+    build, model_class, config, description = {
+        "tiny-llama": (
+            builtin.build_tiny_llama,
+            LlamaForCausalLM,
+            builtin.tiny_llama_config(),
+            builtin.TINY_LLAMA_DESCRIPTION,
+        ),
+        "tiny-moe": (
+            builtin.build_tiny_moe,
+            MixtralForCausalLM,
+            builtin.tiny_moe_config(),
+            builtin.TINY_MOE_DESCRIPTION,
+        ),
     }[name]
-    runtime = Runtime(lambda: build().to(device=torch_device, dtype=dtype), lambda: _tokenizer(builtin.minilm_dir()))
+    runtime = Runtime(
+        lambda: build().to(device=torch_device, dtype=dtype),
+        lambda: _tokenizer(builtin.minilm_dir()),
+        lambda: empty_model(lambda: model_class(config), torch_device, dtype),
+    )
     return Model(
         name=name,
         source=f"built-in model {name!r}",
@@ -151,7 +173,7 @@ def open_directory(
     store = CheckpointWeights(files, dtype=dtype, device=device, module_types=module_types)
     runtime = None
     if model_class is not None:
-        runtime, why = _runtime(path, model_class, files, device, dtype)
+        runtime, why = _runtime(path, model_class, config, files, device, dtype)
     kind = "weights only" if runtime is None else f"{type(config).__name__.removesuffix('Config')} model"
     return Model(
         name=name or path.name,
@@ -322,7 +344,12 @@ def _load_module(
 
 
 def _runtime(
-    path: Path, model_class: type[nn.Module], files: list[Path], device: torch.device, dtype: torch.dtype
+    path: Path,
+    model_class: type[nn.Module],
+    config: PretrainedConfig,
+    files: list[Path],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[Runtime | None, str | None]:
     """What activations need, or why there is none. The tokenizer is loaded when the model is
     opened rather than at the first capture, so that a checkpoint without one opens weights-only
@@ -333,7 +360,12 @@ def _runtime(
         tokenizer = _tokenizer(path)
     except Exception as err:  # transformers, sentencepiece, protobuf and the Rust tokenizers each raise their own
         return None, f"no usable tokenizer in {path} ({type(err).__name__}: {_first_line(err)}): {WEIGHTS_ONLY}"
-    return Runtime(lambda: _load_module(model_class, path, files, device, dtype), lambda: tokenizer), None
+    runtime = Runtime(
+        lambda: _load_module(model_class, path, files, device, dtype),
+        lambda: tokenizer,
+        lambda: empty_model(from_config(model_class, config, dtype), device),
+    )
+    return runtime, None
 
 
 def _tokenizer(path: Path) -> PreTrainedTokenizerBase:

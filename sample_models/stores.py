@@ -31,13 +31,21 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 class WeightStore(Protocol):
-    """What a model source provides for weights."""
+    """What a model source provides for weights: layers and their weights for the analysis, and
+    every stored tensor by its state-dict key for sequential calibration, which loads a model one
+    block at a time."""
 
     def infos(self) -> list[LayerInfo]: ...
 
     def weight(self, name: str) -> torch.Tensor: ...
 
     def bias(self, name: str) -> torch.Tensor | None: ...
+
+    def tensor_keys(self) -> set[str]: ...
+
+    def tensor(self, key: str) -> torch.Tensor: ...
+
+    def total_bytes(self) -> int: ...
 
 
 class ModuleWeights:
@@ -71,6 +79,21 @@ class ModuleWeights:
     def bias(self, name: str) -> torch.Tensor | None:
         bias = self._ref(name).bias()
         return None if bias is None else bias.detach().clone()
+
+    @cached_property
+    def _state(self) -> dict[str, torch.Tensor]:
+        module = self._get_module()
+        return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+
+    def tensor_keys(self) -> set[str]:
+        return set(self._state)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A copy, as a checkpoint read would give: whoever loads it may free or change it."""
+        return self._state[key].detach().clone()
+
+    def total_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._get_module().parameters())
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,18 @@ class CheckpointWeights:
     def bias(self, name: str) -> torch.Tensor | None:
         self._check(name)
         return self._read(f"{name}.bias") if f"{name}.bias" in self._entries else None
+
+    def tensor_keys(self) -> set[str]:
+        return set(self._entries)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """One stored tensor by its state-dict key, in the model dtype on the model device."""
+        return self._read(key)
+
+    def total_bytes(self) -> int:
+        """Bytes of every stored tensor once read in the model dtype: what loading it all would take."""
+        size = torch.empty((), dtype=self._dtype).element_size()
+        return size * sum(_numel(entry.shape) for entry in self._entries.values())
 
     def _read(self, key: str) -> torch.Tensor:
         entry = self._entries[key]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import save_checkpoint, tiny_llama
 from streamlit.testing.v1 import AppTest
 
@@ -264,3 +265,28 @@ def test_upload_errors_name_the_uploaded_file():
     at.run()
     assert not at.exception
     assert any("my-weights.safetensors" in e.value for e in at.error), [e.value for e in at.error]
+
+
+def test_layer_by_layer_capture_from_the_model_page_gives_the_same_qparams():
+    """Issue 14 in the app: "Capture: layer by layer" with a memory budget runs and gives the
+    scales of the whole-model capture."""
+    scales = {}
+    for mode in ("whole model", "layer by layer"):
+        at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+        _page(at, "model")
+        at.radio(key="w:source_kind").set_value("tiny-llama").run()
+        at.multiselect(key="w:layers").set_value(["model.layers.1.mlp.down_proj"])
+        at.number_input(key="w:samples").set_value(4)
+        at.number_input(key="w:seq_len").set_value(16)
+        at.radio(key="w:capture_mode").set_value(mode)
+        at.text_input(key="w:memory_budget").input("200MB").run()
+        _ok(at)
+        _page(at, "run")
+        at.multiselect(key="w:observers").set_value(["minmax"]).run()
+        _run(at)
+        entry = _ws(at).analysis.entry("model.layers.1.mlp.down_proj", "input")
+        scales[mode] = entry.result("minmax").qparams.scale
+        stats = ui.open_shared_model("tiny-llama", "auto", "fp32").last_sequential
+        if mode == "layer by layer":
+            assert stats is not None and stats.peak_weight_bytes <= 200_000_000
+    assert torch.equal(scales["whole model"], scales["layer by layer"])

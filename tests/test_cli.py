@@ -164,3 +164,33 @@ def test_python_m_bad_input_has_no_traceback():
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
     assert "unknown dtype 'int9'" in done.stderr
+
+
+def _entries_without_timings(path) -> list:
+    document = json.loads(Path(path).read_text())
+    for entry in document["entries"]:
+        for record in (entry["chosen"], entry["runner_up"]):
+            if record is not None:
+                record.pop("seconds")
+    return document["entries"]
+
+
+def test_sequential_capture_gives_the_whole_model_file(tmp_path):
+    """Issue 14: layer-by-layer calibration is chosen with --sequential (or forced off with
+    --whole-model) and the qparams are the same."""
+    argv = ["run", "tiny-llama", "--layers", "re:model.layers.1.*proj", "--format", "int8", "--kinds", "weight,input"]
+    argv += ["--observers", "minmax,percentile", "--samples", "4", "--seq-len", "16", "--quiet"]
+    assert _main([*argv, "--whole-model", "--out", str(tmp_path / "whole.json")])[0] == 0
+    code, _, err = _main([*argv, "--sequential", "--max-memory", "200MB", "--out", str(tmp_path / "seq.json")])
+    assert code == 0, err
+    assert _entries_without_timings(tmp_path / "seq.json") == _entries_without_timings(tmp_path / "whole.json")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [(["--max-memory", "lots"], "memory size 'lots'"), (["--sequential", "--max-memory", "1MB"], "is smaller than")],
+)
+def test_bad_memory_budget_is_one_line(tmp_path, extra, needle):
+    argv = ["run", "tiny-llama", "--layers", "*q_proj", "--format", "int8", "--kinds", "weight,input", "--quiet"]
+    code, _, err = _main([*argv, *extra, "--samples", "2", "--seq-len", "8", "--out", str(tmp_path / "x.json")])
+    assert code == 2 and err.count("\n") == 1 and needle in err

@@ -1,0 +1,101 @@
+"""Whole-model sweeps (``lab.sweep``): what streaming every layer costs, and what a second rank buys.
+
+Throughput: every Linear weight of all-MiniLM-L6-v2 (37 tensors, 10.8M parameters; the first 6
+with ``--quick``) swept as ``python -m observers run minilm --layers all --kinds weight --format
+int4 --strategy group --group-size 128`` does it (one layer per chunk, records built and fsynced
+per layer, the final file assembled), once per observer that takes int4 g128 weights; the
+agreement column gives weight elements per second. One timed run each, after the observer ran
+once on one layer: a sweep is seconds to minutes, and the figure is a whole-model wall time.
+
+Ranks: the tiny-llama sweep of ``tests/test_distributed.py`` (weights and inputs, minmax and
+percentile) through ``torchrun --nproc-per-node 1`` and ``2``, wall time including the launcher
+and each rank's start (after one untimed start), on one core budget: each rank gets the torch
+threads of this process divided by the ranks (torchrun would give 1 rank all threads, 2 ranks one
+each). The two files must hold bit-identical qparams. On CPU (gloo) unless the machine has two GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import observers as ob
+from bench.common import SETTINGS, case, median_seconds
+from lab.pipeline import RunConfig
+from lab.sweep import Plan, run_sweep
+from sample_models import open_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = ob.QuantSpec("int4", strategy="group", group_size=128)
+WEIGHT_OBSERVERS = ("minmax", "memoryless_minmax", "moving_average_minmax", "mse_grid", "mse_grid_moving_average")
+TINY_LLAMA = ["run", "tiny-llama", "--layers", "all", "--format", "int8", "--observers", "minmax,percentile"]
+TINY_LLAMA += ["--kinds", "weight,input", "--samples", "2", "--seq-len", "16", "--quiet"]
+
+
+def _weight_rows(device: str, folder: Path) -> list[dict]:
+    model = open_model("minilm", device=device)
+    names = [info.name for info in model.layers() if info.type == "Linear"]
+    names = names[:6] if SETTINGS.quick else names
+    elements = sum(math.prod(model.layer(name).shape) for name in names)
+    rows = []
+    for observer in WEIGHT_OBSERVERS:
+        plan = Plan(model, tuple(names), RunConfig(specs={"weight": GROUP}, observers=(observer,)))
+        out = folder / f"{observer}.json"
+        ob.run_one(observer, model.weight(names[0]), GROUP, "weight")  # one-off set-up costs are not the sweep's
+        seconds = median_seconds(lambda plan=plan, out=out: run_sweep(plan, out), device, repeats=1, warmup=0)
+        label = f"sweep MiniLM {len(names)} Linear weights ({elements / 1e6:.1f}M): {observer} int4 g128"
+        rows.append(case(label, seconds, agreement=f"{elements / seconds / 1e6:.2f}M elements/s"))
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(ranks: int, device: str, out: Path) -> float:
+    """Wall time of the tiny-llama sweep under torchrun with ``ranks`` processes."""
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks)]
+    command += ["--master-port", str(_free_port()), "-m", "observers", *TINY_LLAMA, "--device", device]
+    threads = str(max(1, torch.get_num_threads() // ranks))  # one core budget for both: ranks x threads
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    start = time.perf_counter()
+    subprocess.run([*command, "--out", str(out)], cwd=ROOT, env=env, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def _qparams(path: Path) -> list[dict]:
+    return [entry["qparams"] for entry in json.loads(path.read_text())["entries"]]
+
+
+def _rank_rows(device: str, folder: Path) -> list[dict]:
+    device = device if device == "cuda" and torch.cuda.device_count() >= 2 else "cpu"
+    repeats = 1 if SETTINGS.quick else 3
+    _torchrun(1, device, folder / "warm-up.json")  # a cold first start (imports from disk) would skew 1 rank
+    times = {n: sorted(_torchrun(n, device, folder / f"ranks{n}_{i}.json") for i in range(repeats)) for n in (1, 2)}
+    one, two = (times[n][len(times[n]) // 2] for n in (1, 2))
+    same = _qparams(folder / "ranks1_0.json") == _qparams(folder / "ranks2_0.json")
+    label = f"sweep tiny-llama weights+inputs minmax,percentile on {device}"
+    return [
+        case(f"{label}: torchrun 1 rank", one, agreement="median wall time, launcher included"),
+        case(
+            f"{label}: torchrun 2 ranks",
+            two,
+            agreement=f"{one / two:.2f}x vs 1 rank; qparams {'identical' if same else 'DIFFER'}",
+        ),
+    ]
+
+
+def cases(device: str = "cpu") -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        return [*_weight_rows(device, Path(folder)), *_rank_rows(device, Path(folder))]

@@ -1,0 +1,199 @@
+"""The command line of ``python -m observers``: its parser, and the one translation of ``run``'s
+flags into ``lab.settings.RunSettings`` (the same settings object the app's Run page fills), so
+the CLI and the app cannot drift apart. ``lab.cli`` runs the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import observers as ob
+from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
+from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS
+
+ALL_LAYERS = "all"
+
+
+class CliError(ValueError):
+    """Bad command-line input, reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise CliError(f"{self.prog}: {message}")
+
+
+def split_csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m observers", description="Observer Lab: compare quantization observers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_parser("list", help="observers (with knobs), element formats and presets")
+    layers = commands.add_parser("layers", help="list a model's layers")
+    layers.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
+    layers.add_argument("--filter", default=None, help="glob over layer names, or a regex after 're:'")
+    layers.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    run = commands.add_parser("run", help="run observers on layers and export the chosen qparams")
+    run.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
+    run.add_argument(
+        "--layers",
+        required=True,
+        help="comma-separated layer names or patterns (glob, or 're:regex'), or 'all': every layer with a weight "
+        "matrix, streamed (a sweep)",
+    )
+    scheme = run.add_mutually_exclusive_group(required=True)
+    scheme.add_argument("--format", dest="dtype", help="element format, e.g. int4, int8, fp8_e4m3 (see 'list')")
+    scheme.add_argument("--preset", help=f"compressed-tensors preset: {', '.join(ob.PRESET_NAMES)}")
+    run.add_argument("--strategy", help="tensor, channel, group, token or block")
+    run.add_argument("--group-size", type=int, help="columns per group for --strategy group")
+    run.add_argument("--block-size", help="ROWSxCOLS for --strategy block, e.g. 128x128")
+    sym = run.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
+    run.add_argument("--observers", help="comma-separated observer names (default: all)")
+    run.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="OBSERVER.KNOB=VALUE",
+        help="set an observer knob, e.g. percentile.percentile=99.9 (repeatable; see 'list')",
+    )
+    run.add_argument("--actorder", action="store_true", help="group weight columns by input importance (GPTQ actorder)")
+    run.add_argument("--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)")
+    run.add_argument(
+        "--kv-cache", dest="kv_dtype", help="also analyse key/value states of attention blocks in this format"
+    )
+    run.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
+    run.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
+    run.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    memory = run.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--sequential",
+        dest="sequential",
+        action="store_const",
+        const=True,
+        default=None,
+        help="capture activations layer by layer (one block in memory at a time) even when the model fits",
+    )
+    memory.add_argument(
+        "--whole-model", dest="sequential", action="store_const", const=False, help="never capture layer by layer"
+    )
+    run.add_argument(
+        "--max-memory",
+        help="memory budget, e.g. 8GB or 150MiB: larger models are captured layer by layer "
+        "(default: half of the free RAM, or of the free GPU memory on cuda)",
+    )
+    run.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="calibration samples")
+    run.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
+    run.add_argument("--choose-by", default=DEFAULT_METRIC, help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
+    run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
+    run.add_argument("--report", help="HTML report to write")
+    run.add_argument(
+        "--allow-uncalibrated",
+        action="store_true",
+        help="export even when some activation tensors saw no calibration tokens (recorded as uncalibrated)",
+    )
+    run.add_argument("--compressed-tensors", dest="ct_dir", help="directory for the compressed-tensors export")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--chunk",
+        type=int,
+        help="sweep: analyse this many layers at a time, writing each chunk to OUT.partial.jsonl as it finishes "
+        "(default with --layers all: 1, or 8 when activations are captured, one calibration pass per chunk)",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="sweep: go on from OUT.partial.jsonl of an interrupted sweep with the same settings, skipping its layers",
+    )
+    return parser
+
+
+def _editor_changes(editor: SpecSettings, args: argparse.Namespace) -> None:
+    """Apply ``--strategy``, ``--group-size``, ``--block-size`` and ``--symmetric`` to a spec editor."""
+    if args.strategy is not None:
+        editor.strategy = args.strategy
+    if args.group_size is not None:
+        editor.group_size = args.group_size
+    if args.block_size is not None:
+        try:
+            editor.block_rows, editor.block_cols = (int(v) for v in args.block_size.lower().split("x"))
+        except ValueError:
+            raise CliError(f"--block-size must look like 128x128, got {args.block_size!r}") from None
+    if args.symmetric is not None:
+        editor.symmetric = args.symmetric
+
+
+def _kinds(args: argparse.Namespace, preset_input: bool) -> list[str]:
+    if not args.kinds:
+        return ["weight", "input"] if preset_input else ["weight"]
+    kinds = split_csv(args.kinds)
+    unknown = [k for k in kinds if k not in LAYER_TENSORS]
+    if unknown:
+        raise CliError(f"unknown tensor kind(s) {', '.join(unknown)}; choose from {', '.join(LAYER_TENSORS)}")
+    if args.preset is not None and not preset_input and any(k != "weight" for k in kinds):
+        raise CliError(f"preset {args.preset} does not quantize activations (it keeps them in high precision)")
+    return kinds
+
+
+def _knob_values(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--knob OBSERVER.KNOB=VALUE`` items as ``{observer: {knob: value}}``, each value read as
+    its knob's declared type."""
+    values: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        observer, dot, knob = target.partition(".")
+        if not (sep and dot and observer and knob):
+            raise CliError(f"--knob must look like OBSERVER.KNOB=VALUE, got {item!r}")
+        if observer not in ob.available():
+            raise CliError(f"--knob {item!r}: unknown observer {observer!r}; available: {', '.join(ob.available())}")
+        declared = ob.knob_specs(observer)
+        if knob not in declared:
+            raise CliError(f"--knob {item!r}: {observer} has no knob {knob!r}; it has {', '.join(declared)}")
+        values.setdefault(observer, {})[knob] = parse_knob(declared[knob], f"--knob {target}", text)
+    return values
+
+
+def settings_from_args(args: argparse.Namespace) -> RunSettings:
+    """The ``RunSettings`` of ``run``'s flags: ``--format`` or ``--preset`` fills the editors as the
+    Run page's format box or preset does, the spec flags change them, ``--kinds`` and
+    ``--kv-cache`` say what to analyse."""
+    settings = RunSettings(observers=_observer_names(args.observers), knobs=_knob_values(args.knob))
+    preset_input = False
+    if args.preset is not None:
+        settings.apply_preset(args.preset)
+        preset_input = ob.preset(args.preset)["input"] is not None
+    else:
+        settings.weight = SpecSettings(dtype=args.dtype)
+        settings.act = SpecSettings(dtype=args.dtype)
+    for editor in (settings.weight, settings.act):
+        _editor_changes(editor, args)
+    kinds = _kinds(args, preset_input)
+    settings.wants = {kind: kind in kinds for kind in settings.wants}
+    if args.kv_dtype is not None:
+        settings.kv = SpecSettings(dtype=args.kv_dtype, strategy="channel" if args.kv_per_head else "tensor")
+        settings.wants["kv"] = True
+    elif args.kv_per_head or args.attention:
+        raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
+    settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
+    settings.sequential = args.sequential
+    settings.max_memory = None if args.max_memory is None else parse_bytes(args.max_memory)
+    if args.actorder and not settings.actorder_applies:
+        raise CliError("--actorder needs group-wise integer weights (--strategy group) and input activations")
+    return settings
+
+
+def _observer_names(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(split_csv(text))
+    unknown = [n for n in names if n not in ob.available()]
+    if unknown:
+        raise CliError(f"unknown observer(s) {', '.join(unknown)}; available: {', '.join(ob.available())}")
+    if not names:
+        raise CliError("--observers is empty")
+    return names

@@ -1,0 +1,248 @@
+"""Sequential (block-by-block) calibration: the same activations, KV states, token counts and qparams
+as a whole-model capture on every architecture the app opens; hidden states offloaded to disk;
+bounded weights on a generated checkpoint; and clear errors for what it cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import save_checkpoint, tiny_llama
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import observers as ob
+from bench.bench_sequential import PeakRss
+from sample_models import ModelSourceError, SequentialFallbackWarning, SequentialUnsupportedError, open_model
+from sample_models.builtin import DEAD_EXPERT, VOCAB_SIZE, build_tiny_moe
+from sample_models.sequential import SequentialModel
+from sample_models.stores import ModuleWeights
+from sample_models.synthetic import write_llama_checkpoint
+
+CALIBRATION = {"samples": 6, "seq_len": 48, "batch_size": 4}
+CAPTURED_TYPES = ("Linear", "ExpertLinear", "Embedding")
+SMALL = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+)
+
+
+def _all_layers(model) -> list[str]:
+    return [info.name for info in model.layers() if info.type in CAPTURED_TYPES]
+
+
+def _assert_same_activations(whole, sequential) -> None:
+    assert set(whole) == set(sequential) and set(whole.outputs) == set(sequential.outputs)
+    assert whole.token_counts == sequential.token_counts
+    assert (whole.tokens, whole.kept_fraction) == (sequential.tokens, sequential.kept_fraction)
+    for name in whole:
+        torch.testing.assert_close(sequential[name], whole[name])
+        torch.testing.assert_close(sequential.outputs[name], whole.outputs[name])
+
+
+def _assert_same_kv(whole: dict, sequential: dict) -> None:
+    assert set(whole) == set(sequential)
+    for block, states in whole.items():
+        for which in "kv":
+            torch.testing.assert_close(sequential[block][which], states[which])
+
+
+def _minmax_scale(x: torch.Tensor) -> torch.Tensor:
+    (result,) = ob.run_suite(x.float(), ob.QuantSpec("int8"), ["minmax"], kind="activation")
+    return result.qparams.scale
+
+
+@pytest.mark.parametrize("source", ["minilm", "tiny-llama", "tiny-moe"])
+def test_sequential_capture_equals_whole_model_capture(source):
+    model = open_model(source)
+    names = _all_layers(model)
+    whole = model.capture(names, outputs=True, sequential=False, **CALIBRATION)
+    sequential = model.capture(names, outputs=True, sequential=True, **CALIBRATION)
+    _assert_same_activations(whole, sequential)
+    for name in names[:: max(1, len(names) // 8)]:
+        if whole.token_counts[name]:
+            torch.testing.assert_close(_minmax_scale(sequential[name]), _minmax_scale(whole[name]))
+    stats = model.last_sequential
+    assert stats.blocks == model.config.num_hidden_layers
+    assert 0 < stats.peak_weight_bytes < 2.1 * stats.largest_unit[1]  # last pass: embedding, norm and head
+
+
+@pytest.mark.parametrize("source", ["minilm", "tiny-llama", "tiny-moe"])
+def test_sequential_kv_states_equal_whole_model_kv_states(source):
+    model = open_model(source)
+    blocks = model.attention_blocks()
+    whole = model.capture_kv(blocks, sequential=False, **CALIBRATION)
+    _assert_same_kv(whole, model.capture_kv(blocks, sequential=True, **CALIBRATION))
+
+
+def test_sequential_moe_experts_without_tokens_come_out_empty():
+    moe = open_model("tiny-moe")
+    names = [info.name for info in moe.layers("model.layers.*.mlp.experts.*")]
+    acts = moe.capture(names, outputs=True, sequential=True, **CALIBRATION)
+    for layer in range(2):
+        dead = f"model.layers.{layer}.mlp.experts.{DEAD_EXPERT}.down_proj"
+        assert acts.token_counts[dead] == 0
+        assert acts[dead].shape == (0, 512) and acts.outputs[dead].shape == (0, 256)
+        assert acts[dead].device == moe.device and not acts[dead].is_meta
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        lambda: tiny_llama(layers=3),
+        lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+        lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)),
+    ],
+    ids=["llama", "qwen2-sliding-window-layers", "mistral-sliding-window"],
+)
+def test_sequential_checkpoints_from_disk_equal_whole_model(module, tmp_path):
+    """Sharded checkpoints of Llama-, Qwen2- and Mistral-style decoders; Qwen2's sliding-window
+    layers get a different attention mask than its full-attention layer, so each block must be fed
+    the mask the model gives that block."""
+    model = open_model(save_checkpoint(module().eval(), tmp_path / "ckpt", max_shard_size="200KB"))
+    names = _all_layers(model)
+    whole = model.capture(names, outputs=True, sequential=False, **CALIBRATION)
+    _assert_same_activations(whole, model.capture(names, outputs=True, sequential=True, **CALIBRATION))
+    blocks = model.attention_blocks()
+    whole_kv = model.capture_kv(blocks, sequential=False, **CALIBRATION)
+    _assert_same_kv(whole_kv, model.capture_kv(blocks, sequential=True, **CALIBRATION))
+    assert whole_kv[blocks[-1]]["k"].shape[2] == whole.tokens  # sliding layers keep every token's key
+
+
+def test_hidden_states_offloaded_to_disk_give_the_same_result_and_are_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    model = open_model("tiny-llama")
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"]
+    whole = model.capture(names, outputs=True, sequential=False, **CALIBRATION)
+    largest = model.layers("model.embed_tokens")[0].params * 4
+    offloaded = model.capture(names, outputs=True, sequential=True, max_memory=largest + 1000, **CALIBRATION)
+    assert model.last_sequential.offloaded
+    _assert_same_activations(whole, offloaded)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_is_reported_per_block_and_a_failed_run_leaves_the_skeleton_empty():
+    model = open_model("tiny-llama")
+    seen = []
+    model.capture(["model.layers.1.mlp.up_proj"], sequential=True, progress=lambda *args: seen.append(args))
+    assert seen == [(i + 1, 4, f"model.layers.{i}") for i in range(4)]
+
+    def fail_at_block_two(done, total, label):
+        if done == 2:
+            raise RuntimeError("stop at block 2")
+
+    with pytest.raises(RuntimeError, match="block 2"):
+        model.capture(["model.layers.3.mlp.up_proj"], sequential=True, progress=fail_at_block_two)
+    skeleton = model._sequential.get()
+    assert all(param.is_meta for param in skeleton.module.parameters())
+    assert all(type(block).__name__ == "LlamaDecoderLayer" for block in skeleton.blocks)
+    name = "model.layers.3.mlp.up_proj"
+    torch.testing.assert_close(model.capture([name], sequential=True)[name], model.capture([name])[name])
+
+
+def test_automatic_mode_goes_sequential_only_when_the_weights_exceed_the_budget(tmp_path):
+    directory = save_checkpoint(tiny_llama(layers=3), tmp_path / "ckpt")
+    name = "model.layers.2.self_attn.o_proj"
+    model = open_model(directory)
+    assert model.kv_shape(model.attention_blocks()[0]) == (2, 8)  # read from the skeleton: nothing loaded
+    small = model.capture([name], max_memory=5_000_000)  # weights ~8 MB: sequential
+    assert model.last_sequential is not None and not model._runtime.module.ready
+    model.last_sequential = None
+    whole = model.capture([name], max_memory=1 << 40)  # fits: whole model, loaded once
+    assert model.last_sequential is None and model._runtime.module.ready
+    torch.testing.assert_close(small[name], whole[name])
+    model.capture([name], max_memory=5_000_000)  # already loaded: nothing to save
+    assert model.last_sequential is None
+
+
+def test_a_budget_below_the_largest_block_names_both_sizes():
+    model = open_model("tiny-llama")
+    with pytest.raises(ValueError, match=r"max_memory=1\.0 MiB is smaller than model\.embed_tokens .*\(29\.8 MiB\)"):
+        model.capture(["model.layers.0.mlp.up_proj"], sequential=True, max_memory=1 << 20)
+    with pytest.raises(ValueError, match="max_memory must be a positive"):
+        model.capture_kv(["model.layers.0.self_attn"], max_memory=0)
+
+
+def test_a_model_without_findable_blocks_is_refused_by_name():
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    toy = Toy()
+    with pytest.raises(SequentialUnsupportedError, match="cannot find the decoder blocks of toy: sequential"):
+        SequentialModel(toy, ModuleWeights(lambda: toy, "toy"), "toy", 2)
+    assert issubclass(SequentialUnsupportedError, ValueError)
+
+
+def test_a_checkpoint_transformers_converts_is_refused_or_captured_whole(tmp_path):
+    """Mixtral checkpoints store one tensor per expert, fused by transformers when loading: there is
+    no stored tensor for the fused parameter, so sequential calibration cannot run; automatic mode
+    then captures the whole model with a warning."""
+    model = open_model(save_checkpoint(build_tiny_moe(), tmp_path / "moe"))
+    name = "model.layers.0.mlp.experts.0.up_proj"
+    with pytest.raises(
+        SequentialUnsupportedError, match=r"cannot find tensor 'model\.layers\.0\.mlp\..* sequential=False"
+    ):
+        model.capture([name], sequential=True)
+    with pytest.warns(SequentialFallbackWarning, match="whole model"):
+        acts = model.capture([name], max_memory=1 << 20)
+    assert acts.token_counts[name] == acts.tokens
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    directory = save_checkpoint(tiny_llama(layers=3), tmp_path / "ckpt", max_shard_size="400KB")
+    model = open_model(directory)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = directory / index["model.layers.1.mlp.up_proj.weight"]
+    shard.unlink()
+    with pytest.raises(ModelSourceError, match=f"cannot read tensor .* from {shard}"):
+        model.capture(["model.layers.2.mlp.up_proj"], sequential=True)
+    with pytest.raises(ModelSourceError, match=f"names missing files: {shard}"):
+        open_model(directory)
+
+
+# A Llama-shaped checkpoint of about 470 MB: 22 blocks of 20.4 MB, embedding and head 12.6 MB each.
+BIG = dict(
+    vocab_size=4096,
+    hidden_size=768,
+    intermediate_size=1536,
+    num_hidden_layers=22,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_larger_than_the_budget_is_calibrated_one_block_at_a_time(tmp_path):
+    size = write_llama_checkpoint(tmp_path / "big", LlamaConfig(**BIG))
+    model = open_model(tmp_path / "big")
+    names = [f"model.layers.{i}.{layer}" for i in (0, 11, 21) for layer in ("self_attn.q_proj", "mlp.down_proj")]
+    names.append("lm_head")
+    sampler = PeakRss()
+    acts = model.capture(names, samples=8, seq_len=64, max_memory=150 << 20)
+    growth = sampler.growth()
+    stats = model.last_sequential
+    assert stats is not None and stats.blocks == 22 and not model._runtime.module.ready
+    block = 4 * (2 * 768 * 768 + 2 * 768 * 256 + 3 * 768 * 1536 + 2 * 768)  # attention, MLP, norms; fp32
+    assert stats.largest_unit == ("model.layers.0", block)
+    assert stats.largest_unit[1] < size / 20
+    assert stats.peak_weight_bytes <= 1.5 * stats.largest_unit[1]  # last pass: embedding, norm and head
+    # 25 MiB of weights at most; the rest is the captured inputs and the heap glibc keeps after frees
+    assert growth < size / 2, f"RSS grew by {growth / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB checkpoint"
+    for name in names:
+        assert acts.token_counts[name] == acts.tokens and torch.isfinite(acts[name]).all()

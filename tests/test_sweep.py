@@ -1,0 +1,200 @@
+"""Whole-model sweeps (``run --layers all``, ``lab.sweep``): the streamed file equals a run over the
+same layers in one go, an interrupted sweep resumes to the same file, the partial file refuses
+other settings, and no chunk holds more layers than it should."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import observers as ob
+from lab import lab_json, sweep
+from lab.cli import ProgressBar, main
+from lab.pipeline import RunConfig
+from lab.sweep import Plan, partial_path, run_sweep
+from sample_models import open_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--format", "int8", "--observers", "minmax,percentile", "--kinds", "weight,input"]
+TINY += ["--samples", "2", "--seq-len", "16", "--quiet"]
+
+
+def _main(argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(argv, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def comparable(document: dict) -> dict:
+    """A document without what differs between any two runs (creation time, timings)."""
+    document = {k: v for k, v in document.items() if k != "created"}
+    document["entries"] = [dict(e) for e in document["entries"]]
+    for entry in document["entries"]:
+        for key in ("chosen", "runner_up"):
+            if entry[key] is not None:
+                entry[key] = {k: v for k, v in entry[key].items() if k != "seconds"}
+    return document
+
+
+def _layer_names(model_name: str) -> list[str]:
+    return [info.name for info in open_model(model_name).layers() if len(info.shape) >= 2]
+
+
+def _run(tmp_path: Path, name: str, argv: list[str]) -> dict:
+    out = tmp_path / name
+    code, _, err = _main([*argv, "--out", str(out)])
+    assert code == 0, err
+    assert not partial_path(out).exists()
+    return json.loads(out.read_text())
+
+
+def test_layers_all_equals_every_layer_listed(tmp_path):
+    swept = _run(tmp_path, "all.json", ["run", "tiny-llama", "--layers", "all", *TINY])
+    listed = _run(tmp_path, "list.json", ["run", "tiny-llama", "--layers", ",".join(_layer_names("tiny-llama")), *TINY])
+    assert lab_json.schema_problems(swept) == []
+    assert "world_size" not in swept and all("rank" not in e for e in swept["entries"])
+    assert comparable(swept) == comparable(listed)
+    assert {e["layer"] for e in swept["entries"]} >= {"model.embed_tokens", "lm_head"}
+
+
+def test_attention_blocks_and_uncalibrated_experts_stream_alike(tmp_path):
+    kv = ["--layers", "model.layers.0.*", "--format", "int8", "--observers", "minmax", "--kv-cache", "fp8_e4m3"]
+    kv += ["--samples", "2", "--seq-len", "16", "--quiet"]
+    assert comparable(_run(tmp_path, "kv.json", ["run", "tiny-llama", *kv, "--chunk", "3"])) == comparable(
+        _run(tmp_path, "kv_list.json", ["run", "tiny-llama", *kv])
+    )
+    moe = ["--format", "int8", "--observers", "minmax", "--kinds", "input", "--samples", "1", "--seq-len", "8"]
+    moe += ["--allow-uncalibrated", "--quiet"]
+    swept = _run(tmp_path, "moe.json", ["run", "tiny-moe", "--layers", "all", "--chunk", "1", *moe])
+    listed = _run(tmp_path, "moe_list.json", ["run", "tiny-moe", "--layers", ",".join(_layer_names("tiny-moe")), *moe])
+    assert swept["uncalibrated"] and comparable(swept) == comparable(listed)
+
+
+def test_uncalibrated_experts_stop_a_sweep_unless_allowed(tmp_path):
+    argv = ["run", "tiny-moe", "--layers", "all", "--format", "int8", "--observers", "minmax", "--kinds", "input"]
+    argv += ["--samples", "1", "--seq-len", "8", "--chunk", "1", "--quiet", "--out", str(tmp_path / "q.json")]
+    code, _, err = _main(argv)
+    assert code == 2 and err.count("\n") == 1 and "saw no calibration tokens" in err
+    assert partial_path(tmp_path / "q.json").exists()  # the layers done before are kept
+
+
+def _plan(observers=("minmax", "percentile"), chunk=4) -> Plan:
+    spec = ob.QuantSpec("int8")
+    config = RunConfig(specs={"weight": spec, "input": spec}, observers=observers, samples=2, seq_len=16)
+    return Plan(open_model("tiny-llama"), tuple(_layer_names("tiny-llama")), config, chunk=chunk)
+
+
+def _interrupt_after(layers: int):
+    def progress(done: int, total: int, label: str) -> None:
+        if done >= layers:
+            raise KeyboardInterrupt
+
+    return progress
+
+
+def test_an_interrupted_sweep_resumes_to_the_same_file(tmp_path):
+    plan = _plan()
+    whole = run_sweep(plan, tmp_path / "whole.json").document
+    out = tmp_path / "q.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(plan, out, progress=_interrupt_after(10))
+    lines = partial_path(out).read_text().splitlines()
+    units = [json.loads(line) for line in lines if '"unit"' in line]
+    assert [u["index"] for u in units] == list(range(8))  # two chunks of 4 written whole, the third lost
+    assert json.loads(lines[0])["format"] == "observer-lab-sweep" and not out.exists()
+    with open(partial_path(out), "ab") as handle:
+        handle.write(b'{"unit": "model.layers.2.self_attn.v_proj", "ind')  # a kill in the middle of a write
+    outcome = run_sweep(plan, out, resume=True)
+    assert outcome.resumed == 8
+    assert comparable(json.loads(out.read_text())) == comparable(whole) == comparable(outcome.document)
+    assert not partial_path(out).exists()
+
+
+def test_resume_refuses_a_partial_file_of_other_settings(tmp_path):
+    out = tmp_path / "q.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(_plan(), out, progress=_interrupt_after(5))
+    argv = ["run", "tiny-llama", "--layers", "all", *TINY, "--out", str(out)]
+    code, _, err = _main([*argv, "--resume", "--observers", "minmax"])
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "other settings" in err
+    code, _, err = _main(argv)
+    assert code == 2 and err.count("\n") == 1 and "--resume" in err  # never overwritten silently
+    code, _, err = _main([*argv, "--resume", "--chunk", "3"])  # the chunk size does not change results
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--layers", "nothing.matches.*", "--chunk", "2"], "matches no layer"),
+        (["--layers", "all", "--chunk", "0"], "--chunk must be at least 1"),
+        (["--layers", "all", "--report", "r.html"], "--report and --compressed-tensors"),
+        (["--layers", "all", "--compressed-tensors", "ct"], "--report and --compressed-tensors"),
+    ],
+)
+def test_bad_sweep_input_exits_2_with_one_line(tmp_path, argv, needle):
+    code, _, err = _main(["run", "tiny-llama", "--format", "int8", *argv, "--out", str(tmp_path / "q.json")])
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err
+    assert not partial_path(tmp_path / "q.json").exists()
+
+
+def test_no_chunk_holds_more_layers_than_its_size(tmp_path, monkeypatch):
+    seen: list[int] = []
+    real = sweep.analyse
+
+    def counting(model, layers, config, **kwargs):
+        seen.append(len(layers))
+        return real(model, layers, config, **kwargs)
+
+    monkeypatch.setattr(sweep, "analyse", counting)
+    plan = _plan(chunk=None)
+    run_sweep(plan, tmp_path / "q.json")
+    assert plan.chunk_size == sweep.LAYERS_PER_CHUNK and max(seen) == sweep.LAYERS_PER_CHUNK
+    assert sum(seen) == len(plan.layers)
+    weights_only = Plan(plan.model, plan.layers, RunConfig(specs={"weight": ob.QuantSpec("int8")}))
+    assert weights_only.chunk_size == 1
+
+
+def test_progress_bar_shows_layers_elapsed_and_eta():
+    stream, now = io.StringIO(), iter([100.0, 110.0, 140.0])
+    bar = ProgressBar(stream, "layers", clock=lambda: next(now))
+    bar(2, 10, "resuming")  # the rate counts from here: resumed layers do not make it look fast
+    bar(3, 10, "a")
+    bar(10, 10, "done")
+    first, second, last = stream.getvalue().split("\r")[1:]
+    assert "2/10 layers 0:00:00 ETA -:--:--" in first
+    assert "3/10 layers 0:00:10 ETA 0:01:10" in second
+    assert "[##############################] 10/10 layers 0:00:40 ETA 0:00:00" in last and last.endswith("\n")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_cli_keeps_finished_layers_and_resume_finishes(tmp_path):
+    out = tmp_path / "q.json"
+    argv = ["run", "minilm", "--layers", "encoder.layer.[0-2].*", "--format", "int4", "--strategy", "group"]
+    argv += ["--group-size", "128", "--observers", "minmax,mse_grid", "--chunk", "1", "--quiet"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "observers", *argv, "--out", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        if partial_path(out).exists() and partial_path(out).read_text().count("\n") >= 4:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().endswith("run the same command with --resume to go on") and "Traceback" not in err
+    kept = partial_path(out).read_text().count("\n")
+    assert kept >= 4 and not out.exists()
+    resumed = subprocess.run([*command, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"note: {kept - 2} of 18 layers came from the interrupted sweep" in resumed.stderr
+    assert comparable(json.loads(out.read_text())) == comparable(_run(tmp_path, "whole.json", argv))
