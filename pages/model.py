@@ -14,6 +14,18 @@ SOURCES = {
     "upload": "Upload a .safetensors file",
     "hub": "Hugging Face Hub id",
 }
+BELOW_SOURCE = (
+    "layer_filter",
+    "layers",
+    *(f"want_{kind}" for kind in ("weight", "input", "output", "kv")),
+    "attention",
+    "calib_kind",
+    "calib_text",
+    "samples",
+    "seq_len",
+    "capture_mode",
+    "memory_budget",
+)
 CAPTURE_MODES = {"automatic": None, "whole model": False, "layer by layer": True}
 CAPTURE_MODES_BY_VALUE = {value: name for name, value in CAPTURE_MODES.items()}
 WHAT = {
@@ -58,6 +70,9 @@ if source:
 else:
     st.info("Enter a source to open.")
 if model is None:
+    # The widgets below are not drawn in this run: forget them, so that when a model opens they
+    # show the workspace's values, not what the browser kept of them.
+    ui.reseed(*BELOW_SOURCE)
     st.stop()
 
 st.caption(f"**{model.name}** on {model.device} in {str(model.dtype).removeprefix('torch.')}: {model.description}")

@@ -53,19 +53,27 @@ def app_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def page(app_url):
+def browser():
     executable = shutil.which("chromium")
     if executable is None:
         pytest.fail("chromium is not installed: run `apt-get install -y chromium` (CI's .ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
-        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
-        tab.goto(app_url)
-        tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
-        yield tab
-        browser.close()
+        launched = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    """A new tab, so a new Streamlit session: each test starts from the app's defaults, as a
+    person opening the app does."""
+    tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+    tab.goto(app_url)
+    tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
+    yield tab
+    tab.close()
 
 
 def _go(tab, title: str) -> None:
@@ -209,7 +217,6 @@ def test_demo_walk_in_a_browser(page, tmp_path):
     """What a person giving a demo does: one click on the first screen, every page, the exports,
     an import, the report, then another model chosen without re-running (issue 15)."""
     tab = page
-    tab.reload()
     _go(tab, "Overview")
     tab.get_by_role("button", name="Run the demo").click()
     tab.get_by_text("minilm: 12 tensors").wait_for(timeout=SLOW_MS)
