@@ -25,7 +25,7 @@ from typing import IO, Any
 import observers as ob
 from lab import distributed
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
-from lab.results import spec_text
+from lab.results import first_error, spec_text
 from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
@@ -169,7 +169,9 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         err.write(f"warning: {warning}\n")
     choices = choose(analysis, args.choose_by)
     if not choices:
-        raise CliError("no observer produced qparams for these settings: " + _first_error(analysis))
+        raise CliError(
+            "no observer produced qparams for these settings: " + (first_error(analysis) or "nothing was analysed")
+        )
     lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
     written = [args.out]
     if args.report:
@@ -213,14 +215,6 @@ def _interrupted(args: argparse.Namespace | None) -> str:
 
     kept = partial_path(args.out)
     return f"interrupted: finished layers are kept in {kept}; run the same command with --resume to go on\n"
-
-
-def _first_error(analysis: Any) -> str:
-    for entry in analysis.entries:
-        for result in entry.results:
-            if result.error:
-                return f"{result.name}: {result.error}"
-    return "nothing was analysed"
 
 
 def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[str] | None = None) -> int:

@@ -51,6 +51,15 @@ def usable_observers(entry: TensorAnalysis) -> list[str]:
     return [r.name for r in entry.results if r.qparams is not None]
 
 
+def first_error(analysis: Analysis, layer: str | None = None) -> str | None:
+    """``observer: why`` of the first observer that failed (on ``layer``, or anywhere), or None."""
+    for entry in analysis.entries:
+        for result in entry.results:
+            if result.error and layer in (None, entry.layer):
+                return f"{result.name}: {result.error}"
+    return None
+
+
 def observer_order(analysis: Analysis) -> list[str]:
     """Registry order first (so colours match everywhere), then any other observer of the run."""
     registry = list(ob.available())

@@ -42,7 +42,7 @@ from lab.distributed import SINGLE, Ranks, owner
 from lab.json_values import json_safe
 from lab.model_facts import describe_source
 from lab.pipeline import Analysis, ProgressFn, RunConfig, analyse
-from lab.results import check_metric, choose, export_selection, uncalibrated
+from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
 from lab.vocab import DEFAULT_METRIC, KV, TensorKind
 
 PARTIAL_FORMAT = "observer-lab-sweep"
@@ -138,14 +138,6 @@ def _records(analysis: Analysis, metric: str, allow: bool) -> tuple[list[dict], 
     return [], [lab_json.uncalibrated_record(e) for e in missing], None
 
 
-def _first_error(analysis: Analysis, name: str) -> str | None:
-    for entry in analysis.entries:
-        for result in entry.results:
-            if entry.layer == name and result.error:
-                return f"{result.name}: {result.error}"
-    return None
-
-
 def _analyse_chunk(plan: Plan, units: list[Unit], rank: int, progress: ProgressFn | None) -> dict[str, Any]:
     """One chunk analysed and reduced to its unit lines (the tensors are dropped on return), plus
     the document header the final file takes its top-level fields from."""
@@ -165,7 +157,7 @@ def _analyse_chunk(plan: Plan, units: list[Unit], rank: int, progress: ProgressF
             "entries": [e for e in entries if e["layer"] == name],
             "uncalibrated": [u for u in missing if u["layer"] == name],
             "warnings": [w for w in analysis.warnings if w.startswith(f"{name}: ")],
-            "error": _first_error(analysis, name),
+            "error": first_error(analysis, name),
         }
         for index, name, _ in units
     ]
