@@ -19,6 +19,7 @@ PAGES = [
     st.Page("pages/scales.py", title="Scales", icon=":material/grid_on:"),
     st.Page("pages/error.py", title="Error", icon=":material/query_stats:"),
     st.Page("pages/export.py", title="Choose & export", icon=":material/download:"),
+    st.Page("pages/effect.py", title="Model effect", icon=":material/model_training:"),
 ]
 
 st.navigation(PAGES).run()

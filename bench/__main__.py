@@ -26,12 +26,14 @@ MODULES = [
     "bench_core",
     "bench_distribution",
     "bench_blocks",
+    "bench_today",
     "bench_minilm",
     "bench_scaling",
     "bench_capture",
     "bench_sequential",
     "bench_app",
     "bench_sweep",
+    "bench_effect",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

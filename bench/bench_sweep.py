@@ -7,11 +7,13 @@ per layer, the final file assembled), once per observer that takes int4 g128 wei
 agreement column gives weight elements per second. One timed run each, after the observer ran
 once on one layer: a sweep is seconds to minutes, and the figure is a whole-model wall time.
 
-Ranks: the tiny-llama sweep of ``tests/test_distributed.py`` (weights and inputs, minmax and
-percentile) through ``torchrun --nproc-per-node 1`` and ``2``, wall time including the launcher
-and each rank's start (after one untimed start), on one core budget: each rank gets the torch
-threads of this process divided by the ranks (torchrun would give 1 rank all threads, 2 ranks one
-each). The two files must hold bit-identical qparams. On CPU (gloo) unless the machine has two GPUs.
+Ranks: a tiny-llama sweep (weights and inputs, minmax and percentile, 32 samples of 64 tokens)
+through ``torchrun --nproc-per-node 1`` and ``2``, the two ranks splitting the layers or the
+calibration batches (``--split``), wall time including the launcher and each rank's start (after
+one untimed start), on one core budget: each rank gets the torch threads of this process divided
+by the ranks (torchrun would give 1 rank all threads, 2 ranks one each). Every file must hold the
+qparams of one rank bit for bit (both observers merge exactly). On CPU (gloo) unless the machine
+has two GPUs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUP = ob.QuantSpec("int4", strategy="group", group_size=128)
 WEIGHT_OBSERVERS = ("minmax", "memoryless_minmax", "moving_average_minmax", "mse_grid", "mse_grid_moving_average")
 TINY_LLAMA = ["run", "tiny-llama", "--layers", "all", "--format", "int8", "--observers", "minmax,percentile"]
-TINY_LLAMA += ["--kinds", "weight,input", "--samples", "2", "--seq-len", "16", "--quiet"]
+TINY_LLAMA += ["--kinds", "weight,input", "--samples", "32", "--seq-len", "64", "--quiet"]
 
 
 def _weight_rows(device: str, folder: Path) -> list[dict]:
@@ -63,10 +65,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(ranks: int, device: str, out: Path) -> float:
+def _torchrun(ranks: int, device: str, out: Path, split: str | None = None) -> float:
     """Wall time of the tiny-llama sweep under torchrun with ``ranks`` processes."""
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks)]
     command += ["--master-port", str(_free_port()), "-m", "observers", *TINY_LLAMA, "--device", device]
+    command += ["--split", split] if split else []
     threads = str(max(1, torch.get_num_threads() // ranks))  # one core budget for both: ranks x threads
     env = {**os.environ, "OMP_NUM_THREADS": threads}
     start = time.perf_counter()
@@ -82,18 +85,19 @@ def _rank_rows(device: str, folder: Path) -> list[dict]:
     device = device if device == "cuda" and torch.cuda.device_count() >= 2 else "cpu"
     repeats = 1 if SETTINGS.quick else 3
     _torchrun(1, device, folder / "warm-up.json")  # a cold first start (imports from disk) would skew 1 rank
-    times = {n: sorted(_torchrun(n, device, folder / f"ranks{n}_{i}.json") for i in range(repeats)) for n in (1, 2)}
-    one, two = (times[n][len(times[n]) // 2] for n in (1, 2))
-    same = _qparams(folder / "ranks1_0.json") == _qparams(folder / "ranks2_0.json")
-    label = f"sweep tiny-llama weights+inputs minmax,percentile on {device}"
-    return [
-        case(f"{label}: torchrun 1 rank", one, agreement="median wall time, launcher included"),
-        case(
-            f"{label}: torchrun 2 ranks",
-            two,
-            agreement=f"{one / two:.2f}x vs 1 rank; qparams {'identical' if same else 'DIFFER'}",
-        ),
-    ]
+    runs = {"1 rank": (1, None), "2 ranks, --split layers": (2, "layers"), "2 ranks, --split batches": (2, "batches")}
+    times = {}
+    for label, (ranks, split) in runs.items():
+        files = [folder / f"{ranks}-{split}-{i}.json" for i in range(repeats)]
+        times[label] = (sorted(_torchrun(ranks, device, path, split) for path in files)[repeats // 2], files[0])
+    one, first_file = times["1 rank"]
+    label = f"sweep tiny-llama weights+inputs minmax,percentile 32x64 tokens on {device}"
+    rows = [case(f"{label}: torchrun 1 rank", one, agreement="median wall time, launcher included")]
+    for name, (seconds, path) in list(times.items())[1:]:
+        same = _qparams(first_file) == _qparams(path)
+        note = f"{one / seconds:.2f}x vs 1 rank; qparams {'identical' if same else 'DIFFER'}"
+        rows.append(case(f"{label}: torchrun {name}", seconds, agreement=note))
+    return rows
 
 
 def cases(device: str = "cpu") -> list[dict]:

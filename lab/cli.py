@@ -1,6 +1,8 @@
 """``python -m observers``: the lab without a browser.
 
-Subcommands: ``list`` (observers, formats, presets), ``layers MODEL`` and ``run MODEL ...``.
+Subcommands: ``list`` (observers, formats, presets), ``layers MODEL``, ``run MODEL ...``, and the
+model-level ones: ``evaluate MODEL --choices FILE`` and ``sensitivity MODEL ...`` (``lab.evaluate``,
+``lab.sensitivity``: what a choice does to the model's output on held-out text).
 ``run`` fills the same ``lab.settings.RunSettings`` the app's Run page fills (formats, presets,
 knobs, activation order, calibration), then calls ``lab.pipeline.analyse`` and
 ``lab.results.choose`` as the app does, and writes the Observer Lab JSON, optionally an HTML
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
@@ -26,6 +29,7 @@ import observers as ob
 from lab import distributed
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
 from lab.results import first_error, spec_text
+from lab.settings import parse_bytes
 from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
@@ -104,6 +108,8 @@ def _cmd_list(out: IO[str]) -> None:
     for name, description in ob.available().items():
         knobs = ", ".join(f"{k}={v!r}" for k, v in ob.knobs(name).items() if ob.knob_specs(name)[k].editable)
         out.write(f"  {name:<28} {description}\n  {'':<28} knobs: {knobs}\n")
+    for alias, name in ob.aliases().items():
+        out.write(f"  {alias:<28} another name of {name} (as llm-compressor users type it)\n")
     out.write("formats:\n")
     for row in formats_table():
         block = f"block {row['block_size']}" if row["block_size"] else "no block"
@@ -148,6 +154,11 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     settings = settings_from_args(args)
     config = settings.config(has_layers=True, has_attention=settings.wants["kv"])
     sweep = _is_sweep(args)
+    if args.transform and args.ct_dir:
+        raise CliError(
+            "--compressed-tensors writes qparams for the model as it is; with --transform they are the qparams of the "
+            "rotated or smoothed tensors, which the checkpoint does not hold: leave out one of the two"
+        )
     if sweep and (args.report or args.ct_dir):
         raise CliError(
             "--report and --compressed-tensors need every analysed tensor in memory, which a sweep (--layers all, "
@@ -161,7 +172,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     if sweep:
         from lab.sweep import Plan
 
-        plan = Plan(model, tuple(layers), config, tuple(attention), args.choose_by, args.allow_uncalibrated, args.chunk)
+        scope = (tuple(layers), config, tuple(attention))
+        plan = Plan(model, *scope, args.choose_by, args.allow_uncalibrated, args.chunk, args.split)
         _cmd_sweep(args, plan, out, err, ranks)
         return
     analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
@@ -184,8 +196,16 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         for note in built.notes:
             err.write(f"note: {note}\n")
     for (layer, tensor), observer in choices.items():
-        value = analysis.entry(layer, tensor).result(observer).metrics.get(args.choose_by)
-        out.write(_choice_line(layer, tensor, observer, args.choose_by, value))
+        entry = analysis.entry(layer, tensor)
+        out.write(
+            _choice_line(layer, tensor, observer, args.choose_by, entry.result(observer).metrics.get(args.choose_by))
+        )
+        for run in entry.tool_results:
+            value = run.result.metrics.get(args.choose_by)
+            if value is None:
+                out.write(f"{layer}\t{tensor}\tas {run.tool}: not available ({run.result.error})\n")
+            else:
+                out.write(_choice_line(layer, tensor, f"as {run.result.name}", args.choose_by, value))
     out.write(f"wrote {', '.join(written)}\n")
 
 
@@ -205,6 +225,94 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
         value = entry["chosen"]["metrics"][args.choose_by]
         out.write(_choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value))
     out.write(f"wrote {args.out}\n")
+
+
+def _held_out(args: argparse.Namespace) -> dict[str, Any]:
+    """The Evaluator's held-out text options from ``--held-out*`` (defaults where not given)."""
+    options: dict[str, Any] = {}
+    if args.held_out is not None:
+        try:
+            text = Path(args.held_out).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CliError(f"--held-out {args.held_out}: not a UTF-8 text file") from None
+        options["texts"] = [part for part in text.split("\n\n") if part.strip()]
+    if args.held_out_samples is not None:
+        options["samples"] = args.held_out_samples
+    if args.held_out_seq_len is not None:
+        options["seq_len"] = args.held_out_seq_len
+    return options
+
+
+def _evaluation_lines(evaluations: Sequence[Any], out: IO[str]) -> None:
+    for evaluation in evaluations:
+        values = " ".join(f"{k}={v:.6g}" for k, v in evaluation.metrics.items())
+        out.write(f"{evaluation.name}\t{evaluation.tensors} tensors\t{values}\n")
+
+
+def _cmd_evaluate(args: argparse.Namespace, out: IO[str]) -> None:
+    """``evaluate MODEL --choices FILE --out FILE``: the file's choices against the float model."""
+    from lab import lab_json
+    from lab.evaluate import Evaluator, document, float_set, from_lab_file
+
+    lab_file = lab_json.load_file(args.choices)
+    memory = None if args.max_memory is None else parse_bytes(args.max_memory)
+    from sample_models import open_model
+
+    model = open_model(args.model, device=args.device)
+    choice_set = from_lab_file(lab_file, model, name=args.choices)
+    evaluator = Evaluator(model, sequential=args.sequential, max_memory=memory, **_held_out(args))
+    evaluations = [evaluator.evaluate(float_set()), evaluator.evaluate(choice_set)]
+    _write_json(args.out, document(evaluator, evaluations, choices=args.choices))
+    _evaluation_lines(evaluations, out)
+    out.write(f"wrote {args.out}\n")
+
+
+def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    """``sensitivity MODEL --layers ... <run's scheme flags> --out FILE``: one tensor at a time."""
+    from lab.evaluate import Evaluator, document
+    from lab.pipeline import analyse
+    from lab.results import check_metric
+    from lab.sensitivity import compare, sensitivity
+    from lab.vocab import MODEL_METRICS
+
+    if args.metric is not None and args.metric not in MODEL_METRICS:
+        raise CliError(f"--metric {args.metric!r} is not a model-level metric; choose from {', '.join(MODEL_METRICS)}")
+    check_metric(args.local_metric)
+    if getattr(args, "transform", None) or getattr(args, "as_tools", None):
+        raise CliError("sensitivity evaluates the model as it is: --transform and --as do not apply to it")
+    settings = settings_from_args(args)
+    config = settings.config(has_layers=True, has_attention=settings.wants["kv"])
+    held_out = _held_out(args)
+    from sample_models import open_model
+
+    model = open_model(args.model, device=args.device)
+    layers = select_layers(model, args.layers)
+    attention = select_attention(model, args.attention) if settings.wants["kv"] else []
+    evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory, **held_out)
+    analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
+    kinds = list(dict.fromkeys(e.tensor for e in analysis.entries))
+    bar = None if args.quiet else ProgressBar(err, "runs")
+    table = sensitivity(
+        evaluator, analysis, tensors=kinds, metric=args.metric, local_metric=args.local_metric, progress=bar
+    )
+    evaluations = compare(evaluator, analysis, table)
+    extra = {"sensitivity": table.to_dict(analysis), "config": analysis.config.to_dict()}
+    _write_json(args.out, document(evaluator, evaluations, **extra))
+    written = [args.out]
+    if args.report:
+        from lab.report import write_report
+
+        effect = (table, evaluations)
+        written.append(str(write_report(analysis, table.choices(analysis), args.report, args.local_metric, effect)))
+    for row in table.ranking().head(10).itertuples(index=False):
+        out.write(f"{row.rank}\t{row.layer}\t{row.tensor}\tleast harmful {row[3]}\t{table.metric}={row[4]:.6g}\n")
+    _evaluation_lines(evaluations, out)
+    out.write(f"wrote {', '.join(written)}\n")
+
+
+def _write_json(path: str, document: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, allow_nan=False, indent=1)
 
 
 def _interrupted(args: argparse.Namespace | None) -> str:
@@ -228,6 +336,10 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
             _cmd_list(out)
         elif args.command == "layers":
             _cmd_layers(args, out)
+        elif args.command == "evaluate":
+            _cmd_evaluate(args, out)
+        elif args.command == "sensitivity":
+            _cmd_sensitivity(args, out, err)
         else:
             with distributed.ranks_for(args.device) as ranks:
                 ranks.check_same(json.dumps(vars(args), sort_keys=True))

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import observers as ob
+from lab.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
-from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS
+from lab.tools import Tool
+from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
 
 ALL_LAYERS = "all"
 
@@ -38,57 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("--filter", default=None, help="glob over layer names, or a regex after 're:'")
     layers.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     run = commands.add_parser("run", help="run observers on layers and export the chosen qparams")
-    run.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
-    run.add_argument(
-        "--layers",
-        required=True,
-        help="comma-separated layer names or patterns (glob, or 're:regex'), or 'all': every layer with a weight "
-        "matrix, streamed (a sweep)",
-    )
-    scheme = run.add_mutually_exclusive_group(required=True)
-    scheme.add_argument("--format", dest="dtype", help="element format, e.g. int4, int8, fp8_e4m3 (see 'list')")
-    scheme.add_argument("--preset", help=f"compressed-tensors preset: {', '.join(ob.PRESET_NAMES)}")
-    run.add_argument("--strategy", help="tensor, channel, group, token or block")
-    run.add_argument("--group-size", type=int, help="columns per group for --strategy group")
-    run.add_argument("--block-size", help="ROWSxCOLS for --strategy block, e.g. 128x128")
-    sym = run.add_mutually_exclusive_group()
-    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
-    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
-    run.add_argument("--observers", help="comma-separated observer names (default: all)")
-    run.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="OBSERVER.KNOB=VALUE",
-        help="set an observer knob, e.g. percentile.percentile=99.9 (repeatable; see 'list')",
-    )
-    run.add_argument("--actorder", action="store_true", help="group weight columns by input importance (GPTQ actorder)")
-    run.add_argument("--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)")
-    run.add_argument(
-        "--kv-cache", dest="kv_dtype", help="also analyse key/value states of attention blocks in this format"
-    )
-    run.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
-    run.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
-    run.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    memory = run.add_mutually_exclusive_group()
-    memory.add_argument(
-        "--sequential",
-        dest="sequential",
-        action="store_const",
-        const=True,
-        default=None,
-        help="capture activations layer by layer (one block in memory at a time) even when the model fits",
-    )
-    memory.add_argument(
-        "--whole-model", dest="sequential", action="store_const", const=False, help="never capture layer by layer"
-    )
-    run.add_argument(
-        "--max-memory",
-        help="memory budget, e.g. 8GB or 150MiB: larger models are captured layer by layer "
-        "(default: half of the free RAM, or of the free GPU memory on cuda)",
-    )
-    run.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="calibration samples")
-    run.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
+    add_scheme_flags(run)
     run.add_argument("--choose-by", default=DEFAULT_METRIC, help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
     run.add_argument("--report", help="HTML report to write")
@@ -106,11 +58,138 @@ def build_parser() -> argparse.ArgumentParser:
         "(default with --layers all: 1, or 8 when activations are captured, one calibration pass per chunk)",
     )
     run.add_argument(
+        "--split",
+        choices=[split.value for split in RankSplit],
+        help="torchrun: what the ranks divide; 'batches' (default when activations are captured): each rank "
+        "captures a share of the calibration batches and the observers merge their statistics; 'layers': each "
+        "layer is analysed whole by one rank, bit for bit as one process",
+    )
+    run.add_argument(
         "--resume",
         action="store_true",
         help="sweep: go on from OUT.partial.jsonl of an interrupted sweep with the same settings, skipping its layers",
     )
+    _add_effect_commands(commands)
     return parser
+
+
+def _add_held_out_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--held-out", help="UTF-8 text file to evaluate on (default: the built-in held-out paragraphs)")
+    parser.add_argument(
+        "--held-out-samples",
+        type=int,
+        help="at most this many windows (decoders) or sentences (encoders) of held-out text (default 64)",
+    )
+    parser.add_argument("--held-out-seq-len", type=int, help="tokens per held-out window or sentence (default 128)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_effect_commands(commands) -> None:
+    """``evaluate`` (a choices file, end to end) and ``sensitivity`` (one tensor at a time, with
+    ``run``'s scheme flags): model-level effect on held-out text (``lab.evaluate``, ``lab.sensitivity``)."""
+    evaluate = commands.add_parser("evaluate", help="what a choices file does to the model's output on held-out text")
+    evaluate.add_argument("model", help="the model the choices file was made for")
+    evaluate.add_argument("--choices", required=True, help="Observer Lab JSON file (from 'run' or the app)")
+    evaluate.add_argument("--out", required=True, help="JSON file to write the evaluation to")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    memory = evaluate.add_mutually_exclusive_group()
+    memory.add_argument("--sequential", dest="sequential", action="store_const", const=True, default=None)
+    memory.add_argument("--whole-model", dest="sequential", action="store_const", const=False)
+    evaluate.add_argument("--max-memory", help="memory budget, e.g. 8GB: larger models run block by block")
+    _add_held_out_flags(evaluate)
+    sensitivity = commands.add_parser(
+        "sensitivity", help="quantize one tensor at a time with each observer and measure the model's output"
+    )
+    add_scheme_flags(sensitivity)
+    sensitivity.add_argument(
+        "--metric",
+        help=f"model-level metric that ranks: {', '.join(MODEL_METRICS)} (default: kl, or cosine for encoders)",
+    )
+    sensitivity.add_argument(
+        "--local-metric", default=DEFAULT_METRIC, help=f"local metric to compare with: {', '.join(ob.HIGHER_IS_BETTER)}"
+    )
+    sensitivity.add_argument("--out", required=True, help="JSON file to write the table, ranking and comparison to")
+    sensitivity.add_argument("--report", help="HTML report to write (with the model-level section)")
+    _add_held_out_flags(sensitivity)
+
+
+def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what to analyse and how (model, layers, format or preset, granularity,
+    observers, knobs, tensor kinds, KV cache, device, capture mode, calibration): ``run``'s, shared
+    by ``sensitivity`` so that one set of flags means one scheme everywhere."""
+    parser.add_argument("model", help="minilm, tiny-llama, tiny-moe, a directory, a weights file or a hub id")
+    parser.add_argument(
+        "--layers",
+        required=True,
+        help="comma-separated layer names or patterns (glob, or 're:regex'), or 'all': every layer with a weight "
+        "matrix, streamed (a sweep)",
+    )
+    scheme = parser.add_mutually_exclusive_group(required=True)
+    scheme.add_argument("--format", dest="dtype", help="element format, e.g. int4, int8, fp8_e4m3 (see 'list')")
+    scheme.add_argument("--preset", help=f"compressed-tensors preset: {', '.join(ob.PRESET_NAMES)}")
+    parser.add_argument("--strategy", help="tensor, channel, group, token or block")
+    parser.add_argument("--group-size", type=int, help="columns per group for --strategy group")
+    parser.add_argument("--block-size", help="ROWSxCOLS for --strategy block, e.g. 128x128")
+    sym = parser.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
+    parser.add_argument("--observers", help="comma-separated observer names (default: all)")
+    parser.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="OBSERVER.KNOB=VALUE",
+        help="set an observer knob, e.g. percentile.percentile=99.9 (repeatable; see 'list')",
+    )
+    parser.add_argument(
+        "--actorder", action="store_true", help="group weight columns by input importance (GPTQ actorder)"
+    )
+    parser.add_argument(
+        "--transform",
+        choices=[kind.value for kind in ob.TransformKind],
+        help="observe the tensors a transformed model's layers see: 'hadamard' rotates weights and inputs (and "
+        "key/value states per head) by a randomized Hadamard matrix, 'smoothquant' migrates input outliers into the "
+        "weight; the float layer output is unchanged",
+    )
+    parser.add_argument("--transform-seed", type=int, default=0, help="seed of the Hadamard rotation's random signs")
+    parser.add_argument(
+        "--as",
+        dest="as_tools",
+        metavar="TOOLS",
+        help="also observe each tensor as these tools would by default (their observer, knobs and conventions), "
+        "comma-separated or 'all': llm-compressor, modelopt, quark, torch.ao; written beside the choice in the JSON",
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=0.5, help="SmoothQuant migration strength in [0, 1] (--transform smoothquant)"
+    )
+    parser.add_argument(
+        "--kinds", help="comma-separated tensor kinds: weight, input, output (default: weight or preset)"
+    )
+    parser.add_argument(
+        "--kv-cache", dest="kv_dtype", help="also analyse key/value states of attention blocks in this format"
+    )
+    parser.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
+    parser.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--sequential",
+        dest="sequential",
+        action="store_const",
+        const=True,
+        default=None,
+        help="capture activations layer by layer (one block in memory at a time) even when the model fits",
+    )
+    memory.add_argument(
+        "--whole-model", dest="sequential", action="store_const", const=False, help="never capture layer by layer"
+    )
+    parser.add_argument(
+        "--max-memory",
+        help="memory budget, e.g. 8GB or 150MiB: larger models are captured layer by layer "
+        "(default: half of the free RAM, or of the free GPU memory on cuda)",
+    )
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="calibration samples")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
 
 
 def _editor_changes(editor: SpecSettings, args: argparse.Namespace) -> None:
@@ -158,6 +237,14 @@ def _knob_values(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return values
 
 
+def _tools(text: str | None) -> tuple[str, ...]:
+    """``--as``: tool names, or every tool for ``all`` (checked by ``RunConfig``)."""
+    if not text:
+        return ()
+    names = split_csv(text)
+    return tuple(tool.value for tool in Tool) if names == ["all"] else tuple(names)
+
+
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
     """The ``RunSettings`` of ``run``'s flags: ``--format`` or ``--preset`` fills the editors as the
     Run page's format box or preset does, the spec flags change them, ``--kinds`` and
@@ -180,6 +267,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     elif args.kv_per_head or args.attention:
         raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
     settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
+    settings.transform, settings.transform_seed, settings.smooth_alpha = args.transform, args.transform_seed, args.alpha
+    settings.tools = _tools(args.as_tools)
     settings.sequential = args.sequential
     settings.max_memory = None if args.max_memory is None else parse_bytes(args.max_memory)
     if args.actorder and not settings.actorder_applies:

@@ -28,7 +28,7 @@ import observers as ob
 from lab.json_values import json_safe
 from lab.pipeline import Analysis, TensorAnalysis
 from lab.results import export_selection
-from lab.vocab import KV_TENSORS, LAYER_TENSORS
+from lab.vocab import GLOBAL_SCALE_CONVENTION, KV_TENSORS, LAYER_TENSORS
 
 CONFIG_FILE = "quantization_config.json"
 TENSORS_FILE = "qparams.safetensors"
@@ -63,6 +63,8 @@ CT_OBSERVER_NAMES = {
     "mse_grid": "memoryless_mse",
     "mse_grid_moving_average": "mse",
     "imatrix_mse": "imatrix_mse",
+    "nvfp4_expanded_mse": "nvfp4_expanded_mse",
+    "nvfp4_expanded_imatrix": "nvfp4_expanded_imatrix",
 }
 _CT_ARG_NAMES = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
 _ACTIVATION_STRATEGIES = ("tensor", "group", "token")
@@ -118,8 +120,11 @@ def ct_args(spec: ob.QuantSpec, tensor: str) -> tuple[dict[str, Any] | None, lis
 
 
 def _ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    defaults = ob.knobs(name) if name in ob.available() else {}
-    changed = {k: v for k, v in knobs.items() if k != "ignore_nonfinite" and defaults.get(k) != v}
+    """compressed-tensors' name for observer ``name`` and the knobs a person changed; tensors the
+    lab fills from the calibration (importance, Hessian) are data, not settings, and stay out."""
+    specs = ob.knob_specs(name) if name in ob.available() else {}
+    settable = {k: spec.default for k, spec in specs.items() if spec.editable and k != "ignore_nonfinite"}
+    changed = {k: v for k, v in knobs.items() if k in settable and settable[k] != v}
     return CT_OBSERVER_NAMES.get(name, name), json_safe(changed)
 
 
@@ -361,6 +366,8 @@ def build(
         args_by_kind = {k: scheme[_CT_ARG_NAMES[k]] for k in LAYER_TENSORS if scheme[_CT_ARG_NAMES[k]] is not None}
         for m in members:
             tensors.update(_ct_tensors(m, args_by_kind))
+    if any(name.endswith("_global_scale") for name in tensors):
+        notes.append(f"*_global_scale tensors follow {GLOBAL_SCALE_CONVENTION}")
     notes.append(
         "format 'dense', status 'frozen': weights are not packed; the qparams are stored beside the dense "
         "weights (compress with compressed-tensors' ModelCompressor to get a packed checkpoint)"

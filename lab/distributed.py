@@ -1,20 +1,24 @@
 """Several processes on one sweep: ``torchrun --nproc-per-node N -m observers run ...``.
 
-Ranks split the layers: layer ``i`` of the sweep goes to rank ``i % world_size``, and each rank
-analyses its layers completely. For activation kinds every rank runs the calibration forward
-itself over all calibration batches, so every observer sees exactly what it sees in a single
-process and gives bit-identical qparams (a moving average or a running histogram depends on the
-order of its batches, which merged per-rank statistics could not promise). The price: every rank
-holds the model and runs every calibration pass of its chunks. Splitting the calibration batches
-between ranks and merging the observers' statistics is not implemented yet.
+Ranks divide the work one of two ways (``RankSplit``; ``lab.sweep`` picks, ``--split`` overrides):
+
+- **layers**: layer ``i`` of the sweep goes to rank ``i % world_size`` (``owner``), which analyses
+  it completely, running every calibration batch itself; every observer then sees exactly what
+  it sees in one process and gives bit-identical qparams.
+- **batches** (the default when activations are captured): every rank analyses every layer on a
+  consecutive share of the calibration batches, and the activation observers merge their
+  statistics with ``Ranks.reduce`` (all-reduce MIN/MAX/SUM, an all-gather for per-token qparams;
+  ``observers.shared`` and each observer's ``merge_rule`` say how exact); weights are still split
+  by layer. Each rank runs 1/N of every calibration pass instead of all of it.
 
 Rank 0 gathers the finished records (``gather_object``) and is the only one that writes files.
 The process group comes from torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``): gloo on CPU, nccl on CUDA with ``LOCAL_RANK`` picking the GPU.
 Starting waits at most ``START_TIMEOUT`` (a rank that never comes is an error, not a hang);
 the work itself then runs in a group with a long timeout, since a rank may wait minutes for a
-slower one to finish its layers. Ranks started with different arguments are refused on every
-rank (``check_same``) before any work, and an error on one rank stops every rank (``lab.sweep``).
+slower one. Ranks started with different arguments are refused on every rank (``check_same``)
+before any work; an error on one rank stops every rank (``agree`` before collectives that a failed
+rank would skip, and ``lab.sweep`` between chunks).
 """
 
 from __future__ import annotations
@@ -25,13 +29,28 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any
 
 import torch
 
+from observers.shared import Op, agree
+
 START_TIMEOUT = timedelta(seconds=60)
 WORK_TIMEOUT = timedelta(hours=6)
 MISMATCH = "ranks were started with different arguments"
+
+
+class RankSplit(StrEnum):
+    """What several ranks divide between them."""
+
+    LAYERS = "layers"
+    """Each layer is analysed whole by one rank (every rank runs every calibration batch): every
+    observer's result is bit for bit that of one process."""
+    BATCHES = "batches"
+    """Every rank captures a share of the calibration batches for every layer and the activation
+    observers merge their statistics (``observers.shared``; each observer's ``merge_rule`` says
+    whether exactly); weights are still split by layer. Each rank runs 1/N of the calibration."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,8 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
     group: Any = None
+    device: str = "cpu"
+    """Where this rank's collectives run (nccl needs the rank's GPU)."""
 
     @property
     def is_main(self) -> bool:
@@ -72,6 +93,36 @@ class Ranks:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def reduce(self, tensor: torch.Tensor, op: Op) -> torch.Tensor:
+        """``tensor`` combined over every rank (``observers.shared.Reduce``): all-reduce MIN/MAX/SUM
+        of a copy, or for CAT the ranks' tensors concatenated along dim 0 in rank order, their
+        sizes first shared so that unequal parts can travel padded to one size."""
+        if self.group is None:
+            return tensor
+        import torch.distributed as dist
+
+        if op != Op.CAT:
+            result = tensor.detach().clone()
+            how = {Op.MIN: dist.ReduceOp.MIN, Op.MAX: dist.ReduceOp.MAX, Op.SUM: dist.ReduceOp.SUM}[op]
+            dist.all_reduce(result, op=how, group=self.group)
+            return result
+        sizes = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([tensor.shape[0]], device=tensor.device), group=self.group)
+        longest = max(int(size) for size in sizes)
+        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[: int(size)] for part, size in zip(parts, sizes, strict=True)], dim=0)
+
+    def agree(self, error: Exception | None) -> None:
+        """Raise on every rank when any rank failed (this rank's own error where it failed), so no
+        rank goes on to a collective that a failed rank will never join."""
+        if self.group is not None:
+            agree(error, self.reduce, self.device)
+        elif error is not None:
+            raise error
 
     def check_same(self, text: str) -> None:
         """Refuse, on every rank alike, ranks whose ``text`` (their parsed arguments) differs:
@@ -123,7 +174,7 @@ def _start(device: str) -> Ranks:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, timeout=START_TIMEOUT)
     except (RuntimeError, ValueError, KeyError) as err:
         raise ValueError(f"could not start the process group of {size} ranks: {err}") from None
-    return Ranks(rank, size, local, dist.new_group(timeout=WORK_TIMEOUT))
+    return Ranks(rank, size, local, dist.new_group(timeout=WORK_TIMEOUT), rank_device(device, local))
 
 
 @contextmanager
@@ -137,6 +188,18 @@ def ranks_for(device: str) -> Iterator[Ranks]:
     try:
         yield ranks
     finally:
-        import torch.distributed as dist
+        _leave_together()
 
-        dist.destroy_process_group()
+
+def _leave_together() -> None:
+    """Meet the other ranks, then take the process group down: a rank that tears its connections
+    down while another still talks to it can abort (gloo's threads see the peer go) instead of
+    exiting with its error. The meeting waits at most the start timeout, so a rank that died
+    cannot keep the others."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except (RuntimeError, ValueError):  # a rank is gone: nothing to wait for
+        pass
+    dist.destroy_process_group()

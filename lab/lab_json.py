@@ -28,9 +28,9 @@ import torch
 import observers as ob
 from lab.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.model_facts import ModelFacts, same_weights
-from lab.pipeline import Analysis, TensorAnalysis
+from lab.pipeline import Analysis, TensorAnalysis, ToolResult
 from lab.results import Choices, check_metric, export_selection, rank
-from lab.vocab import DEFAULT_METRIC, KV_TENSORS
+from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION, KV_TENSORS
 from observers.suite import SuiteResult
 
 FORMAT_NAME = "observer-lab-qparams"
@@ -50,18 +50,30 @@ def _observer_record(result: SuiteResult) -> dict[str, Any]:
     }
 
 
+def _tool_record(run: ToolResult) -> dict[str, Any]:
+    """What one tool would produce by default on the entry's tensor (its profile and result)."""
+    record: dict[str, Any] = {"tool": run.tool, "error": run.result.error}
+    if run.profile is not None:
+        record |= {"observer": run.profile.observer, "spec": run.profile.spec.to_dict()}
+        record |= {"notes": list(run.profile.notes), "knobs": json_safe(run.result.knobs)}
+    if run.result.qparams is not None:
+        record |= {"metrics": metrics_to_json(run.result.metrics), "qparams": run.result.qparams.to_dict()}
+    return record
+
+
 def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str, Any]:
     chosen = entry.result(observer)
     others = [r for r in rank(entry, metric) if r.name != observer]
+    tools = {"tools": [_tool_record(run) for run in entry.tool_results]} if entry.tool_results else {}
     return {
         "layer": entry.layer,
         "tensor": entry.tensor,
-        "tensor_shape": list(entry.data.shape),
+        "tensor_shape": list(entry.shape),
         "spec": entry.spec.to_dict(),
         "chosen": _observer_record(chosen),
         "runner_up": _observer_record(others[0]) if others else None,
         "qparams": chosen.qparams.to_dict(),
-    }
+    } | tools
 
 
 def uncalibrated_record(entry: TensorAnalysis) -> dict[str, Any]:
@@ -94,6 +106,8 @@ def build_document(
         "entries": [_entry_record(entry, observer, metric) for entry, observer in selected],
         "uncalibrated": [uncalibrated_record(e) for e in missing],
     }
+    if any(entry.result(observer).qparams.global_scale is not None for entry, observer in selected):
+        document["global_scale_convention"] = GLOBAL_SCALE_CONVENTION
     problems = schema_problems(document)
     if problems:
         raise ValueError("internal error, the exported document breaks the schema:\n  - " + "\n  - ".join(problems))

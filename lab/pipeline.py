@@ -15,14 +15,17 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
 
 import observers as ob
+from lab import observed
+from lab.distributed import SINGLE, Ranks, owner
 from lab.model_facts import ModelFacts
+from lab.tools import Tool, profile
 from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, KV_TENSORS, LAYER_TENSORS, SPEC_KEYS, spec_key
 from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
@@ -50,6 +53,9 @@ class RunConfig:
     actorder: bool = False
     sequential: bool | None = None
     max_memory: int | None = None
+    transform: ob.TransformSpec | None = None
+    tools: tuple[str, ...] = ()
+    """Also run each tensor as these tools would by default (``lab.tools``), beside the observers."""
 
     def __post_init__(self) -> None:
         unknown = set(self.specs) - set(SPEC_KEYS)
@@ -62,6 +68,14 @@ class RunConfig:
                 raise ValueError(f"spec for {kind!r} must be a QuantSpec, got {type(spec).__name__}")
         for kind, spec in self.specs.items():
             spec.check_kind(_observer_kind(kind))
+        if self.tools:
+            known = [tool.value for tool in Tool]
+            unknown = [tool for tool in self.tools if tool not in known]
+            if unknown:
+                raise ValueError(f"unknown tool(s) {', '.join(map(str, unknown))}; allowed: {', '.join(known)}")
+        object.__setattr__(self, "tools", tuple(str(tool) for tool in self.tools))
+        if self.transform is not None and not isinstance(self.transform, ob.TransformSpec):
+            raise ValueError(f"transform must be an observers.TransformSpec, got {type(self.transform).__name__}")
 
     @property
     def observer_names(self) -> tuple[str, ...]:
@@ -76,6 +90,8 @@ class RunConfig:
             "seq_len": self.seq_len,
             "texts": None if self.texts is None else list(self.texts),
             "actorder": self.actorder,
+            "transform": None if self.transform is None else self.transform.to_dict(),
+            "tools": list(self.tools),
         }
 
     def capture_options(self) -> dict[str, Any]:
@@ -95,9 +111,24 @@ class RunConfig:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool's default on one tensor: its ``profile`` (observer, knobs, spec with the tool's
+    conventions; None when the tool cannot express the scheme, ``result.error`` says why) and the
+    suite's result, named ``"<tool>: <observer>"`` so plots and tables tell it from the observers."""
+
+    tool: str
+    profile: Any
+    result: SuiteResult
+
+
 @dataclass
 class TensorAnalysis:
-    """The suite's results on one tensor of one layer."""
+    """The suite's results on one tensor of one layer.
+
+    When ranks split the calibration batches, ``data`` is this rank's part, ``total_shape`` the
+    shape of the whole (every rank's tokens) and ``rank`` is None (all ranks computed it);
+    ``rank`` is the rank that computed a weight's results."""
 
     layer: str
     tensor: str
@@ -105,6 +136,16 @@ class TensorAnalysis:
     data: torch.Tensor
     results: list[SuiteResult]
     g_idx: torch.Tensor | None = None
+    total_shape: tuple[int, ...] | None = None
+    rank: int | None = 0
+    tool_results: list[ToolResult] = field(default_factory=list)
+    """What each of ``RunConfig.tools`` produces by default (``lab.tools``): shown beside the
+    observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The analysed tensor's shape (all ranks' tokens together for a split calibration)."""
+        return tuple(self.data.shape) if self.total_shape is None else self.total_shape
 
     def result(self, observer: str) -> SuiteResult:
         for r in self.results:
@@ -119,8 +160,8 @@ class TensorAnalysis:
         if self.tensor == "weight":
             return 0
         if self.tensor in KV_TENSORS:
-            return int(self.data.shape[0] * self.data.shape[2])
-        return int(self.data.shape[0])
+            return int(self.shape[0] * self.shape[2])
+        return int(self.shape[0])
 
 
 @dataclass
@@ -188,13 +229,13 @@ class ResultCache:
         return len(self._store)
 
 
-def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str, str], torch.Tensor]:
+def _captured(model, layers: Sequence[str], config: RunConfig, ranks: Ranks) -> dict[tuple[str, str], torch.Tensor]:
     """Captured activations as ``{(layer, "input"|"output"): (tokens, hidden)}``."""
-    wants_input = "input" in config.specs or config.actorder
+    wants_input = "input" in config.specs or config.actorder or observed.smooths(config)
     wants_output = "output" in config.specs
     if not (wants_input or wants_output):
         return {}
-    captured = model.capture(list(layers), outputs=wants_output, **config.capture_options())
+    captured = model.capture(list(layers), outputs=wants_output, **_capture_options(config, ranks))
     found: dict[tuple[str, str], torch.Tensor] = {}
     for layer, value in captured.items():
         if isinstance(value, dict):
@@ -207,28 +248,20 @@ def _captured(model, layers: Sequence[str], config: RunConfig) -> dict[tuple[str
     return found
 
 
-def _captured_kv(model, attention: Sequence[str], config: RunConfig) -> dict[tuple[str, str], torch.Tensor]:
+def _captured_kv(
+    model, attention: Sequence[str], config: RunConfig, ranks: Ranks
+) -> dict[tuple[str, str], torch.Tensor]:
     """Key and value states as ``{(block, "k"|"v"): (1, kv_heads, tokens, head_dim)}``."""
     if not attention:
         return {}
-    states = model.capture_kv(list(attention), **config.capture_options())
+    states = model.capture_kv(list(attention), **_capture_options(config, ranks))
     return {(block, which): data for block, pair in states.items() for which, data in pair.items()}
 
 
-def _g_idx_for(config: RunConfig, spec: ob.QuantSpec, inputs: torch.Tensor | None) -> torch.Tensor | None:
-    if not config.actorder or spec.strategy != "group" or spec.format.is_block:
-        return None
-    if inputs is None or inputs.shape[0] == 0:
-        return None
-    return ob.activation_order_g_idx(ob.column_importance(inputs), spec.group_size)
-
-
-def _importance_for(tensor: str, inputs: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-column importance for weight observers that take one (``imatrix_mse``): the mean
-    squared captured input, when the layer's inputs were captured."""
-    if tensor != "weight" or inputs is None or inputs.numel() == 0:
-        return None
-    return ob.column_importance(inputs)
+def _capture_options(config: RunConfig, ranks: Ranks) -> dict[str, Any]:
+    """``config.capture_options()``, and this rank's share of the batches when ranks split them."""
+    split = {"share": (ranks.rank, ranks.world_size)} if ranks.world_size > 1 else {}
+    return config.capture_options() | split
 
 
 def analyse(
@@ -238,10 +271,17 @@ def analyse(
     progress: ProgressFn | None = None,
     cache: ResultCache | None = None,
     attention: Sequence[str] = (),
+    ranks: Ranks = SINGLE,
 ) -> Analysis:
     """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model), and its ``kv`` spec
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
     ``(block, "v")``, observed as ``kind="attention"``).
+
+    With several ``ranks`` (torchrun) the ranks split the calibration batches: every rank calls
+    ``analyse`` with the same arguments, captures its share, and the activation observers merge
+    their statistics across ranks (``observers.shared``), so every rank ends with the same
+    activation results; the weights are split instead, layer ``i`` analysed by rank
+    ``i % world_size`` only (``lab.distributed.owner``).
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
@@ -262,27 +302,43 @@ def analyse(
     source_id = json.dumps(
         [getattr(model, "name", ""), str(getattr(model, "source", "")), str(getattr(model, "dtype", ""))]
     )
-    weights = {layer: model.weight(layer) for layer in layers} if "weight" in config.specs or config.actorder else {}
-    activations = _captured(model, layers, config) if layers else {}
-    activations |= _captured_kv(model, attention, config)
+    split = ranks.world_size > 1
+    mine = [layer for i, layer in enumerate(layers) if not split or owner(i, ranks.world_size) == ranks.rank]
+    read = layers if observed.smooths(config) else mine if "weight" in config.specs else []
+    weights, activations, failed, notes = {}, {}, None, []
+    try:
+        weights = {layer: model.weight(layer) for layer in read}
+        activations = _captured(model, layers, config, ranks) if layers else {}
+        activations |= _captured_kv(model, attention, config, ranks)
+    except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
+        failed = err
+    ranks.agree(failed)
+    if config.transform is not None:
+        weights, activations, notes = observed.transformed(config, layers, weights, activations, ranks)
+    weights = {layer: weights[layer] for layer in mine if layer in weights} if "weight" in config.specs else {}
+    statistics = observed.input_statistics(layers, activations, config, ranks)
     names = config.observer_names
     jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
     jobs += [(block, which) for block in attention for which in KV_TENSORS]
     total = len(jobs) * len(names)
     entries: list[TensorAnalysis] = []
-    warnings: list[str] = []
+    warnings: list[str] = list(notes)
     step = 0
     for layer, tensor in jobs:
         data = weights.get(layer) if tensor == "weight" else activations.get((layer, tensor))
         if data is None:
-            warnings.append(f"{layer}: no {tensor} activations were captured")
+            if tensor != "weight":
+                warnings.append(f"{layer}: no {tensor} activations were captured")
             step += len(names)
             continue
         spec = config.specs[spec_key(tensor)]
-        inputs = activations.get((layer, "input"))
-        g_idx = _g_idx_for(config, spec, inputs) if tensor == "weight" else None
-        extra = config.calibration_key() if tensor != "weight" or g_idx is not None else ""
-        importance = _importance_for(tensor, inputs)
+        weight_job = tensor == "weight"
+        given = statistics.get(layer, {}) if weight_job else {}
+        g_idx = observed.g_idx_for(config, spec, given.get("importance")) if weight_job else None
+        extra = config.calibration_key() if not weight_job or g_idx is not None else ""
+        extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
+        extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
+        across = ranks.reduce if split and not weight_job else None
         results = []
         for name in names:
             if progress is not None:
@@ -290,17 +346,32 @@ def analyse(
             step += 1
             knobs = dict(config.knobs.get(name, {}))
             key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, extra + str(config.actorder))
-            if importance is not None and "importance" in ob.knobs(name) and "importance" not in knobs:
-                key = cache.key(
-                    f"{source_id}|{layer}|{tensor}", spec, name, knobs, f"importance|{config.calibration_key()}"
-                )
-                knobs["importance"] = importance
-            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, **knobs)
+            filled = sorted(knob for knob in given if knob in ob.knobs(name) and knob not in knobs)
+            if filled:
+                inputs_key = f"{'+'.join(filled)}|{config.calibration_key()}"
+                key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, inputs_key + extra)
+                knobs |= {knob: given[knob] for knob in filled}
+            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, across=across, **knobs)
             results.append(cache.get_or_run(key, run))
-        entries.append(TensorAnalysis(layer, tensor, spec, data, results, g_idx))
+        shared = across is not None
+        whole = observed.total_shape(tensor, data, ranks) if shared else None
+        entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, whole, None if shared else ranks.rank)
+        entry.tool_results = [_as_tool(tool, entry, across) for tool in config.tools]
+        entries.append(entry)
     if progress is not None:
         progress(total, total, "done")
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
+
+
+def _as_tool(tool: str, entry: TensorAnalysis, across: Any) -> ToolResult:
+    """``entry``'s tensor observed as ``tool`` would by default: its observer, knobs and conventions."""
+    try:
+        found = profile(tool, entry.tensor, entry.spec)
+    except ValueError as err:
+        return ToolResult(tool, None, SuiteResult(tool, None, {}, 0.0, {}, 0, str(err)))
+    kind = _observer_kind(entry.tensor)
+    result = ob.run_one(found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, across=across, **found.knobs)
+    return ToolResult(tool, found, replace(result, name=f"{tool}: {found.observer}"))
 
 
 class CapturingModel:

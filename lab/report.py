@@ -12,6 +12,7 @@ import datetime as _dt
 import html
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -70,10 +71,55 @@ def report_figures(analysis: Analysis, metric: str) -> list[go.Figure]:
     return figures
 
 
-def render(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str = DEFAULT_METRIC) -> str:
-    """The report as one HTML document: the choices table and ``report_figures``."""
+def _frame_table(frame) -> str:
+    """A small DataFrame as an HTML table (numbers to 4 significant digits)."""
+    head = "<tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns) + "</tr>"
+    rows = [
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(v) if isinstance(v, float) else str(v))}</td>" for v in row) + "</tr>"
+        for row in frame.itertuples(index=False)
+    ]
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def effect_section(effect: tuple[Any, Any]) -> tuple[list[str], list[go.Figure]]:
+    """The model-level section of a report from ``(lab.sensitivity.Sensitivity, [Evaluation, ...])``:
+    HTML parts (the choice sets' metrics, the most sensitive tensors) and its figures (the
+    sensitivity heatmap, the block SQNR curves, the metric per choice set)."""
+    import pandas as pd
+
+    from lab.evaluate import summary_rows
+    from lab.plots import effect as effect_plots
+
+    table, evaluations = effect
+    names = [e.name for e in evaluations]
+    float_value = table.baseline.get(table.metric)
+    figures = [
+        effect_plots.choice_set_bars(names, [e.metrics[table.metric] for e in evaluations], table.metric),
+        effect_plots.block_sqnr_figure(names, [e.block_sqnr_db for e in evaluations]),
+        effect_plots.sensitivity_heatmap(table.frame, table.metric, float_value),
+    ]
+    parts = [
+        f"<p class='note'>Held-out text, not the calibration text; {table.runs} one-tensor runs "
+        f"({table.unique_runs} distinct) in {table.seconds:.1f} s; ranked by {html.escape(table.metric)}.</p>",
+        _frame_table(pd.DataFrame(summary_rows(evaluations))),
+        "<h3>Most sensitive tensors</h3>",
+        _frame_table(table.ranking().head(10)),
+    ]
+    return parts, figures
+
+
+def render(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    metric: str = DEFAULT_METRIC,
+    effect: tuple[Any, Any] | None = None,
+) -> str:
+    """The report as one HTML document: the choices table and ``report_figures``, and with
+    ``effect`` (a sensitivity table and end-to-end evaluations) the model-level section."""
     check_metric(metric)
     figures = report_figures(analysis, metric)
+    effect_parts, effect_figures = effect_section(effect) if effect is not None else ([], [])
+    figures = figures[:2] + effect_figures + figures[2:]
     blocks = [
         fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False) for i, fig in enumerate(figures)
     ]
@@ -89,8 +135,9 @@ def render(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: s
         _choices_table(analysis, choices, metric),
         "<h2>Overview</h2>",
         *blocks[:2],
+        *(["<h2>Model-level effect</h2>", *effect_parts, *blocks[2 : 2 + len(effect_figures)]] if effect else []),
         "<h2>Ranges per tensor</h2>",
-        *blocks[2:],
+        *blocks[2 + len(effect_figures) :],
     ]
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>Observer Lab report</title>"
@@ -99,9 +146,13 @@ def render(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: s
 
 
 def write_report(
-    analysis: Analysis, choices: Mapping[tuple[str, str], str], path: str | Path, metric: str = DEFAULT_METRIC
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    path: str | Path,
+    metric: str = DEFAULT_METRIC,
+    effect: tuple[Any, Any] | None = None,
 ) -> Path:
     """Write ``render``'s report to ``path``; returns the path."""
     out = Path(path)
-    out.write_text(render(analysis, choices, metric), encoding="utf-8")
+    out.write_text(render(analysis, choices, metric, effect), encoding="utf-8")
     return out

@@ -8,39 +8,68 @@ everywhere. No streamlit here: pages and the report draw these frames.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
+import torch
 
 import observers as ob
 from lab.pipeline import Analysis, TensorAnalysis
-from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, TensorKind
+from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, MODEL_METRIC_PREFIX, MODEL_METRICS, TensorKind
 from observers.suite import SuiteResult
 
 Choices = dict[tuple[str, str], str]
+Effect = Mapping[tuple[str, str], Mapping[str, Mapping[str, float]]]
+"""Model-level metrics of quantizing one tensor with one observer (``lab.sensitivity``):
+``{(layer, tensor): {observer: {"kl": ..., ...}}}``."""
 
 
 def check_metric(metric: str) -> str:
-    """``metric`` itself, or a ``ValueError`` naming the metrics there are."""
-    if metric not in ob.HIGHER_IS_BETTER:
-        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ob.HIGHER_IS_BETTER)}")
+    """``metric`` itself (a local metric of ``ob.HIGHER_IS_BETTER``, or a model-level one as
+    ``model:<name>``), or a ``ValueError`` naming the metrics there are."""
+    if metric not in ob.HIGHER_IS_BETTER and metric.removeprefix(MODEL_METRIC_PREFIX) not in MODEL_METRICS:
+        known = [*ob.HIGHER_IS_BETTER, *(MODEL_METRIC_PREFIX + m for m in MODEL_METRICS)]
+        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(known)}")
+    if metric not in ob.HIGHER_IS_BETTER and not metric.startswith(MODEL_METRIC_PREFIX):
+        raise ValueError(f"{metric!r} is a model-level metric: choose by {MODEL_METRIC_PREFIX}{metric}")
     return metric
 
 
-def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC) -> list[SuiteResult]:
+def higher_is_better(metric: str) -> bool:
+    """Direction of a local or model-level (``model:<name>``) metric."""
+    if check_metric(metric) in ob.HIGHER_IS_BETTER:
+        return ob.HIGHER_IS_BETTER[metric]
+    return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]
+
+
+def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[str, float]:
+    """Each observer's value of ``metric`` on ``entry``: its own metrics for a local metric, the
+    model-level effect of quantizing this tensor with it for a ``model:`` one (none without ``effect``)."""
+    if metric in ob.HIGHER_IS_BETTER:
+        found = {r.name: r.metrics.get(metric) for r in entry.results}
+    else:
+        name = metric.removeprefix(MODEL_METRIC_PREFIX)
+        per_observer = (effect or {}).get((entry.layer, entry.tensor), {})
+        found = {observer: values.get(name) for observer, values in per_observer.items()}
+    return {k: float(v) for k, v in found.items() if v is not None and not math.isnan(float(v))}
+
+
+def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC, effect: Effect | None = None) -> list[SuiteResult]:
     """The observers of ``entry`` that produced qparams and a value for ``metric``, best first
-    (ties keep suite order)."""
-    sign = 1.0 if ob.HIGHER_IS_BETTER[check_metric(metric)] else -1.0
-    usable = [r for r in entry.results if r.qparams is not None and r.metrics.get(metric) is not None]
-    return sorted(usable, key=lambda r: -sign * r.metrics[metric])
+    (ties keep suite order). A model-level metric (``model:kl``) takes its values from ``effect``."""
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    values = _values(entry, metric, effect)
+    usable = [r for r in entry.results if r.qparams is not None and r.name in values]
+    return sorted(usable, key=lambda r: -sign * values[r.name])
 
 
-def choose(analysis: Analysis, metric: str = DEFAULT_METRIC) -> Choices:
-    """The best observer per ``(layer, tensor)`` by ``metric``; tensors where no observer gave a
-    value are left out."""
+def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | None = None) -> Choices:
+    """The best observer per ``(layer, tensor)`` by ``metric`` (local, or model-level with
+    ``effect``); tensors where no observer gave a value are left out."""
     chosen: Choices = {}
     for entry in analysis.entries:
-        ranked = rank(entry, metric)
+        ranked = rank(entry, metric, effect)
         if ranked:
             chosen[(entry.layer, entry.tensor)] = ranked[0].name
     return chosen
@@ -70,7 +99,7 @@ def uncalibrated(analysis: Analysis) -> list[TensorAnalysis]:
     """Activation entries that saw no calibration tokens (e.g. MoE experts the router never
     picked): any qparams for them would be made up, which is how NaN or garbage scales reach
     checkpoints."""
-    return [e for e in analysis.entries if e.tensor != TensorKind.WEIGHT and e.data.numel() == 0]
+    return [e for e in analysis.entries if e.tensor != TensorKind.WEIGHT and e.num_tokens == 0]
 
 
 def token_warnings(analysis: Analysis, few: int = FEW_TOKENS) -> list[str]:
@@ -98,7 +127,7 @@ def error_table(analysis: Analysis) -> pd.DataFrame:
 def best_mask(frame: pd.DataFrame, metric: str) -> pd.Series:
     """True on the row(s) holding the best ``metric`` within each (layer, tensor) of a frame
     such as ``error_table``'s (ties are all marked)."""
-    sign = 1.0 if ob.HIGHER_IS_BETTER[check_metric(metric)] else -1.0
+    sign = 1.0 if higher_is_better(metric) else -1.0
     score = sign * pd.to_numeric(frame[metric], errors="coerce")
     best = score.groupby([frame["layer"], frame["tensor"]]).transform("max")
     return (score == best) & score.notna()
@@ -170,7 +199,7 @@ def layer_output_rows(model, analysis: Analysis, observers: Sequence[str]) -> pd
                 "activation only": (weight.data, x_hat),
                 "both": (w_hat, x_hat),
             }.items():
-                metrics = layer_output_error(model, layer, inputs.data, qw, qx)
+                metrics = layer_output_error(model, layer, inputs.data, qw, qx, weight=weight.data)
                 rows.append({"layer": layer, "observer": name, "quantized": mode, **metrics})
     return pd.DataFrame(rows)
 
@@ -243,6 +272,8 @@ def export_selection(
             problems.append(f"{key[0]} {key[1]}: observer {observer!r} was not run")
         elif result.qparams is None:
             problems.append(f"{key[0]} {key[1]}: observer {observer!r} failed: {result.error}")
+        else:
+            problems += [f"{key[0]} {key[1]}: observer {observer!r} {bad}" for bad in unusable_scales(result.qparams)]
     if problems:
         raise ValueError("cannot export these choices:\n  - " + "\n  - ".join(problems))
     selected = [
@@ -253,6 +284,19 @@ def export_selection(
     if not selected:
         raise ValueError("nothing to export: no (layer, tensor) has a chosen observer")
     return selected, missing
+
+
+def unusable_scales(qp: ob.QParams) -> list[str]:
+    """What no export may write: a scale or global scale that is NaN, infinite, zero or negative
+    (a runtime would divide by it, or silently zero the tensor)."""
+    found = []
+    for name, tensor in (("scale", qp.scale), ("global_scale", qp.global_scale)):
+        if tensor is None or not tensor.is_floating_point():
+            continue
+        bad = int((~torch.isfinite(tensor) | (tensor <= 0)).sum())
+        if bad:
+            found.append(f"gave {bad} non-finite or non-positive {name} value(s) of {tensor.numel()}")
+    return found
 
 
 def granularity_note(spec: ob.QuantSpec, tensor: str = "weight") -> str | None:

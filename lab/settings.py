@@ -199,6 +199,12 @@ class RunSettings:
     preset: str = "custom"
     sequential: bool | None = None
     max_memory: int | None = None
+    transform: str | None = None
+    """Look through a transform (``observers.TransformKind``) or None; its seed and SmoothQuant's alpha follow."""
+    transform_seed: int = 0
+    smooth_alpha: float = 0.5
+    tools: tuple[str, ...] = ()
+    """Also run each tensor as these tools would by default (``lab.tools``)."""
 
     def editor(self, role: str) -> SpecSettings:
         """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""
@@ -241,6 +247,10 @@ class RunSettings:
             raise ValueError("bad knob value(s): " + "; ".join(problems))
         if self.texts is not None and not any(text.strip() for text in self.texts):
             raise ValueError("the pasted calibration text is empty: paste some text or use the built-in set")
+        if self.transform == ob.TransformKind.SMOOTHQUANT and not (can_capture and has_layers):
+            raise ValueError(
+                "SmoothQuant finds its scales from captured layer inputs: choose layers of a model that runs"
+            )
         kinds = self.kinds(has_layers, has_attention, can_capture)
         specs = {kind: self.editor(ROLE_OF_KIND[kind]).spec() for kind in kinds}
         return RunConfig(
@@ -253,7 +263,15 @@ class RunSettings:
             actorder=bool(self.actorder and self.actorder_applies and can_capture),
             sequential=self.sequential,
             max_memory=self.max_memory,
+            transform=self.transform_spec(),
+            tools=tuple(self.tools),
         )
+
+    def transform_spec(self) -> ob.TransformSpec | None:
+        """The transform the run looks through, validated (None: the model as it is)."""
+        if self.transform is None:
+            return None
+        return ob.TransformSpec(self.transform, seed=int(self.transform_seed), alpha=float(self.smooth_alpha))
 
     def copy(self) -> RunSettings:
         """An independent copy (editors and dicts included)."""

@@ -10,55 +10,41 @@ under way) and drops the tensors. At the end the records are assembled into the 
 file, equal to what one ``analyse`` over the same layers writes (apart from creation time and
 timings), written atomically, and the partial file is removed.
 
-The partial file, JSON Lines:
+The partial file and its format: ``lab.sweep_file``.
 
-- line 1: ``{"format": "observer-lab-sweep", "version": 1, "settings": sha256, "units": N,
-  "world_size": W}``; ``settings`` hashes everything that changes the results (model source with
-  file hashes, layers, attention blocks, run config, metric, uncalibrated policy, world size);
-- once: ``{"header": {...}}``, the final document's top-level fields (entries left empty);
-- one line per unit (a layer, or an attention block for ``k``/``v``): ``{"unit", "index",
-  "rank", "entries", "uncalibrated", "warnings", "error"}``, its Observer Lab entries and
-  uncalibrated records, analyse's warnings about it, and its first observer error (or null).
-
-A line is complete or dropped (a torn last line from a kill mid-write is cut off on resume), so a
-unit is either done or redone. ``resume`` skips the units already there and refuses a partial
-file of other settings; without ``resume`` an existing partial file is refused rather than
-overwritten, since it may hold hours of work.
+Under torchrun (``lab.distributed``) the ranks split the layers (each analyses its own chunks
+alone) or, when the sweep captures activations, the calibration batches: every rank then
+analyses every chunk on its share of the batches, the activation observers merge their
+statistics across ranks (``observers.shared``) and the weights of a chunk are split by layer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from lab import lab_json
-from lab.distributed import SINGLE, Ranks, owner
+from lab import lab_json, sweep_file
+from lab.distributed import SINGLE, Ranks, RankSplit, owner
 from lab.json_values import json_safe
 from lab.model_facts import describe_source
 from lab.pipeline import Analysis, ProgressFn, RunConfig, analyse
 from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
+from lab.sweep_file import partial_path
 from lab.vocab import DEFAULT_METRIC, KV, TensorKind
 
-PARTIAL_FORMAT = "observer-lab-sweep"
-PARTIAL_VERSION = 1
-PARTIAL_SUFFIX = ".partial.jsonl"
+ALL_RANKS = "all"
+"""The ``rank`` of an entry that every rank computed together (split calibration batches)."""
 LAYERS_PER_CHUNK = 8
 """Layers per chunk when activations are captured: each chunk costs one calibration pass and holds
 its layers' activations until written. Weight-only sweeps go one layer at a time (no pass to save)."""
 
 Unit = tuple[int, str, bool]
 """``(index, name, is_attention_block)``: layers first in model order, then attention blocks."""
-
-
-def partial_path(out: str | Path) -> Path:
-    """Where a sweep writing ``out`` keeps its finished units until the end."""
-    return Path(f"{out}{PARTIAL_SUFFIX}")
 
 
 @dataclass(frozen=True)
@@ -73,9 +59,12 @@ class Plan:
     metric: str = DEFAULT_METRIC
     allow_uncalibrated: bool = False
     chunk: int | None = None
+    split: RankSplit | None = None
 
     def __post_init__(self) -> None:
         check_metric(self.metric)
+        if self.split is not None:
+            object.__setattr__(self, "split", RankSplit(self.split))
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"--chunk must be at least 1, got {self.chunk}")
         if not (self.layers or self.attention):
@@ -86,11 +75,24 @@ class Plan:
         return [(index, name, block) for index, (name, block) in enumerate(named)]
 
     @property
+    def captures(self) -> bool:
+        """Whether the sweep runs calibration passes (activations, or inputs for activation order)."""
+        return self.config.actorder or any(kind != TensorKind.WEIGHT for kind in self.config.specs)
+
+    @property
     def chunk_size(self) -> int:
         if self.chunk is not None:
             return self.chunk
-        captures = self.config.actorder or any(kind != TensorKind.WEIGHT for kind in self.config.specs)
-        return LAYERS_PER_CHUNK if captures else 1
+        return LAYERS_PER_CHUNK if self.captures else 1
+
+    def split_for(self, world_size: int) -> RankSplit:
+        """What the ranks divide: the calibration batches when the sweep captures (each rank then
+        runs 1/N of every pass), else the layers; ``split`` overrides. One process: layers."""
+        if world_size <= 1:
+            return RankSplit.LAYERS
+        if self.split is not None:
+            return self.split
+        return RankSplit.BATCHES if self.captures else RankSplit.LAYERS
 
     def settings_hash(self, world_size: int) -> str:
         """Changes exactly when a unit's records could change (the chunk size does not count)."""
@@ -102,6 +104,7 @@ class Plan:
             "metric": self.metric,
             "allow_uncalibrated": self.allow_uncalibrated,
             "world_size": world_size,
+            "split": self.split_for(world_size),
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -138,25 +141,35 @@ def _records(analysis: Analysis, metric: str, allow: bool) -> tuple[list[dict], 
     return [], [lab_json.uncalibrated_record(e) for e in missing], None
 
 
-def _analyse_chunk(plan: Plan, units: list[Unit], rank: int, progress: ProgressFn | None) -> dict[str, Any]:
+def _analyse_chunk(plan: Plan, units: list[Unit], ranks: Ranks, progress: ProgressFn | None) -> dict[str, Any]:
     """One chunk analysed and reduced to its unit lines (the tensors are dropped on return), plus
-    the document header the final file takes its top-level fields from."""
+    the document header the final file takes its top-level fields from.
+
+    Ranks that split the batches (``ranks.group`` set) analyse the same chunk together: each
+    line then carries its entries' ranks, rank 0 sends the entries every rank computed together
+    (``rank`` "all") and each rank its own weights; ``_merge_units`` joins them."""
     names = [name for _, name, _ in units]
     block = units[0][2]
     config = _config_for(plan.config, block)
     if block:
-        analysis = analyse(plan.model, [], config, progress=progress, attention=names)
+        analysis = analyse(plan.model, [], config, progress=progress, attention=names, ranks=ranks)
     else:
-        analysis = analyse(plan.model, names, config, progress=progress)
+        analysis = analyse(plan.model, names, config, progress=progress, ranks=ranks)
     entries, missing, document = _records(analysis, plan.metric, plan.allow_uncalibrated)
+    shared = ranks.group is not None
+    if shared:
+        by_key = {(e.layer, e.tensor): ALL_RANKS if e.rank is None else e.rank for e in analysis.entries}
+        entries = [{**e, "rank": by_key[(e["layer"], e["tensor"])]} for e in entries]
+        entries = [e for e in entries if e["rank"] == ranks.rank or (e["rank"] == ALL_RANKS and ranks.is_main)]
+        missing = missing if ranks.is_main else []
     lines = [
         {
             "unit": name,
             "index": index,
-            "rank": rank,
+            "rank": ALL_RANKS if shared else ranks.rank,
             "entries": [e for e in entries if e["layer"] == name],
             "uncalibrated": [u for u in missing if u["layer"] == name],
-            "warnings": [w for w in analysis.warnings if w.startswith(f"{name}: ")],
+            "warnings": [w for w in analysis.warnings if w.startswith(f"{name}: ")] if ranks.is_main else [],
             "error": first_error(analysis, name),
         }
         for index, name, _ in units
@@ -176,81 +189,11 @@ def _chunks(units: list[Unit], size: int) -> list[list[Unit]]:
     return chunks
 
 
-# ---------------------------------------------------------------- the partial file (rank 0)
-
-
-def _append(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append whole lines and make them durable before going on (Ctrl-C loses nothing written)."""
-    with open(path, "ab") as handle:
-        handle.write(b"".join(lab_json.dumps(r).encode("utf-8") + b"\n" for r in records))
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The complete lines of a partial file and the bytes they span; a torn last line (killed
-    mid-write) and anything after it does not count."""
-    lines: list[dict[str, Any]] = []
-    size = 0
-    for raw in path.read_bytes().splitlines(keepends=True):
-        try:
-            if not raw.endswith(b"\n"):
-                break
-            lines.append(json.loads(raw))
-        except ValueError:
-            break
-        size += len(raw)
-    return lines, size
-
-
-def _open_partial(path: Path, first: dict[str, Any], resume: bool) -> list[dict[str, Any]]:
-    """The lines a resumed sweep starts from (the torn tail cut off), or a fresh file with ``first``."""
-    if path.exists() and not resume:
-        raise ValueError(f"{path} holds an unfinished sweep: add --resume to go on with it, or delete it to start over")
-    lines, size = _complete_lines(path) if path.exists() else ([], 0)
-    if not lines:
-        path.write_bytes(b"")
-        _append(path, [first])
-        return [first]
-    if lines[0].get("format") != PARTIAL_FORMAT:
-        raise ValueError(f"{path} is not the partial file of an Observer Lab sweep")
-    if lines[0].get("settings") != first["settings"]:
-        raise ValueError(
-            f"{path} was written by a sweep with other settings (model, layers, formats, observers, knobs, "
-            "calibration, metric or number of ranks): run with those settings, or delete it to start over"
-        )
-    os.truncate(path, size)
-    return lines
-
-
-@dataclass
-class _Writer:
-    """Rank 0's side of the partial file: appends each round's unit lines (the header once)."""
-
-    path: Path
-    has_header: bool
-
-    def write_round(self, payloads: list[dict[str, Any]]) -> None:
-        """Write what every rank finished, then raise the first rank's error, if any: the units
-        that did finish are kept for a resume."""
-        records: list[dict[str, Any]] = []
-        header = next((p["header"] for p in payloads if p["header"] is not None), None)
-        if header is not None and not self.has_header:
-            records.append({"header": header})
-            self.has_header = True
-        records += [line for p in payloads for line in p["units"]]
-        if records:
-            _append(self.path, records)
-        errors = [p["error"] for p in payloads if p["error"]]
-        if errors:
-            raise ValueError(errors[0])
-
-
 def _assemble(lines: list[dict[str, Any]], world_size: int, config: RunConfig) -> tuple[dict[str, Any], list[str]]:
     """The final document from a complete partial file's lines (units in model order), and the
     units' warnings; ``rank`` per entry and ``world_size`` on top only for several ranks."""
     units = sorted((line for line in lines if "unit" in line), key=lambda unit: unit["index"])
-    entries = [{**e, "rank": u["rank"]} if world_size > 1 else e for u in units for e in u["entries"]]
+    entries = [{"rank": u["rank"], **e} if world_size > 1 else e for u in units for e in u["entries"]]
     if not entries:
         first = next((u["error"] for u in units if u["error"]), "nothing was analysed")
         raise ValueError(f"no observer produced qparams for these settings: {first}")
@@ -265,16 +208,6 @@ def _assemble(lines: list[dict[str, Any]], world_size: int, config: RunConfig) -
     if problems:
         raise ValueError("internal error, the assembled sweep breaks the schema: " + "; ".join(problems))
     return document, [w for u in units for w in u["warnings"]]
-
-
-def _write_final(path: Path, document: dict[str, Any]) -> None:
-    """Write the file whole or not at all (a crash here leaves the partial file to resume from)."""
-    staging = Path(f"{path}.tmp")
-    with open(staging, "w", encoding="utf-8") as handle:
-        handle.write(lab_json.dumps(document))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -321,16 +254,16 @@ def _scaled(progress: ProgressFn | None, start: int, size: int, total: int) -> P
     return lambda step, steps, label: progress(start + min(size - 1, size * step // max(steps, 1)), total, label)
 
 
-def _start(plan: Plan, pending: Path, resume: bool, ranks: Ranks) -> tuple[set[int], _Writer | None]:
+def _start(plan: Plan, pending: Path, resume: bool, ranks: Ranks) -> tuple[set[int], sweep_file.Writer | None]:
     """The units a resume finds done (on every rank) and rank 0's writer."""
 
     def open_it() -> list[dict[str, Any]]:
-        first = {"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "settings": plan.settings_hash(ranks.world_size)}
-        return _open_partial(pending, {**first, "units": len(plan.units()), "world_size": ranks.world_size}, resume)
+        settings = plan.settings_hash(ranks.world_size)
+        return sweep_file.open_partial(pending, settings, len(plan.units()), ranks.world_size, resume)
 
     lines = _on_main(ranks, open_it)
     done = ranks.broadcast(None if lines is None else [line["index"] for line in lines if "unit" in line])
-    writer = _Writer(pending, any("header" in line for line in lines)) if ranks.is_main else None
+    writer = sweep_file.Writer(pending, any("header" in line for line in lines)) if ranks.is_main else None
     return set(done), writer
 
 
@@ -350,19 +283,25 @@ def run_sweep(
     units = plan.units()
     done, writer = _start(plan, pending, resume, ranks)
     todo = [unit for unit in units if unit[0] not in done]
-    world = range(ranks.world_size)
-    plans = [_chunks([u for u in todo if owner(u[0], ranks.world_size) == r], plan.chunk_size) for r in world]
+    split = plan.split_for(ranks.world_size)
+    if split == RankSplit.BATCHES:  # every rank takes part in every chunk
+        plans = [_chunks(todo, plan.chunk_size)] * ranks.world_size
+        together = ranks
+    else:
+        world = range(ranks.world_size)
+        plans = [_chunks([u for u in todo if owner(u[0], ranks.world_size) == r], plan.chunk_size) for r in world]
+        together = replace(ranks, group=None, world_size=1)  # analyse alone; ranks.rank still names it
     count = len(done)
     if progress is not None:
         progress(count, len(units), "resuming" if done else "starting")
     for round_no in range(max(map(len, plans))):
         chunks = [mine[round_no] if round_no < len(mine) else [] for mine in plans]
-        size = sum(map(len, chunks))
+        size = len(chunks[0]) if split == RankSplit.BATCHES else sum(map(len, chunks))
         inner = _scaled(progress, count, size, len(units))
         mine = chunks[ranks.rank]
         payload = {"units": [], "header": None, "error": None}
         if mine:
-            payload = _guarded(ranks, partial(_analyse_chunk, plan, mine, ranks.rank, inner))
+            payload = _guarded(ranks, partial(_analyse_chunk, plan, mine, together, inner))
         gathered = ranks.gather(payload)
         _on_main(ranks, partial(writer.write_round, gathered) if writer else lambda: None)
         count += size
@@ -370,8 +309,8 @@ def run_sweep(
             progress(count, len(units), f"{count} of {len(units)} written")
 
     def finish() -> Outcome:
-        document, warnings = _assemble(_complete_lines(pending)[0], ranks.world_size, plan.config)
-        _write_final(out, document)
+        document, warnings = _assemble(sweep_file.complete_lines(pending)[0], ranks.world_size, plan.config)
+        sweep_file.write_final(out, document)
         pending.unlink()
         return Outcome(document, warnings, len(done))
 

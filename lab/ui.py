@@ -225,7 +225,8 @@ def spec_editor(role: str, editor: SpecSettings, strategy_labels: dict[str, str]
             f"{role}_scale_rounding",
             editor.scale_rounding,
             options=[str(r) for r in ob.ScaleRounding],
-            help="Shared-exponent rounding: floor (OCP), even (Quark), ceil (ModelOpt).",
+            help="Shared-exponent rounding: floor (OCP), even (Quark), ceil (ModelOpt), compressed-tensors "
+            "(amax rounded at FP4's one mantissa bit, for every MX format).",
         )
     if role == "act":
         editor.dynamic = bound(

@@ -61,3 +61,26 @@ FEW_TOKENS = 16
 
 DEFAULT_METRIC = "sqnr_db"
 """The metric the best observer is chosen by unless a person picks another."""
+
+MODEL_METRICS = {"kl": False, "top1_agreement": True, "perplexity": False, "cosine": True, "spearman": True}
+"""Model-level metrics (what a choice does to the model's output on held-out text) and whether
+higher is better: a decoder LM's next-token distributions (mean KL(float || quantized), top-1
+agreement, perplexity of the quantized model), an encoder's sentence embeddings (mean cosine to
+the float ones, Spearman correlation of the pairwise similarities)."""
+DECODER_METRICS = ("kl", "top1_agreement", "perplexity")
+ENCODER_METRICS = ("cosine", "spearman")
+MODEL_METRIC_PREFIX = "model:"
+"""How "choose by" names a model-level metric next to the local ones (``model:kl``): the local
+``cosine`` of a tensor and the model-level ``cosine`` of sentence embeddings are different things."""
+
+
+def model_metric(name: str) -> str:
+    """The "choose by" key of a model-level metric: ``kl`` -> ``model:kl``."""
+    return MODEL_METRIC_PREFIX + name
+
+
+GLOBAL_SCALE_CONVENTION = (
+    "compressed-tensors: element step = scale / global_scale, global_scale = 448 * 6 / amax of the tensor; "
+    "ModelOpt stores the inverse, amax / (448 * 6), as weight_scale_2"
+)
+"""How every export's NVFP4 ``global_scale`` is to be read: the tools store it inversely to each other."""

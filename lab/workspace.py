@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import pandas as pd
 
-from lab.pipeline import Analysis, CapturingModel, ResultCache, RunConfig, analyse
+from lab.pipeline import Analysis, CapturingModel, ResultCache, RunConfig, TensorAnalysis, analyse
 from lab.results import Choices, valid_choices
 from lab.settings import RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC
@@ -74,6 +75,23 @@ class ImportState:
 
 
 @dataclass
+class EffectState:
+    """The Model effect page's state for one analysis: the held-out settings, the evaluator (the
+    float run on held-out text, cached at every block boundary, so each evaluation and sensitivity
+    run reuses it) with the settings it was built for, the sensitivity table and the end-to-end
+    evaluations last shown."""
+
+    analysis: Analysis | None = None
+    samples: int = 64
+    seq_len: int = 128
+    evaluator: Any = None
+    evaluator_key: tuple | None = None
+    sensitivity: Any = None
+    evaluations: list = field(default_factory=list)
+    choose_by: str | None = None
+
+
+@dataclass
 class Workspace:
     """Everything that belongs to one browser session.
 
@@ -96,6 +114,9 @@ class Workspace:
     pasted_text: str = ""
     settings: RunSettings = field(default_factory=RunSettings)
     analysis: Analysis | None = None
+    transformed: Analysis | None = None
+    """The same run through the settings' transform (rotation, smoothing): viewed beside
+    ``analysis``, never exported (a checkpoint holds the untransformed tensors)."""
     last_run: RunOutcome | None = None
     metric: str = DEFAULT_METRIC
     overrides: Choices = field(default_factory=dict)
@@ -105,6 +126,7 @@ class Workspace:
     layer_output: dict[tuple, pd.DataFrame] = field(default_factory=dict)
     report_html: bytes | None = None
     view: dict[str, Any] = field(default_factory=dict)
+    effect: EffectState = field(default_factory=EffectState)
 
     # ------------------------------------------------------------ model
 
@@ -176,20 +198,34 @@ class Workspace:
         cache = self.result_cache
         hits, misses = cache.hits, cache.misses
         wrapped = CapturingModel(model, self.capture_memo)
+        run = partial(analyse, wrapped, list(self.layers), progress=progress, cache=cache, attention=attention)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            analysis = analyse(wrapped, list(self.layers), config, progress=progress, cache=cache, attention=attention)
-        notes = list(analysis.warnings) + sorted(
-            {str(w.message) for w in caught if issubclass(w.category, UserWarning)}
+            analysis = run(replace(config, transform=None))
+            transformed = None if config.transform is None else run(config)
+        notes = (
+            list(analysis.warnings)
+            + list(transformed.warnings if transformed else [])
+            + sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)})
         )
         outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, notes)
         self.analysis = analysis
+        self.transformed = transformed
         self.last_run = outcome
         self.last_request = self.request
         self.overrides = {}
         self.imported = ImportState()
         self.report_html = None
         return outcome
+
+    def transformed_entry(self, entry: TensorAnalysis) -> TensorAnalysis | None:
+        """``entry`` as the run through the transform saw it (None without a transform)."""
+        if self.transformed is None:
+            return None
+        try:
+            return self.transformed.entry(entry.layer, entry.tensor)
+        except ValueError:
+            return None
 
     # ------------------------------------------------------------ choices
 
@@ -202,6 +238,29 @@ class Workspace:
             return {}, []
         overrides, notes = valid_choices(self.analysis, self.overrides)
         return {**choose(self.analysis, self.metric), **overrides}, notes
+
+    # ------------------------------------------------------------ model-level effect
+
+    def effect_for(self, analysis: Analysis) -> EffectState:
+        """The Model effect state of ``analysis``: results of an earlier analysis are dropped (they
+        describe other choices), the held-out settings are kept."""
+        if self.effect.analysis is not analysis:
+            self.effect = EffectState(analysis, self.effect.samples, self.effect.seq_len)
+        return self.effect
+
+    def effect_evaluator(self, model: Any) -> Any:
+        """The ``lab.evaluate.Evaluator`` of ``model`` on the state's held-out settings, built once
+        per model and settings (its float run is what every later evaluation compares with)."""
+        from lab.evaluate import Evaluator
+
+        state = self.effect
+        key = (self.last_request, state.samples, state.seq_len)
+        if state.evaluator is None or state.evaluator_key != key:
+            state.evaluator, state.evaluator_key = None, None
+            state.evaluator = Evaluator(model, samples=state.samples, seq_len=state.seq_len)
+            state.evaluator_key = key
+            state.sensitivity, state.evaluations = None, []
+        return state.evaluator
 
 
 class Timer:

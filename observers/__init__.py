@@ -16,8 +16,23 @@ This package imports torch only (no UI libraries).
 from observers import minmax  # noqa: F401, I001  (registers the min-max family; registry order is display order)
 from observers import histogram, mse_grid  # noqa: F401  (registers the distribution-based observers)
 from observers import blocks  # noqa: F401  (MX/NVFP4/BFP/cast scale rules and their observers)
+from observers import nvfp4_search  # noqa: F401  (LC 0.14's NVFP4 searches, the aliases fouroversix/static_minmax)
+from observers import modelopt_search  # noqa: F401  (ModelOpt 0.47 MSE, FP8 scale sweep, local Hessian, headroom)
+from observers import sqnr_search, lwp_search  # noqa: F401  (AIMET SQNR, Quark layer-wise percentile)
 from observers.actorder import activation_order_g_idx, column_importance
-from observers.base import Observer, available, create, describe, knob_specs, knobs, observer_class, register
+from observers.modelopt_search import local_hessian
+from observers.base import (
+    Observer,
+    aliases,
+    available,
+    create,
+    describe,
+    knob_specs,
+    knobs,
+    merge_rule,
+    observer_class,
+    register,
+)
 from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
@@ -28,6 +43,7 @@ from observers.qparams import QParams, calculate_qparams, representable_range
 from observers.quantize import dequantize, fake_quantize, quantize
 from observers.spec import QuantSpec
 from observers.suite import SuiteResult, results_frame, run_one, run_suite
+from observers.transforms import TransformKind, TransformSpec, transform_layer, transform_states
 from observers.vocab import STRATEGIES_BY_KIND, ObserverKind, ScaleRounding, ScaleRule, Strategy
 
 __version__ = "0.1.0"
@@ -49,7 +65,10 @@ __all__ = [
     "ScaleRule",
     "Strategy",
     "SuiteResult",
+    "TransformKind",
+    "TransformSpec",
     "activation_order_g_idx",
+    "aliases",
     "available",
     "calculate_qparams",
     "column_importance",
@@ -67,6 +86,8 @@ __all__ = [
     "get_format",
     "knob_specs",
     "knobs",
+    "local_hessian",
+    "merge_rule",
     "observer_class",
     "preset",
     "quantize",
@@ -75,4 +96,6 @@ __all__ = [
     "results_frame",
     "run_one",
     "run_suite",
+    "transform_layer",
+    "transform_states",
 ]

@@ -11,13 +11,25 @@ from __future__ import annotations
 
 import torch
 
+from observers.shared import Op, Reduce
 
-def column_importance(inputs: torch.Tensor) -> torch.Tensor:
-    """Mean squared activation per input column of ``inputs`` (``(..., in)``), in fp32."""
-    if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0 or inputs.numel() == 0:
+
+def column_importance(inputs: torch.Tensor, across: Reduce | None = None) -> torch.Tensor:
+    """Mean squared activation per input column of ``inputs`` (``(..., in)``), in fp32.
+
+    ``across``: ``inputs`` is one rank's part of inputs split between processes
+    (``observers.shared``; it may be empty): the mean over every rank's rows, from sums added in
+    fp64 (equal to the unsplit mean up to float rounding)."""
+    if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0 or (inputs.numel() == 0 and across is None):
         raise ValueError("column_importance needs a non-empty tensor shaped (..., in_features)")
     flat = inputs.reshape(-1, inputs.shape[-1]).float()
-    return flat.square().mean(dim=0)
+    if across is None:
+        return flat.square().mean(dim=0)
+    sums = across(flat.square().sum(dim=0).double(), Op.SUM)
+    rows = across(torch.tensor([flat.shape[0]], dtype=torch.float64, device=flat.device), Op.SUM)
+    if float(rows) == 0:
+        raise ValueError("column_importance needs inputs: no rank has any row")
+    return (sums / rows).float()
 
 
 def activation_order_g_idx(importance: torch.Tensor, group_size: int) -> torch.Tensor:

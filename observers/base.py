@@ -18,6 +18,7 @@ import torch
 from observers.granularity import Flat, all_finite, flatten
 from observers.knobs import Knob
 from observers.qparams import QParams, calculate_qparams
+from observers.shared import MEAN_OF_RANGES, NOT_MERGED, WEIGHTS_ONLY, Op, Reduce, agree
 from observers.spec import QuantSpec
 from observers.vocab import ObserverKind
 
@@ -54,6 +55,11 @@ class Observer:
     strategies: ClassVar[tuple[str, ...] | None] = None
     scale_kinds: ClassVar[tuple[str, ...]] = ("float", "e8m0", "e4m3", "pow2")
     checks_finite_itself: ClassVar[bool] = False
+    merge_rule: ClassVar[str] = MEAN_OF_RANGES
+    """How ranks that split a batch merge this observer's statistics (``observers.shared``)."""
+    shares_statistics: ClassVar[bool] = False
+    """True when ``_observe`` reduces its statistics with ``self._across`` (exact merges); else
+    every rank observes alone and ``qparams`` takes the token-weighted mean of the ranges."""
 
     def __init__(self, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> None:
         if not isinstance(spec, QuantSpec):
@@ -84,6 +90,10 @@ class Observer:
         self._qparam_shape: tuple[int, ...] | None = None
         self._feature_shape: tuple[int, ...] | None = None
         self._g_idx: torch.Tensor | None = None
+        self._across: Reduce | None = None
+        self._merge: Reduce | None = None
+        self._part: torch.Tensor | None = None
+        self._local_tokens = 0
         self.validate_knobs()
 
     @classmethod
@@ -126,20 +136,27 @@ class Observer:
             raise ValueError("observed tensor has no finite values")
         return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None) -> None:
+    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None) -> None:
         """Update the statistics with one batch (a weight, or a calibration batch of activations).
 
         Non-finite values are detected cheaply: by the observer's own statistics when it sets
         ``checks_finite_itself`` (min/max propagate NaN/Inf), else by one sum of the tensor;
         only then is the tensor scanned element by element.
+
+        ``across``: this batch is one rank's part of a batch split between processes, and every
+        rank calls ``observe`` in lockstep with the same reduction (``observers.shared``); a
+        rank's part may be empty. Afterwards every rank holds the statistics of the whole batch
+        (``merge_rule`` says how exactly).
         """
+        if across is not None:
+            self._observe_part(x, g_idx, across)
+            return
         self._check_input(x)
         if not self.checks_finite_itself and not all_finite(x):
             x = self._without_nonfinite(x)
         flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
         self._check_shapes(x, flat)
-        if g_idx is not None and not bool((g_idx == -1).any()):
-            self._g_idx = g_idx.detach().clone()
+        self._keep_g_idx(g_idx)
         with torch.no_grad():
             try:
                 self._observe(flat)
@@ -147,6 +164,52 @@ class Observer:
                 x = self._without_nonfinite(x)
                 self._observe(flatten(x, self.spec, self.kind, g_idx=g_idx))
         self.num_observed_tokens += flat.num_tokens
+
+    def _observe_part(self, x: torch.Tensor, g_idx: torch.Tensor | None, across: Reduce) -> None:
+        """``observe`` of one rank's part: every check that could refuse the part runs first and
+        the ranks agree on it (no rank waits in a collective for one that gave up); per-token
+        qparams stay per rank (``observers.shared.gather_tokens`` joins them)."""
+        error, flat = None, None
+        try:
+            if not isinstance(x, torch.Tensor) or x.numel() or x.ndim < 2:
+                self._check_input(x)
+            if not x.dtype.is_floating_point:
+                raise ValueError(f"observe() needs a floating-point tensor, got {x.dtype}")
+            if x.numel() and not all_finite(x):
+                x = self._without_nonfinite(x)
+            flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
+            self._check_shapes(x, flat)
+        except ValueError as err:
+            error = err
+        device = x.device if isinstance(x, torch.Tensor) else "cpu"
+        tokens = agree(error, across, device, 0 if flat is None else flat.num_tokens)
+        if tokens == 0:
+            raise ValueError(f"observe() got no tokens on any rank (tensor shape {tuple(x.shape)} here)")
+        self._keep_g_idx(g_idx)
+        exact = self.shares_statistics or self.spec.strategy == "token"
+        if not exact and type(self)._qparams is not Observer._qparams:
+            raise ValueError(f"observer {self.name!r} cannot merge its statistics across ranks")
+        with torch.no_grad():
+            if exact and self.spec.strategy != "token":
+                self._across = across
+                try:
+                    self._observe(flat)
+                finally:
+                    self._across = None
+            elif flat.num_tokens:
+                self._observe(flat)
+        self._merge = None if exact else across
+        self._part = x[:0]
+        self._local_tokens = flat.num_tokens if self.spec.strategy == "token" else self._local_tokens + flat.num_tokens
+        self.num_observed_tokens += tokens
+
+    def _reduce(self, tensor: torch.Tensor, op: Op) -> torch.Tensor:
+        """``tensor`` combined over the ranks sharing the batch under way (itself in one process)."""
+        return tensor if self._across is None else self._across(tensor, op)
+
+    def _keep_g_idx(self, g_idx: torch.Tensor | None) -> None:
+        if g_idx is not None and not bool((g_idx == -1).any()):
+            self._g_idx = g_idx.detach().clone()
 
     def _check_shapes(self, x: torch.Tensor, flat: Flat) -> None:
         """Features (and qparam shape, except per token) must not change between calls."""
@@ -173,15 +236,35 @@ class Observer:
         if self._qparam_shape is None:
             raise ValueError(f"observer {self.name!r} has observed nothing yet; call observe(x) first")
         with torch.no_grad():
-            qp = self._qparams()
+            qp = self._qparams() if self._part is None or self._local_tokens else self._empty_part_qparams()
         qp.kind = self.kind
         if self._g_idx is not None:
             qp.extras["g_idx"] = self._g_idx.to(torch.int64)
         return qp
 
     def _qparams(self) -> QParams:
-        min_val, max_val = self._choose_range()
+        min_val, max_val = self._choose_range() if self._merge is None else self._mean_range()
         return calculate_qparams(min_val, max_val, self.spec)
+
+    def _empty_part_qparams(self) -> QParams:
+        """QParams of a rank whose part had no tokens: none per token (``gather_tokens`` joins
+        the others'), else the merged statistics, which the ranks share."""
+        if self.spec.strategy != "token":
+            return self._qparams()
+        nothing = torch.zeros(self._qparam_shape, device=self._part.device)
+        return calculate_qparams(nothing, nothing, self.spec)
+
+    def _mean_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token-weighted mean of every rank's own range (the fallback merge)."""
+        if self._local_tokens:
+            low, high = self._choose_range()
+        else:
+            low = high = torch.zeros(self._qparam_shape, device=self._part.device)
+        weight = float(self._local_tokens)
+        total = self._merge(torch.tensor([weight], dtype=torch.float64, device=low.device), Op.SUM)
+        low = self._merge(low.double() * weight, Op.SUM) / total
+        high = self._merge(high.double() * weight, Op.SUM) / total
+        return low.float(), high.float()
 
     def _reset_statistics(self) -> None:
         """Forget earlier batches: per-token qparams describe the last batch's tokens only."""
@@ -195,17 +278,15 @@ class Observer:
 
 def register(cls: type[Observer]) -> type[Observer]:
     """Class decorator: add an observer to the registry under ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
+    if not cls.name or cls.name in _REGISTRY or cls.name in _ALIASES:
         raise ValueError(f"observer name {cls.name!r} is empty or registered twice")
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def create(name: str, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> Observer:
-    """A new observer ``name`` for ``spec`` and ``kind`` (weight, activation or attention)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown observer {name!r}; available: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name](spec, kind=kind, **knobs)
+    """A new observer ``name`` (or an alias of one) for ``spec`` and ``kind`` (weight, activation or attention)."""
+    return observer_class(name)(spec, kind=kind, **knobs)
 
 
 def available() -> dict[str, str]:
@@ -214,7 +295,8 @@ def available() -> dict[str, str]:
 
 
 def observer_class(name: str) -> type[Observer]:
-    """The registered class (its ``knob_specs()``, ``kinds``, docstring describe it)."""
+    """The registered class (its ``knob_specs()``, ``kinds``, docstring describe it); aliases resolve."""
+    name = _ALIASES.get(name, name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown observer {name!r}; available: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
@@ -225,6 +307,17 @@ def knobs(name: str) -> dict[str, Any]:
     return dict(observer_class(name).all_knobs())
 
 
+def merge_rule(name: str) -> str:
+    """How observer ``name`` merges its statistics when ranks split a batch (``observers.shared``):
+    exact, exact up to float rounding, approximate (and of what), or not at all."""
+    cls = observer_class(name)
+    if ObserverKind.ACTIVATION not in cls.kinds and ObserverKind.ATTENTION not in cls.kinds:
+        return WEIGHTS_ONLY
+    if not cls.shares_statistics and cls._qparams is not Observer._qparams:
+        return NOT_MERGED
+    return cls.merge_rule
+
+
 def knob_specs(name: str) -> dict[str, Knob]:
     """The knob declarations of observer ``name`` (type, bounds, doc), for docs and widgets."""
     return observer_class(name).knob_specs()
@@ -233,3 +326,21 @@ def knob_specs(name: str) -> dict[str, Knob]:
 def describe(name: str) -> str:
     """The full docstring of observer ``name`` (rule, knobs, reference)."""
     return inspect.getdoc(observer_class(name)) or ""
+
+
+_ALIASES: dict[str, str] = {}
+"""Names other tools use for a registered observer (``static_minmax`` -> ``minmax``): ``create``,
+``observer_class`` and everything built on them accept an alias, while ``available`` lists each
+observer once under its own name, so tables get no duplicate rows."""
+
+
+def register_alias(alias: str, name: str) -> None:
+    """Let ``alias`` (a name people type from another tool) stand for registered observer ``name``."""
+    if alias in _REGISTRY or alias in _ALIASES or name not in _REGISTRY:
+        raise ValueError(f"alias {alias!r} is already taken, or {name!r} is not a registered observer")
+    _ALIASES[alias] = name
+
+
+def aliases() -> dict[str, str]:
+    """``{alias: observer name}`` of every alias."""
+    return dict(_ALIASES)

@@ -28,6 +28,8 @@ Rules (section 6 of the reference doc):
   ``2^(E - 6)``; when the block's largest value would round to 128 (mantissa >= 127.5/64) ``E``
   goes up by one for that block only (the overflow bump, which is the ``even`` rule at 6 fraction
   bits), so codes stay in ±127. ``extras["scale_exponent"]`` holds ``E + 127`` as uint8.
+  ``bfp16_quark`` is Quark's own convention: codes -128..127, ``E`` from fp32 ``log2``, bumped only
+  when the block's positive max rounds to 128 (``quark_bfp_exponent``).
 - ``none`` (fp16/bf16): a plain cast; qparams are scale 1, zero point 0 and the observed range.
 """
 
@@ -37,10 +39,11 @@ import torch
 
 from observers.base import Observer, register
 from observers.formats import ElementFormat
-from observers.granularity import Flat, reduce_min_max
+from observers.granularity import Flat
 from observers.knobs import Knob
 from observers.qparams import SCALE_RULES, QParams
 from observers.quantize import element_codes
+from observers.shared import EXACT_MIN_MAX, Op, part_min_max, shared_min_max
 from observers.spec import QuantSpec
 from observers.vocab import ScaleRounding
 
@@ -49,6 +52,8 @@ E8M0_MIN_EXPONENT = -127
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 NVFP4_MAX_TENSOR_AMAX = 2.0**127
+CT_ROUNDING_MAN_BITS = 1
+"""compressed-tensors rounds every MX block amax at FP4 E2M1's one mantissa bit (``round_to_power_2``)."""
 _MANTISSA_MASK = 0x007FFFFF
 
 
@@ -72,8 +77,10 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
 def shared_exponent(amax: torch.Tensor, fmt: ElementFormat, rounding: str) -> torch.Tensor:
     """Per-block MX exponent ``e`` (int32) of ``amax`` under ``rounding`` (floor, even or ceil).
 
-    Exact: ``floor(log2 amax)`` is the fp32 exponent field, and both bumps compare mantissa bits
+    Exact: ``floor(log2 amax)`` is the fp32 exponent field, and the bumps compare mantissa bits
     (``even``: the mantissa rounded half-up to ``fmt.man_bits`` bits carries into the next binade;
+    ``compressed-tensors``: the same at one mantissa bit for every element format, so MXFP8
+    exponents differ from ``even`` in blocks whose amax mantissa is in [1.75, 1.9375);
     ``ceil``: the mantissa exceeds that of ``fmt.max_value``). Zero and fp32-subnormal amax take
     the smallest exponent. Clamped to ``[-127, 127 - emax]``.
     """
@@ -85,8 +92,9 @@ def shared_exponent(amax: torch.Tensor, fmt: ElementFormat, rounding: str) -> to
     mantissa = bits & _MANTISSA_MASK
     exponent = field - E8M0_BIAS
     normal = field > 0
-    if rounding == ScaleRounding.EVEN:
-        threshold = (1 << 23) - (1 << (22 - fmt.man_bits))
+    if rounding in (ScaleRounding.EVEN, ScaleRounding.COMPRESSED_TENSORS):
+        man_bits = fmt.man_bits if rounding == ScaleRounding.EVEN else CT_ROUNDING_MAN_BITS
+        threshold = (1 << 23) - (1 << (22 - man_bits))
         exponent = exponent + (normal & (mantissa >= threshold)).to(torch.int32)
     elif rounding == ScaleRounding.CEIL:
         max_mantissa = _fp32_bits(fmt.max_value) & _MANTISSA_MASK
@@ -116,9 +124,32 @@ def e8m0_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) 
 
 
 def pow2_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
-    """BFP16 rule: shared exponent with the per-block overflow bump (``spec.scale_rounding`` unused)."""
+    """BFP16 rule: shared exponent with the per-block overflow bump (``spec.scale_rounding`` unused);
+    ``bfp16_quark`` (a format whose codes reach -128) takes Quark's rule instead."""
+    if not spec.format.narrow_range:
+        return qparams_from_exponent(quark_bfp_exponent(min_val, max_val), min_val, max_val, spec.format)
     exponent = shared_exponent(_amax(min_val, max_val), spec.format, ScaleRounding.EVEN)
     return qparams_from_exponent(exponent, min_val, max_val, spec.format)
+
+
+def quark_bfp_exponent(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """Quark's BFP16 shared exponent (``fake_quantize_bfp16``), int32 per block.
+
+    ``E = floor(log2 amax)`` computed as Quark does, with fp32 ``log2`` (for an amax a few ulps
+    below a power of two it gives the next binade); the code step is ``2^(E-6)``; ``E`` goes up by
+    one only when a *positive* value rounds to code 128. A negative value never needs the bump:
+    it may take code -128, which the format keeps (``bfp16`` instead bumps on either side so its
+    codes stay in ±127). An all-zero block gets the smallest exponent.
+    """
+    amax = _amax(min_val, max_val)
+    nonzero = amax > 0
+    safe = torch.where(nonzero, amax, torch.ones_like(amax))
+    exponent = torch.floor(torch.log2(safe))
+    step = pow2((exponent - 6).clamp(min=-149))
+    bump = torch.round(max_val.clamp(min=0.0) / step) >= 128
+    exponent = torch.floor(torch.log2(torch.where(bump, safe * 2, safe)))
+    exponent = torch.where(nonzero, exponent, torch.full_like(exponent, E8M0_MIN_EXPONENT))
+    return exponent.clamp(E8M0_MIN_EXPONENT, E8M0_BIAS).to(torch.int32)
 
 
 def e4m3_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
@@ -153,6 +184,8 @@ class PlaceholderObserver(Observer):
     name = "placeholder"
     description = "fp16/bf16 cast only: no scale, reports the data's min/max (Quark PlaceholderObserver)"
     scale_kinds = ()
+    shares_statistics = True
+    merge_rule = EXACT_MIN_MAX
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -160,8 +193,11 @@ class PlaceholderObserver(Observer):
         self.max_val: torch.Tensor | None = None
 
     def _observe(self, flat: Flat) -> None:
-        low = flat.data.amin().float().reshape(1)
-        high = flat.data.amax().float().reshape(1)
+        low = torch.full((1,), torch.inf, device=flat.data.device)
+        high = -low
+        if flat.data.numel():
+            low, high = flat.data.amin().float().reshape(1), flat.data.amax().float().reshape(1)
+        low, high = shared_min_max(low, high, self._across)
         if self.min_val is not None:
             low, high = torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
         self.min_val, self.max_val = low, high
@@ -194,6 +230,8 @@ class MXExponentSearchObserver(Observer):
         )
     }
     scale_kinds = ("e8m0",)
+    shares_statistics = True
+    merge_rule = "exact up to float rounding: block range agreed (MIN/MAX), each exponent's error summed (SUM)"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -208,11 +246,11 @@ class MXExponentSearchObserver(Observer):
 
     def _observe(self, flat: Flat) -> None:
         fmt = self.spec.format
-        self.min_val, self.max_val = reduce_min_max(flat)
+        self.min_val, self.max_val = shared_min_max(*part_min_max(flat), self._across)
         base = shared_exponent(_amax(self.min_val, self.max_val), fmt, self.spec.scale_rounding)
         offsets = torch.arange(self.scope + 1, device=base.device, dtype=torch.int32)
         candidates = (base.unsqueeze(0) - offsets.reshape(-1, *([1] * base.ndim))).clamp(min=E8M0_MIN_EXPONENT)
-        sse = self._candidate_sse(flat, candidates)
+        sse = self._reduce(self._candidate_sse(flat, candidates), Op.SUM)
         best = sse.argmin(dim=0, keepdim=True)
         self.exponent = candidates.gather(0, best).squeeze(0)
 

@@ -181,6 +181,16 @@ FORMATS: dict[str, ElementFormat] = {
             "BFP",
             "block floating point: 8-bit mantissas, blocks of 8 sharing an exponent (Quark BFP16)",
         ),
+        replace(
+            _block_int8(
+                "bfp16_quark",
+                "pow2",
+                8,
+                "BFP",
+                "BFP16 as Quark computes it: codes -128..127, exponent bumped only when the positive max overflows",
+            ),
+            narrow_range=False,
+        ),
         _cast("fp16", 5, 10, torch.float16),
         _cast("bf16", 8, 7, torch.bfloat16),
     )

@@ -21,6 +21,7 @@ import torch
 
 from observers.base import NonFiniteStatistics
 from observers.granularity import Flat, all_finite, min_max
+from observers.shared import Op, Reduce, shared_min_max
 
 _BIN_CHUNK = 1 << 16
 """Values binned per pass: the int32 index buffer stays in L2."""
@@ -63,11 +64,14 @@ def rows_of(flat: Flat) -> torch.Tensor:
     rows = 1
     for size in flat.qparam_shape:
         rows *= size
-    return data.movedim(0, -2).reshape(rows, -1)
+    return data.movedim(0, -2).reshape(rows, data.numel() // rows)
 
 
-def _bin_into(counts: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, width: torch.Tensor) -> None:
+def _bin_into(
+    counts: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, reduce: Reduce | None = None
+) -> None:
     """Add ``values`` (R, n) to ``counts`` (R, bins) in place; values beyond the ends go to the end bins.
+    With ``reduce`` the counts of every rank's values are added (all ranks bin into the same bins).
 
     Why not ``torch.histc``: on CPU it re-checks every element against the bin edges and takes
     about twice as long as three vectorized passes plus one ``bincount`` over all rows, run over
@@ -86,6 +90,8 @@ def _bin_into(counts: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, widt
         part = values[:, first : first + step]
         index = torch.addcmul(shift, part, scale).clamp_(0, bins - 1).to(torch.int32).add_(offsets)
         total.add_(torch.bincount(index.reshape(-1), minlength=rows * bins))
+    if reduce is not None:
+        total = reduce(total, Op.SUM)
     counts.view(-1).add_(total)
 
 
@@ -118,12 +124,23 @@ def _grow(hist: RowHistogram, new_min: torch.Tensor, new_max: torch.Tensor) -> R
     return RowHistogram(counts, new_lo, new_width, hist.data_min, hist.data_max, hist.signed_min, hist.signed_max)
 
 
-def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, absolute: bool = False) -> RowHistogram:
-    """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0."""
+def update_histogram(
+    hist: RowHistogram | None, rows: torch.Tensor, bins: int, absolute: bool = False, reduce: Reduce | None = None
+) -> RowHistogram:
+    """Add a batch ``rows`` (R, n) to ``hist`` (None starts one); ``absolute`` histograms ``|x|`` from 0.
+
+    With ``reduce`` the batch is split between ranks (``observers.shared``; ``rows`` may be
+    empty): the ranks agree on the batch's range, so every rank grows the same histogram the same
+    way, and the counts are summed; the result is the histogram of the whole batch, on every rank."""
     rows = rows.float()
-    signed_min, signed_max = min_max(rows.unsqueeze(0))
-    if not (all_finite(signed_min) and all_finite(signed_max)):
-        raise NonFiniteStatistics("the batch has NaN/Inf values")
+    if rows.numel():
+        signed_min, signed_max = min_max(rows.unsqueeze(0))
+        if not (all_finite(signed_min) and all_finite(signed_max)):
+            raise NonFiniteStatistics("the batch has NaN/Inf values")
+    else:
+        signed_min = torch.full(rows.shape[:1], torch.inf, device=rows.device)
+        signed_max = -signed_min
+    signed_min, signed_max = shared_min_max(signed_min, signed_max, reduce)
     if absolute:
         rows = rows.abs()
         batch_min = torch.zeros_like(signed_min)
@@ -147,5 +164,5 @@ def update_histogram(hist: RowHistogram | None, rows: torch.Tensor, bins: int, a
         hist.data_max = torch.maximum(hist.data_max, batch_max)
         hist.signed_min = torch.minimum(hist.signed_min, signed_min)
         hist.signed_max = torch.maximum(hist.signed_max, signed_max)
-    _bin_into(hist.counts, rows, hist.lo, hist.width)
+    _bin_into(hist.counts, rows, hist.lo, hist.width, reduce)
     return hist

@@ -18,6 +18,7 @@ from observers.hist_state import RowHistogram, rows_of, update_histogram
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES, fake_quant_batched
 from observers.qparams import calculate_qparams
+from observers.shared import EXACT_HISTOGRAM
 from observers.vocab import Strategy
 
 BINS = Knob(2048, int, low=2, doc="Bins of the running histogram (it widens as data arrives, re-binning old counts)")
@@ -28,6 +29,8 @@ class _HistogramBase(Observer):
     strategies = (Strategy.TENSOR, Strategy.CHANNEL)
     scale_kinds = ("float",)
     checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
+    shares_statistics = True
+    merge_rule = EXACT_HISTOGRAM
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -39,7 +42,7 @@ class _HistogramBase(Observer):
         return False
 
     def _observe(self, flat: Flat) -> None:
-        self.hist = update_histogram(self.hist, rows_of(flat), self.bins, absolute=self.absolute)
+        self.hist = update_histogram(self.hist, rows_of(flat), self.bins, absolute=self.absolute, reduce=self._across)
 
     def _rows_range(self, hist: RowHistogram) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -14,6 +14,7 @@ import torch
 
 from observers.granularity import flatten
 from observers.qparams import QParams
+from observers.shared import Op, Reduce
 from observers.spec import QuantSpec
 
 METRIC_KEYS = ("mse", "sqnr_db", "cosine", "max_abs_error", "clip_ratio", "rmse_over_scale")
@@ -27,17 +28,27 @@ HIGHER_IS_BETTER = {
 }
 
 
-def compare_tensors(reference: torch.Tensor, approx: torch.Tensor) -> dict[str, float]:
-    """``mse``, ``sqnr_db`` (20·log10(‖x‖/‖x−x̂‖)), ``cosine`` and ``max_abs_error``."""
+def compare_tensors(reference: torch.Tensor, approx: torch.Tensor, across: Reduce | None = None) -> dict[str, float]:
+    """``mse``, ``sqnr_db`` (20·log10(‖x‖/‖x−x̂‖)), ``cosine`` and ``max_abs_error``.
+
+    ``across``: the tensors are one rank's part of tensors split between processes
+    (``observers.shared``); the metrics are those of the whole, from sums added over the ranks
+    (a part may be empty)."""
     if reference.shape != approx.shape:
         raise ValueError(f"cannot compare tensors of shapes {tuple(reference.shape)} and {tuple(approx.shape)}")
-    if reference.numel() == 0:
+    if reference.numel() == 0 and across is None:
         raise ValueError("cannot compute error metrics of an empty tensor")
     ref = reference.detach().float().flatten()
-    err = approx.detach().float().flatten() - ref
-    err_sq = float(err.square().sum())
-    ref_sq = float(ref.square().sum())
-    approx_sq = float(approx.detach().float().square().sum())
+    app = approx.detach().float().flatten()
+    err = app - ref
+    sums = torch.stack([err.square().sum(), ref.square().sum(), app.square().sum(), torch.dot(ref, ref + err)])
+    count, largest = ref.numel(), err.abs().max() if ref.numel() else torch.zeros((), device=ref.device)
+    if across is not None:
+        count = int(across(torch.tensor([count], dtype=torch.float64, device=ref.device), Op.SUM))
+        if count == 0:
+            raise ValueError("cannot compute error metrics of an empty tensor (no rank has any element)")
+        sums, largest = across(sums.double(), Op.SUM), across(largest.reshape(1), Op.MAX)
+    err_sq, ref_sq, approx_sq, dot = (float(value) for value in sums)
     if err_sq == 0.0:
         sqnr = math.inf
     elif ref_sq == 0.0:
@@ -49,20 +60,20 @@ def compare_tensors(reference: torch.Tensor, approx: torch.Tensor) -> dict[str, 
     elif ref_sq == 0.0 or approx_sq == 0.0:
         cosine = 0.0
     else:
-        cosine = float(torch.dot(ref, ref + err)) / math.sqrt(ref_sq * approx_sq)
+        cosine = dot / math.sqrt(ref_sq * approx_sq)
     return {
-        "mse": err_sq / ref.numel(),
+        "mse": err_sq / count,
         "sqnr_db": sqnr,
         "cosine": cosine,
-        "max_abs_error": float(err.abs().max()),
+        "max_abs_error": float(largest),
     }
 
 
 _EDGE_STEPS = 1e-3
 
 
-def _clip_and_step_error(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec) -> tuple[float, float]:
-    """Share of elements beyond the representable range, and RMS error / step.
+def _clip_and_step_sums(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec) -> torch.Tensor:
+    """How many elements lie beyond the representable range, and the sum of squared error / step.
 
     An integer element counts as clipped when it lies more than half a step beyond
     ``[(qmin - zp)·s, (qmax - zp)·s]`` (saturation, not rounding, set its error); a float element
@@ -70,6 +81,8 @@ def _clip_and_step_error(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec
     ``half_range`` rule the range's own end sits exactly half a step beyond ``qmax·s``, and
     ``x / s`` there may land a hair past it.
     """
+    if x.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=x.device)
     fmt = spec.format
     g_idx = qp.extras.get("g_idx")
     flat = flatten(x, spec, qp.kind, g_idx=g_idx)
@@ -83,25 +96,33 @@ def _clip_and_step_error(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec
     else:
         clipped = scaled.abs() > fmt.max_value * (1 + 1e-6)
     step_error = ((flat_hat.data.float() - flat.data.float()) / scale).square()
-    count = x.numel()
     if flat.valid is not None:
         clipped = clipped & flat.valid
         step_error = step_error * flat.valid
-    return float(clipped.sum()) / count, math.sqrt(float(step_error.sum()) / count)
+    return torch.stack([clipped.sum().double(), step_error.sum().double()])
 
 
-def error_metrics(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec) -> dict[str, float | None]:
+def error_metrics(
+    x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec, across: Reduce | None = None
+) -> dict[str, float | None]:
     """All of ``METRIC_KEYS`` for ``x`` and its fake-quantized ``x_hat``.
 
     For plain casts (fp16/bf16) there is no step: ``rmse_over_scale`` is None and ``clip_ratio``
-    counts values beyond the cast type's largest finite value.
+    counts values beyond the cast type's largest finite value. ``across``: ``x`` is one rank's
+    part of a tensor split between processes, as in ``compare_tensors``.
     """
-    metrics: dict[str, float | None] = dict(compare_tensors(x, x_hat))
+    metrics: dict[str, float | None] = dict(compare_tensors(x, x_hat, across))
     if spec.format.kind == "cast":
         limit = torch.finfo(x_hat.dtype if x_hat.dtype.is_floating_point else torch.float32).max
         limit = min(limit, spec.format.max_value or limit)
-        metrics.update(clip_ratio=float((x.float().abs() > limit).sum()) / x.numel(), rmse_over_scale=None)
-        return metrics
-    clip_ratio, rmse_over_scale = _clip_and_step_error(x, x_hat, qp, spec)
-    metrics.update(clip_ratio=clip_ratio, rmse_over_scale=rmse_over_scale)
+        sums = torch.stack([(x.float().abs() > limit).sum().double(), torch.zeros((), dtype=torch.float64)])
+    else:
+        sums = _clip_and_step_sums(x, x_hat, qp, spec)
+    count = torch.tensor(float(x.numel()), dtype=torch.float64)
+    sums = torch.cat([sums.to(count.device), count.reshape(1)])
+    if across is not None:
+        sums = across(sums.to(x.device), Op.SUM)
+    clipped, step_sq, count = (float(value) for value in sums)
+    metrics["clip_ratio"] = clipped / count
+    metrics["rmse_over_scale"] = None if spec.format.kind == "cast" else math.sqrt(step_sq / count)
     return metrics

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from observers.base import NonFiniteStatistics, Observer, register
-from observers.granularity import Flat, all_finite, reduce_min_max
+from observers.granularity import Flat, all_finite
 from observers.knobs import Knob
+from observers.shared import EXACT_MIN_MAX, part_min_max, shared_min_max
 
 AVERAGING_CONSTANT = Knob(
     0.01,
@@ -26,6 +27,8 @@ AVERAGING_CONSTANT = Knob(
 
 class _MinMaxBase(Observer):
     checks_finite_itself = True
+    shares_statistics = True
+    merge_rule = EXACT_MIN_MAX
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -36,9 +39,10 @@ class _MinMaxBase(Observer):
         self.min_val = self.max_val = None
 
     def _observe(self, flat: Flat) -> None:
-        low, high = reduce_min_max(flat)
-        if not (all_finite(low) and all_finite(high)):
+        low, high = part_min_max(flat)
+        if flat.data.numel() and not (all_finite(low) and all_finite(high)):
             raise NonFiniteStatistics
+        low, high = shared_min_max(low, high, self._across)
         if self.min_val is None:
             self.min_val, self.max_val = low, high
         else:

@@ -26,11 +26,13 @@ import torch
 
 from observers.base import Observer, register
 from observers.formats import round_to_float_grid_
-from observers.granularity import Flat, as_2d, flatten, reduce_min_max
+from observers.granularity import Flat, all_finite, as_2d, flatten
 from observers.knobs import Knob
+from observers.lc_search import free_scale_spec, lc_grid_search
 from observers.minmax import AVERAGING_CONSTANT
 from observers.qparams import calculate_qparams
 from observers.quantize import element_codes
+from observers.shared import EXACT_GRID, Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
 from observers.vocab import ObserverKind
 
@@ -92,6 +94,8 @@ def _blocks(observations: int, groups: int, group: int, elements: int) -> Iterat
     of one group, else runs of one observation's elements.
     """
     everything = slice(None)
+    if observations * group == 0:  # an empty part of a split batch: nothing to add
+        return
     if observations * group <= elements:
         per_block = elements // (observations * group)
         for start in range(0, groups, per_block):
@@ -211,8 +215,11 @@ def _apply_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patien
 
 
 def _as_groups(values: torch.Tensor) -> torch.Tensor:
-    """``(N, *qparam_shape, K)`` -> contiguous ``(N, Q, K)``: the groups on one axis."""
-    return values.reshape(values.shape[0], -1, values.shape[-1]).contiguous()
+    """``(N, *qparam_shape, K)`` -> contiguous ``(N, Q, K)``: the groups on one axis (N may be 0)."""
+    groups = 1
+    for size in values.shape[1:-1]:
+        groups *= size
+    return values.reshape(values.shape[0], groups, values.shape[-1]).contiguous()
 
 
 def mse_grid_search(
@@ -225,6 +232,7 @@ def mse_grid_search(
     expand: float = 1.0,
     max_working_bytes: int = DEFAULT_WORKING_BYTES,
     weight: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group ``(min, max)`` minimising ``Σ weight·|fake_quant(x) - x|^norm`` over LC's shrink grid.
 
@@ -236,8 +244,11 @@ def mse_grid_search(
     errors, so the result equals the sequential loop's up to the few-ulp differences of the error
     sums described in the module docstring. ``weight`` (broadcastable to
     ``flat.data``) weighs each element's error; padding of ragged groups is excluded.
+    With ``reduce`` the batch is split between ranks (``observers.shared``): the start range
+    and the chunking are agreed and each candidate's errors are summed over the ranks before the
+    early-stop rule and the pick, so every rank makes the same choice.
     """
-    low, high = reduce_min_max(flat)
+    low, high = shared_min_max(*part_min_max(flat), reduce)
     base_min, base_max = low * expand, high * expand
     if flat.valid is not None:
         weight = flat.valid.float() if weight is None else weight * flat.valid
@@ -246,12 +257,16 @@ def mse_grid_search(
         weight = _as_groups(weight.float().expand(flat.data.shape))
     factors = shrink_factors(maxshrink, grid)
     chunk = max(1, min(len(factors), max_working_bytes // max(1, data.numel() * 8)))
+    if reduce is not None:
+        chunk = int(reduce(torch.tensor([chunk], device=data.device), Op.MIN))
     best = torch.full((data.shape[1],), torch.finfo(torch.float32).max, device=data.device)
     best_factor = torch.ones_like(best)
     stale = 0
     for first in range(0, len(factors), chunk):
         chunk_factors = factors[first : first + chunk]
         errors = _chunk_errors(data, weight, base_min, base_max, chunk_factors, spec, norm)
+        if reduce is not None:
+            errors = reduce(errors, Op.SUM)
         errors = torch.nan_to_num(errors, nan=torch.inf)
         used, stale, stopped = _apply_patience(errors, best, stale, patience)
         candidates = torch.cat([best.unsqueeze(1), errors[:, :used]], dim=1)
@@ -283,6 +298,9 @@ _GRID_KNOBS = {
 
 
 class _GridBase(Observer):
+    shares_statistics = True
+    merge_rule = EXACT_GRID
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.min_val: torch.Tensor | None = None
@@ -309,6 +327,7 @@ class _GridBase(Observer):
             self.expand,
             self.max_working_bytes,
             weight=self._error_weight(flat),
+            reduce=self._across,
         )
         self.min_val, self.max_val = self._combine(low, high)
 
@@ -366,31 +385,53 @@ class MovingAverageMSEGridObserver(_GridBase):
 class IMatrixMSEObserver(_GridBase):
     """``mse_grid`` for weights with each input column's error weighted by its importance.
 
-    Rule: as ``mse_grid``, error ``Σ importance[col]·|fake_quant(w) - w|^norm`` per group, where
-    ``importance`` (knob, shape ``(in,)``, e.g. ``observers.column_importance(captured_inputs)``) is the
-    mean squared input activation of each column. Without ``importance`` it warns and runs plain
-    ``mse_grid``. Knobs: those of ``mse_grid`` plus ``importance`` (None).
-    Reference: llm-compressor ``imatrix_mse``.
+    Rule (llm-compressor 0.14 ``imatrix_mse``): start at ``expand·(min, max)``; try
+    ``p = 1 - i/grid`` for ``i = 0 .. max(1, int(maxshrink·grid))`` (one candidate more than
+    ``mse_grid``'s loop); error ``Σ imp[col]·|fake_quant(w) - w|^norm`` per group with
+    ``imp = importance / mean(importance)``; each group keeps its best (first on ties); stop after
+    ``patience`` consecutive candidates that improved no group (``patience`` 0: never).
+    ``importance`` is the mean squared input activation per input column: the knob when given
+    (e.g. ``observers.column_importance(captured_inputs)``, what the lab passes), else what
+    ``observe_inputs(x)`` collected (sum of squares and token count in fp32, as llm-compressor's
+    forward hook does); without either, or when it is all zero, it warns and runs unweighted.
+    NVFP4 candidates are scored with free fp32 scales as llm-compressor does
+    (``observers.lc_search``); the chosen range then goes through the NVFP4 rule.
+    Knobs: ``maxshrink`` 0.95, ``grid`` 20, ``patience`` 5, ``norm`` 3.0 (llm-compressor 0.14's
+    defaults), ``expand`` 1.0, ``max_working_bytes``, ``importance`` (None).
+    Reference: llm-compressor 0.14 ``imatrix_mse`` (IMatrixMSEObserver). Unlike it, ``tensor`` and
+    ``block`` strategies are weighted too (llm-compressor falls back to unweighted there).
     """
 
     name = "imatrix_mse"
-    description = "mse_grid with errors weighted by mean squared input activation per column (LC imatrix_mse)"
+    description = "Shrink grid weighted by mean squared input per column, 0.95/20/norm 3 (LC 0.14 imatrix_mse)"
     kinds = (ObserverKind.WEIGHT,)
     knobs = {
         **_GRID_KNOBS,
+        "maxshrink": Knob(
+            0.95, float, low=0, high=1, doc="Largest shrink: p = 1 - i/grid for i = 0 .. max(1, int(maxshrink·grid))"
+        ),
+        "grid": Knob(20.0, float, low=0, low_open=True, doc="Shrink grid resolution: p steps by 1/grid"),
+        "patience": Knob(
+            5, int, low=0, doc="Stop after this many consecutive candidates that improved no group; 0 never stops"
+        ),
+        "norm": Knob(3.0, float, low=0, low_open=True, doc="Exponent of the error Σ imp·|fake_quant(x) - x|^norm"),
         "importance": Knob(
             None,
             torch.Tensor,
             optional=True,
             editable=False,
             expects="a 1-D float tensor of shape (in,)",
-            doc="Error weight per input column, e.g. observers.column_importance(inputs); None runs plain mse_grid",
+            doc="Error weight per input column, e.g. observers.column_importance(inputs); None uses observe_inputs",
         ),
     }
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._input_square_sum: torch.Tensor | None = None
+        self._input_count = 0
+
     def validate_knobs(self) -> None:
         """The tensor's rank, dtype and values (its length is checked against the weight in ``observe``)."""
-        super().validate_knobs()
         imp = self.importance
         if imp is None:
             return
@@ -401,19 +442,61 @@ class IMatrixMSEObserver(_GridBase):
         if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
             raise ValueError("importance must be finite and >= 0")
 
+    def observe_inputs(self, x: torch.Tensor) -> None:
+        """Collect importance from one batch of the layer's inputs ``(..., in)``: ``Σ x²`` per
+        column and the token count, in fp32, the statistic llm-compressor's forward hook keeps
+        (so several batches give the mean over all their tokens)."""
+        if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.numel() == 0 or not x.dtype.is_floating_point:
+            raise ValueError("observe_inputs needs a non-empty floating-point tensor shaped (..., in_features)")
+        if not all_finite(x):
+            raise ValueError(f"observe_inputs got {int((~torch.isfinite(x)).sum())} non-finite value(s)")
+        values = x.detach().float()
+        square_sum = values.pow(2).sum(dim=list(range(values.ndim - 1)))
+        if self._input_square_sum is not None and self._input_square_sum.shape != square_sum.shape:
+            raise ValueError(
+                f"observe_inputs got {square_sum.numel()} columns after {self._input_square_sum.numel()} before"
+            )
+        self._input_square_sum = square_sum if self._input_square_sum is None else self._input_square_sum + square_sum
+        self._input_count += values.numel() // values.shape[-1]
+
+    def _importance(self) -> torch.Tensor | None:
+        if self.importance is not None:
+            return self.importance
+        if self._input_square_sum is None:
+            return None
+        return self._input_square_sum / float(self._input_count)
+
     def _error_weight(self, flat: Flat) -> torch.Tensor | None:
-        if self.importance is None:
-            warnings.warn("imatrix_mse got no importance; running plain mse_grid", stacklevel=4)
+        importance = self._importance()
+        if importance is None or not bool((importance > 0).any()):
+            warnings.warn(f"{self.name} got no importance (or only zeros); running unweighted", stacklevel=4)
             return None
         weight_2d = self._weight_shape_2d
         columns = weight_2d[1]
-        importance = self.importance.to(device=flat.data.device, dtype=torch.float32)
+        importance = importance.to(device=flat.data.device, dtype=torch.float32)
         if importance.numel() != columns:
             raise ValueError(f"importance has {importance.numel()} entries but the weight has {columns} input columns")
+        importance = importance / (importance.mean() + torch.finfo(torch.float32).tiny)
         full = importance.reshape(1, -1).expand(weight_2d)
         return flatten(full, self.spec, "weight", g_idx=self._g_idx).data
 
-    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None) -> None:
+    def _observe(self, flat: Flat) -> None:
+        """llm-compressor's imatrix loop: ``max(1, int(maxshrink·grid)) + 1`` candidates, errors
+        measured directly (``observers.lc_search``)."""
+        count = max(1, int(self.maxshrink * self.grid)) + 1
+        self.min_val, self.max_val = lc_grid_search(
+            flat,
+            free_scale_spec(self.spec),
+            [1 - i / self.grid for i in range(count)],
+            self.norm,
+            self.patience,
+            self.expand,
+            self.max_working_bytes,
+            weight=self._error_weight(flat),
+            reduce=self._across,
+        )
+
+    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None) -> None:
         if isinstance(x, torch.Tensor) and x.ndim >= 1:
             self._weight_shape_2d = tuple(as_2d(x, "weight").shape)
-        super().observe(x, g_idx=g_idx)
+        super().observe(x, g_idx=g_idx, across=across)

@@ -21,7 +21,6 @@ from observers.vocab import STRATEGIES_BY_KIND, ObserverKind, ScaleRounding, Sca
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 
 
-
 def _choice(field_name: str, value: Any, allowed: type[StrEnum]) -> str:
     """``value`` (a member of ``allowed`` or its string) as a plain str, so a spec built with
     ``Strategy.GROUP`` equals, prints and serializes like one built with ``"group"``."""

@@ -17,6 +17,7 @@ from observers.base import available, create
 from observers.metrics import error_metrics
 from observers.qparams import QParams
 from observers.quantize import fake_quantize
+from observers.shared import Reduce, agree, gather_tokens
 from observers.spec import QuantSpec
 
 
@@ -54,12 +55,16 @@ def run_one(
     spec: QuantSpec,
     kind: str = "weight",
     g_idx: torch.Tensor | None = None,
+    across: Reduce | None = None,
     **knobs: Any,
 ) -> SuiteResult:
     """Observe every batch of ``x`` with observer ``name``, then fake-quantize and measure.
 
     Metrics are computed on the concatenation of the batches (for weights: the weight).
     ``seconds`` times observe + qparams only, synchronized on CUDA.
+    ``across``: ``x`` is this rank's part of batches split between processes; every rank calls
+    ``run_one`` in lockstep and gets the result of the whole (``observers.shared``), per-token
+    qparams in rank order.
     """
     batches = _batches(x)
     try:
@@ -67,15 +72,24 @@ def run_one(
         _synchronize(batches[0].device)
         start = time.perf_counter()
         for batch in batches:
-            observer.observe(batch, g_idx=g_idx)
-        qp = observer.qparams()
+            observer.observe(batch, g_idx=g_idx, across=across)
+        qp, error = observer.qparams(), None
         _synchronize(batches[0].device)
         seconds = time.perf_counter() - start
     except ValueError as exc:
-        return SuiteResult(name, None, {}, 0.0, dict(knobs), 0, str(exc))
+        qp, error = None, exc
+    if across is not None:  # every rank, failed or not, learns whether any rank failed
+        try:
+            agree(error, across, batches[0].device)
+        except ValueError as exc:
+            error = exc
+    if error is not None:
+        return SuiteResult(name, None, {}, 0.0, dict(knobs), 0, str(error))
     reference = batches[-1] if spec.strategy == "token" else _concat(batches, kind)
-    x_hat = fake_quantize(reference, qp, spec)
-    metrics = error_metrics(reference, x_hat, qp, spec)
+    x_hat = fake_quantize(reference, qp, spec) if reference.numel() else reference
+    metrics = error_metrics(reference, x_hat, qp, spec, across)
+    if across is not None and spec.strategy == "token":
+        qp = gather_tokens(qp, across)
     return SuiteResult(name, qp, metrics, seconds, observer.config, observer.num_observed_tokens)
 
 

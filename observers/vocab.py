@@ -36,11 +36,13 @@ class ScaleRule(StrEnum):
 
 
 class ScaleRounding(StrEnum):
-    """Shared-exponent rounding of MX formats: ``floor`` (OCP), ``even`` (Quark), ``ceil`` (ModelOpt)."""
+    """Shared-exponent rounding of MX formats: ``floor`` (OCP), ``even`` (Quark), ``ceil`` (ModelOpt),
+    ``compressed-tensors`` (rounds amax at FP4's one mantissa bit whatever the element format)."""
 
     FLOOR = "floor"
     EVEN = "even"
     CEIL = "ceil"
+    COMPRESSED_TENSORS = "compressed-tensors"
 
 
 STRATEGIES_BY_KIND: dict[ObserverKind, tuple[Strategy, ...]] = {

@@ -114,7 +114,10 @@ with c2, ui.guard("compressed-tensors export"):
 with c3:
     if st.button("Build HTML report", icon=":material/description:"):
         with ui.guard("HTML report"), st.spinner("Drawing the report…"):
-            ws.report_html = report.render(analysis, choices, metric).encode("utf-8")
+            state = ws.effect  # the Model effect page's sensitivity and evaluations, when measured on this analysis
+            done = state.analysis is analysis and state.sensitivity is not None and state.evaluations
+            effect = (state.sensitivity, state.evaluations) if done else None
+            ws.report_html = report.render(analysis, choices, metric, effect).encode("utf-8")
     if ws.report_html is not None:
         st.download_button(
             "Download HTML report", ws.report_html, file_name="observer_lab_report.html", mime="text/html"

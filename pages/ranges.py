@@ -42,6 +42,55 @@ with ui.guard("Drawing the histogram"):
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
 st.dataframe(results.range_table(chosen, entry.spec), hide_index=True)
 
+if entry.tool_results:
+    st.subheader("As each tool would run it")
+    st.caption(
+        "Each tool's default observer with its own conventions (scale rule, MX rounding, eps, narrow range) "
+        "on the same tensor: what it would actually produce. Shown for comparison, never exported."
+    )
+    by_tool = [run.result for run in entry.tool_results if run.result.qparams is not None]
+    for run in entry.tool_results:
+        if run.result.qparams is None:
+            st.caption(f"{run.tool}: {run.result.error}")
+        elif run.profile.notes:
+            st.caption(f"{run.result.name}: {'; '.join(run.profile.notes)}")
+    if by_tool:
+        with ui.guard("Drawing the tools' ranges"):
+            fig = plots.range_histogram(
+                entry.data,
+                by_tool,
+                entry.spec,
+                log_count=view["log"],
+                absolute=view["abs"],
+                tail=tail,
+                title=f"{entry.layer} · {entry.tensor} as each tool would quantize it",
+            )
+            st.plotly_chart(fig, theme="streamlit")
+        st.dataframe(results.range_table(by_tool, entry.spec), hide_index=True)
+
+seen = ws.transformed_entry(entry)
+if seen is not None:
+    label = ws.transformed.config.transform.label()
+    st.subheader(f"Through a {label}")
+    st.caption(
+        "The same tensor as the transformed model's layer sees it (its float output is unchanged): "
+        "where the outliers and every observer's range move."
+    )
+    seen_results = [r for r in seen.results if r.name in shown]
+    with ui.guard("Drawing the transformed histogram"):
+        fig = plots.range_histogram(
+            seen.data,
+            seen_results,
+            seen.spec,
+            log_count=view["log"],
+            absolute=view["abs"],
+            tail=tail,
+            title=f"{entry.layer} · {entry.tensor} through a {label}",
+            order=order,
+        )
+        st.plotly_chart(fig, theme="streamlit")
+    st.dataframe(results.range_table(seen_results, seen.spec), hide_index=True)
+
 if entry.tensor == "weight":
     st.subheader("Per-channel ranges")
     with ui.guard("Drawing per-channel ranges"):

@@ -59,6 +59,42 @@ with kv_tab:
     kv_labels = {"tensor": "tensor (one k_scale, one v_scale)", "channel": "per head (attn_head)"}
     ui.spec_editor("kv", run.kv, strategy_labels=kv_labels)
 
+TRANSFORMS = {
+    "none": "none: the model as it is",
+    "hadamard": "Hadamard rotation (QuaRot / SpinQuant style)",
+    "smoothquant": "SmoothQuant migration (needs captured inputs)",
+}
+picked = ui.bound(
+    st.selectbox,
+    "Also look through a transform",
+    "transform",
+    run.transform or "none",
+    options=list(TRANSFORMS),
+    format_func=TRANSFORMS.get,
+    help="Runs the observers a second time on the tensors a rotated or smoothed model's layers see (the float "
+    "layer output is the same); the Ranges page shows both. Exports keep the untransformed qparams.",
+)
+run.transform = None if picked == "none" else picked
+if run.transform == "hadamard":
+    run.transform_seed = ui.bound(st.number_input, "Rotation seed", "transform_seed", run.transform_seed, min_value=0)
+elif run.transform == "smoothquant":
+    run.smooth_alpha = ui.bound(
+        st.slider, "SmoothQuant alpha", "smooth_alpha", run.smooth_alpha, min_value=0.0, max_value=1.0, step=0.05
+    )
+
+TOOLS = ["llm-compressor", "modelopt", "quark", "torch.ao"]
+run.tools = tuple(
+    ui.bound(
+        st.multiselect,
+        "Also show what each tool would produce by default",
+        "as_tools",
+        list(run.tools),
+        options=TOOLS,
+        help="Each tool's default observer, knobs and conventions (scale rule, MX rounding, eps, narrow range) "
+        "for these formats, run beside the observers; the Ranges page draws them. Shown, never exported.",
+    )
+)
+
 st.subheader("Observers")
 names = list(ob.available())
 chosen = ui.bound(st.multiselect, "Observers to run", "observers", list(run.observers or names), options=names)

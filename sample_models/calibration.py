@@ -119,3 +119,19 @@ def _random_keep(valid: list[torch.Tensor], count: int) -> list[torch.Tensor]:
     keep[chosen] = True
     sizes = [v.numel() for v in valid]
     return [part.reshape(v.shape).to(v.device) for part, v in zip(keep.split(sizes), valid, strict=True)]
+
+
+def share_of(batches: list[Batch], part: int, parts: int) -> list[Batch]:
+    """Part ``part`` of ``parts`` consecutive runs of whole batches, as even as whole batches allow.
+
+    Whole batches, planned before the split, keep every token's activations bit for bit those of
+    an unsplit run (a batch's padding, and so its kernels' shapes, do not change) and the
+    subsampled tokens the same; consecutive runs keep token order when the parts are joined."""
+    if not (isinstance(parts, int) and isinstance(part, int) and 0 <= part < parts):
+        raise ValueError(f"share must be (part, parts) with 0 <= part < parts, got ({part!r}, {parts!r})")
+    if len(batches) < parts:
+        raise ValueError(
+            f"the calibration set makes {len(batches)} batch(es), fewer than the {parts} ranks that split it: "
+            "use more samples (or a smaller batch size) or fewer ranks"
+        )
+    return batches[part * len(batches) // parts : (part + 1) * len(batches) // parts]

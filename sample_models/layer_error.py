@@ -21,9 +21,12 @@ def layer_output_error(
     inputs: torch.Tensor,
     quantized_weight: torch.Tensor,
     quantized_inputs: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Compare the layer's float output with its output under ``quantized_weight`` (and
     ``quantized_inputs`` if given), both on ``inputs`` of shape (tokens, in_features).
+    ``weight``: the float weight that goes with ``inputs`` (default the layer's own; a rotated or
+    smoothed model's weight with its transformed inputs, which give the same output).
 
     Computed in float32 so that the error measured is the quantization error, not low-precision
     matmul noise. Returns ``observers.metrics.compare_tensors`` (mse, sqnr_db, cosine,
@@ -44,7 +47,8 @@ def layer_output_error(
     x = inputs.float()
     bias = model.bias(name)
     bias = None if bias is None else bias.float().to(x.device)
-    reference = F.linear(x, model.weight(name).float().to(x.device), bias)
+    weight = model.weight(name) if weight is None else weight
+    reference = F.linear(x, weight.float().to(x.device), bias)
     approx_x = x if quantized_inputs is None else quantized_inputs.float().to(x.device)
     approx = F.linear(approx_x, quantized_weight.float().to(x.device), bias)
     return compare_tensors(reference, approx)

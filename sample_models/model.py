@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from .calibration import Batch, check_knobs, make_batches, plan_batches, token_windows
+from .calibration import Batch, check_knobs, make_batches, plan_batches, share_of, token_windows
 from .capture import Activations, capture_activations, capture_sequential
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
 from .kv import attention_blocks, attention_kind, capture_kv_sequential, capture_kv_states, head_dim_of, split_heads
@@ -178,6 +178,7 @@ class Model:
         sequential: bool | None = None,
         max_memory: int | None = None,
         progress: Progress | None = None,
+        share: tuple[int, int] = (0, 1),
     ) -> Activations:
         """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
         as ``{name: (tokens, features)}`` without padding tokens.
@@ -192,6 +193,10 @@ class Model:
         ``None`` does so when the weights exceed ``max_memory`` bytes (default: half the free
         memory of the device) and the whole model is not loaded already. The result is the same
         either way. ``progress(done, total, block)`` is called after each block of a sequential run.
+
+        ``share=(part, parts)``: capture only part ``part`` of ``parts`` consecutive runs of whole
+        calibration batches (ranks that split the calibration); the parts' tokens, in part order,
+        are exactly those of the whole capture, subsampling included.
         """
         names = [names] if isinstance(names, str) else list(names)
         if not names:
@@ -202,7 +207,7 @@ class Model:
             refs = {name: self._layer_ref(module, name) for name in names}
             widths = [io_widths(ref.info(name)) for name, ref in refs.items()]
             per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
-            batches, fraction = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
+            batches, fraction = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
                 return capture_activations(module, refs, batches, outputs, fraction)
             with self._runner(batches, budget, progress) as runner:
@@ -225,6 +230,7 @@ class Model:
         sequential: bool | None = None,
         max_memory: int | None = None,
         progress: Progress | None = None,
+        share: tuple[int, int] = (0, 1),
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Key and value states of attention blocks, per head:
         ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``. Keys are taken as the KV
@@ -238,7 +244,7 @@ class Model:
             module = self.module() if budget is None else self._sequential.get().module
             found = {name: self._attention_block(module, name) for name in blocks}
             per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
-            batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes)
+            batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
                 return capture_kv_states(module, self.config, found, batches)
             with self._runner(batches, budget, progress) as runner:
@@ -259,11 +265,13 @@ class Model:
             raise ValueError(f"{name!r} is not a query/key/value projection with a known head size")
         return split_heads(x, head_dim_of(self.config))
 
-    def _batches(self, texts, samples, seq_len, batch_size, per_token, max_bytes):
+    def _batches(self, texts, samples, seq_len, batch_size, per_token, max_bytes, share=(0, 1)):
         check_knobs(samples, seq_len, batch_size, getattr(self.config, "max_position_embeddings", None))
         tokenizer = self.tokenizer()
         windows = token_windows(tokenizer, texts, samples, seq_len)
-        return plan_batches(make_batches(tokenizer, windows, batch_size, self.device), per_token, max_bytes)
+        padded = make_batches(tokenizer, windows, batch_size, self.device)
+        batches, fraction = plan_batches(padded, per_token, max_bytes)
+        return share_of(batches, *share), fraction
 
     def _structure(self) -> nn.Module:
         """The model's skeleton: module names and shapes without weights. Never run or loaded."""

@@ -62,3 +62,49 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> 
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"streamlit did not answer on {url} within {timeout:.0f} s")
+
+
+class ThreadRanks:
+    """``n`` ranks as threads of one process, for checking split-batch merges without torchrun:
+    ``run(work)`` calls ``work(rank, reduce)`` on every rank at once, where ``reduce`` meets the
+    other threads at a barrier and returns ``observers.shared.local_reduce`` of their tensors
+    (what the collectives compute). A rank that waits longer than ``timeout`` for the others is a
+    hang, and fails the test instead of blocking it."""
+
+    def __init__(self, n: int, timeout: float = 60.0) -> None:
+        import threading
+
+        self.n = n
+        self._barrier = threading.Barrier(n, timeout=timeout)
+        self._parts: list = [None] * n
+
+    def _reduce_for(self, rank: int):
+        from observers.shared import local_reduce
+
+        def reduce(tensor: torch.Tensor, op) -> torch.Tensor:
+            self._parts[rank] = tensor.detach().clone()
+            self._barrier.wait()
+            result = local_reduce(self._parts, op)
+            self._barrier.wait()
+            return result
+
+        return reduce
+
+    def run(self, work) -> list:
+        """Every rank's return value, or the exception it raised, in rank order."""
+        import threading
+
+        results: list = [None] * self.n
+
+        def target(rank: int) -> None:
+            try:
+                results[rank] = work(rank, self._reduce_for(rank))
+            except Exception as err:  # returned to the test, which asserts on it
+                results[rank] = err
+
+        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results

@@ -113,6 +113,7 @@ def test_list_shows_observers_formats_and_presets():
     for name in (*ob.available(), *ob.FORMATS, *ob.PRESET_NAMES):
         assert name in out
     assert "averaging_constant=0.01" in out
+    assert all(f"{alias:<28} another name of {name}" in out for alias, name in ob.aliases().items())
     mxfp4 = next(line for line in out.splitlines() if line.split()[:1] == ["mxfp4"])
     assert mxfp4.split()[1:5] == ["MX", "E2M1", "block", "32"] and mxfp4.endswith("max 6")
 

@@ -1,6 +1,7 @@
-"""Sweeps on several ranks (``torchrun ... -m observers run``, ``lab.distributed``): the ranks split
-the layers and give bit-identical qparams to one process, rank 0 writes the one file, and ranks
-that disagree or fail stop together with one error line each instead of hanging."""
+"""Sweeps on several ranks (``torchrun ... -m observers run``, ``lab.distributed``): ranks that split
+the layers give bit-identical qparams to one process, ranks that split the calibration batches
+merge to them (exactly for min-max and histograms), rank 0 writes the one file, and ranks that
+disagree or fail stop together with one error line each instead of hanging."""
 
 from __future__ import annotations
 
@@ -58,20 +59,26 @@ def _by_hand(args_of_rank: list[list[str]]) -> list[subprocess.CompletedProcess]
     return done
 
 
-@pytest.mark.slow
-def test_two_ranks_write_one_file_with_the_qparams_of_one_process(tmp_path):
+def _one_and_two_ranks(tmp_path: Path, args: list[str]) -> tuple[dict, dict, subprocess.CompletedProcess]:
+    """The documents one process and two torchrun ranks write for ``args``."""
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     single = subprocess.run(
-        [sys.executable, "-m", "observers", *RUN, "--out", str(one)], cwd=ROOT, env=ENV, capture_output=True, text=True
+        [sys.executable, "-m", "observers", *args, "--out", str(one)], cwd=ROOT, env=ENV, capture_output=True, text=True
     )
     assert single.returncode == 0, single.stderr
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "observers"]
     ranks = subprocess.run(
-        [*command, *RUN, "--out", str(two)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90
+        [*command, *args, "--out", str(two)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90
     )
     assert ranks.returncode == 0, ranks.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json", "two.json"]  # rank 1 wrote nothing
-    first, second = json.loads(one.read_text()), json.loads(two.read_text())
+    assert ranks.stdout.count("wrote ") == 1
+    return json.loads(one.read_text()), json.loads(two.read_text()), ranks
+
+
+@pytest.mark.slow
+def test_two_ranks_splitting_layers_write_one_file_with_the_qparams_of_one_process(tmp_path):
+    first, second, _ = _one_and_two_ranks(tmp_path, [*RUN, "--split", "layers"])
     assert second["world_size"] == 2 and "world_size" not in first
     assert {e["rank"] for e in second["entries"]} == {0, 1}
     layers = list(dict.fromkeys(e["layer"] for e in first["entries"]))
@@ -80,7 +87,42 @@ def test_two_ranks_write_one_file_with_the_qparams_of_one_process(tmp_path):
         assert (a["layer"], a["tensor"]) == (b["layer"], b["tensor"])
         assert a["qparams"] == b["qparams"]  # bit for bit: bytes_b64 holds the raw float32 bytes
     assert _without_ranks(first) == _without_ranks(second)
-    assert ranks.stdout.count("wrote ") == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_splitting_batches_merge_to_the_qparams_of_one_process(tmp_path):
+    """16 samples make two batches, one per rank; min-max and the histogram merge exactly."""
+    args = [*RUN, "--samples", "16", "--observers", "minmax,percentile,mse_grid"]
+    first, second, _ = _one_and_two_ranks(tmp_path, args)
+    layers = list(dict.fromkeys(e["layer"] for e in first["entries"]))
+    for a, b in zip(first["entries"], second["entries"], strict=True):
+        assert (a["layer"], a["tensor"], a["tensor_shape"]) == (b["layer"], b["tensor"], b["tensor_shape"])
+        assert b["rank"] == (layers.index(a["layer"]) % 2 if a["tensor"] == "weight" else "all")
+        assert a["chosen"]["observer"] == b["chosen"]["observer"]
+        sqnr = a["chosen"]["metrics"]["sqnr_db"], b["chosen"]["metrics"]["sqnr_db"]
+        assert sqnr[1] == pytest.approx(sqnr[0], rel=1e-5)
+        if a["chosen"]["observer"] != "mse_grid":  # min-max and histograms merge bit for bit
+            assert a["qparams"] == b["qparams"]
+
+
+@pytest.mark.slow
+def test_moe_experts_that_one_rank_never_routes_to_still_merge(tmp_path):
+    args = ["run", "tiny-moe", "--layers", "re:.*experts.*", "--format", "int8", "--observers", "minmax"]
+    args += ["--kinds", "input", "--samples", "16", "--seq-len", "16", "--allow-uncalibrated", "--quiet"]
+    first, second, _ = _one_and_two_ranks(tmp_path, args)
+    assert [(e["layer"], e["tensor_shape"], e["qparams"]) for e in first["entries"]] == [
+        (e["layer"], e["tensor_shape"], e["qparams"]) for e in second["entries"]
+    ]
+    assert first["uncalibrated"] == second["uncalibrated"]
+
+
+def test_fewer_calibration_batches_than_ranks_is_one_error_line_on_each(tmp_path):
+    out = str(tmp_path / "q.json")
+    args = ["run", "tiny-llama", "--layers", "all", "--format", "int8", "--observers", "minmax", "--kinds", "input"]
+    args += ["--samples", "2", "--seq-len", "16", "--quiet", "--out", out]
+    for rank in _by_hand([args, args]):
+        assert rank.returncode == 2 and rank.stderr.count("\n") == 1, rank.stderr
+        assert "fewer than the 2 ranks" in rank.stderr
 
 
 def test_ranks_started_with_different_arguments_stop_with_one_line(tmp_path):
@@ -96,7 +138,7 @@ def test_ranks_started_with_different_arguments_stop_with_one_line(tmp_path):
 def test_an_error_on_one_rank_stops_every_rank_and_keeps_finished_layers(tmp_path):
     out = tmp_path / "q.json"
     args = ["run", "tiny-moe", "--layers", "all", "--format", "int8", "--observers", "minmax", "--kinds", "input"]
-    args += ["--samples", "1", "--seq-len", "8", "--chunk", "1", "--quiet", "--out", str(out)]
+    args += ["--samples", "1", "--seq-len", "8", "--chunk", "1", "--split", "layers", "--quiet", "--out", str(out)]
     done = _by_hand([args, args])
     for rank in done:
         assert rank.returncode == 2 and rank.stderr.count("\n") == 1, rank.stderr
@@ -112,3 +154,42 @@ def test_layers_go_round_robin_and_one_process_needs_no_group():
     SINGLE.check_same("anything")  # nothing to compare with
     assert SINGLE.device_for("cuda") == "cuda"  # one process keeps the device it was given
     assert [rank_device(device, 3) for device in ("cuda", "cpu", "cuda:1")] == ["cuda:3", "cpu", "cuda:1"]
+
+
+COLLECTIVES = """
+import json, torch
+from lab.distributed import ranks_for
+from observers.shared import Op
+with ranks_for("cpu") as ranks:
+    mine = torch.tensor([1.0, 5.0]) if ranks.rank == 0 else torch.tensor([3.0, 2.0])
+    found = {op.value: ranks.reduce(mine, op).tolist() for op in (Op.MIN, Op.MAX, Op.SUM)}
+    found["cat"] = ranks.reduce(torch.full((ranks.rank + 1, 2), float(ranks.rank)), Op.CAT).tolist()
+    found["input unchanged"] = mine.tolist()
+    try:
+        ranks.agree(ValueError("bad part") if ranks.rank == 1 else None)
+    except ValueError as err:
+        found["agree"] = str(err)
+    print(json.dumps(found))
+"""
+
+
+def test_rank_collectives_reduce_gather_unequal_parts_and_agree_on_failure():
+    """Two gloo ranks started from torchrun's environment (``ranks_for``) run every ``reduce``
+    operation and ``agree``."""
+    port = str(_free_port())
+    processes = []
+    for rank in range(2):
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env["WORLD_SIZE"] = "2"
+        command = [sys.executable, "-c", COLLECTIVES]
+        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    found = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err.decode()
+        found.append(json.loads(out.decode().strip().splitlines()[-1]))
+    for each in found:
+        assert each["min"] == [1.0, 2.0] and each["max"] == [3.0, 5.0] and each["sum"] == [4.0, 7.0]
+        assert each["cat"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]  # rank 0's one row, then rank 1's two
+    assert found[0]["input unchanged"] == [1.0, 5.0]
+    assert "another rank" in found[0]["agree"] and found[1]["agree"] == "bad part"

@@ -408,3 +408,36 @@ def test_block_formats_from_real_observers_fake_quantize_like_compressed_tensors
     theirs = ct_fake_quantize(w, float_scale, torch.zeros_like(float_scale), args, global_scale=global_scale)
     qp = analysis.entry(layer, "weight").result(choices[(layer, "weight")]).qparams
     torch.testing.assert_close(theirs, ob.fake_quantize(w, qp, analysis.entry(layer, "weight").spec), rtol=0, atol=1e-6)
+
+
+def test_exports_state_the_nvfp4_global_scale_convention():
+    model, analysis = _analysis(specs={"weight": ob.QuantSpec(dtype="nvfp4")}, observers=("minmax",))
+    choices = choose(analysis)
+    document = lab_json.build_document(analysis, choices)
+    assert "global_scale = 448 * 6 / amax" in document["global_scale_convention"]
+    built = compressed_tensors.build(analysis, choices)
+    assert any("weight_scale_2" in note for note in built.notes)
+    _, plain = _analysis(observers=("minmax",))
+    assert "global_scale_convention" not in lab_json.build_document(plain, choose(plain))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_exports_refuse_a_non_finite_or_non_positive_scale(bad):
+    _, analysis = _analysis(observers=("minmax",))
+    entry = analysis.entry("blk.q_proj", "weight")
+    broken = copy.deepcopy(entry.result("minmax"))
+    broken.qparams.scale.view(-1)[3] = bad
+    entry.results[entry.results.index(entry.result("minmax"))] = broken
+    choices = choose(analysis)
+    for export in (lab_json.build_document, compressed_tensors.build):
+        with pytest.raises(ValueError, match="blk.q_proj weight: observer 'minmax' gave 1 non-finite or non-positive"):
+            export(analysis, choices)
+
+
+def test_compressed_tensors_records_knobs_not_the_calibration_tensors_the_lab_filled_in():
+    _, analysis = _analysis(observers=("imatrix_mse",))
+    entry = analysis.entry("blk.q_proj", "weight")
+    assert entry.result("imatrix_mse").knobs["importance"] is not None  # filled from the captured inputs
+    built = compressed_tensors.build(analysis, choose(analysis))
+    weights = built.quantization_config["config_groups"]["group_0"]["weights"]
+    assert weights["observer"] == "imatrix_mse" and "importance" not in weights["observer_kwargs"]

@@ -139,6 +139,10 @@ def test_moving_average_variant_averages_per_batch_searches():
     assert torch.equal(memoryless.qparams().max_val, hi_b)
 
 
+MSE_GRID_DEFAULTS = {"maxshrink": 0.2, "grid": 100, "norm": 2.4}
+"""imatrix_mse with mse_grid's knobs (its own defaults are llm-compressor 0.14's 0.95/20/3)."""
+
+
 def test_imatrix_weights_errors_by_column_importance():
     torch.manual_seed(3)
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
@@ -146,14 +150,17 @@ def test_imatrix_weights_errors_by_column_importance():
     inputs = torch.randn(100, 64) * torch.linspace(0.1, 5, 64)
     importance = column_importance(inputs)
     assert torch.allclose(importance, inputs.square().mean(0))
-    obs = ob.create("imatrix_mse", spec, importance=importance)
+    obs = ob.create("imatrix_mse", spec, importance=importance, **MSE_GRID_DEFAULTS)
     obs.observe(w)
-    ref_min, ref_max = naive_lc_search(w, spec, col_weight=importance.reshape(1, -1))
+    # llm-compressor's imatrix loop tries int(maxshrink·grid) + 1 candidates with the importance
+    # normalized by its mean (tests/test_observers_today.py has its 0.14 defaults)
+    weight = (importance / importance.mean()).reshape(1, -1)
+    ref_min, ref_max = naive_lc_search(w, spec, maxshrink=0.21, col_weight=weight)
     assert torch.equal(obs.qparams().max_val, ref_max)
     plain = ob.create("mse_grid", spec)
     plain.observe(w)
     assert not torch.equal(obs.qparams().max_val, plain.qparams().max_val)
-    uniform = ob.create("imatrix_mse", spec, importance=torch.ones(64))
+    uniform = ob.create("imatrix_mse", spec, importance=torch.ones(64), **MSE_GRID_DEFAULTS)
     uniform.observe(w)
     assert torch.equal(uniform.qparams().max_val, plain.qparams().max_val)
 
@@ -162,7 +169,7 @@ def test_imatrix_without_importance_warns_and_falls_back():
     torch.manual_seed(4)
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
     w = torch.randn(8, 64)
-    obs = ob.create("imatrix_mse", spec)
+    obs = ob.create("imatrix_mse", spec, **MSE_GRID_DEFAULTS)
     with pytest.warns(UserWarning, match="no importance"):
         obs.observe(w)
     plain = ob.create("mse_grid", spec)

@@ -87,3 +87,21 @@ def test_config_errors_are_clear():
         RunConfig(specs={"bias": ob.QuantSpec("int8")})
     with pytest.raises(ValueError, match="at least one layer"):
         analyse(_Model(), [], RunConfig(specs={"weight": ob.QuantSpec("int8")}))
+
+
+def test_weight_observers_get_their_input_statistics_from_the_captured_inputs():
+    """``imatrix_mse`` gets the column importance and ``local_hessian`` the block Hessian of the
+    layer's own captured inputs, unless the person set them."""
+    import observers as ob
+    from lab.pipeline import RunConfig, analyse
+    from sample_models import open_model
+
+    model = open_model("tiny-llama")
+    layer = "model.layers.0.mlp.down_proj"
+    specs = {"weight": ob.QuantSpec(dtype="nvfp4"), "input": ob.QuantSpec(dtype="int8")}
+    config = RunConfig(specs=specs, observers=("local_hessian", "imatrix_mse"), samples=2, seq_len=16)
+    analysis = analyse(model, [layer], config)
+    inputs = analysis.entry(layer, "input").data
+    weight = analysis.entry(layer, "weight")
+    assert torch.allclose(weight.result("local_hessian").knobs["hessian"], ob.local_hessian(inputs))
+    assert torch.allclose(weight.result("imatrix_mse").knobs["importance"], ob.column_importance(inputs))

@@ -1,0 +1,158 @@
+"""Figures of model-level effect: the sensitivity heatmap (tensors x observers), the SQNR of the
+hidden states after each block for every evaluated choice set (where error enters the model), the
+model-level metric per choice set, and the local metric against the model-level one.
+
+Damage is drawn on a log scale: a sensitive layer's KL can be a thousand times a robust one's, and
+a linear color scale would show one bright cell and a uniform rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from lab.plots.style import METRIC_LABELS, legend_on_top, observer_color, tensor_label
+from lab.vocab import MODEL_METRICS
+
+MODEL_METRIC_LABELS = {
+    "kl": "KL(float ‖ quantized)",
+    "top1_agreement": "top-1 agreement",
+    "perplexity": "perplexity",
+    "cosine": "embedding cosine",
+    "spearman": "similarity ranking (Spearman)",
+}
+DAMAGE_FLOOR = 1e-12
+SET_COLORS = ("#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
+
+
+def damage(metric: str, value: float, float_value: float | None = None) -> float:
+    """How far ``value`` is from the float model's, as a positive number (0: no change): KL itself,
+    one minus an agreement/cosine/correlation, the relative rise of perplexity."""
+    if metric == "kl":
+        return max(value, 0.0)
+    if metric == "perplexity":
+        return abs(value / float_value - 1.0) if float_value else abs(value)
+    return max(1.0 - value, 0.0)
+
+
+def sensitivity_heatmap(frame: pd.DataFrame, metric: str, float_value: float | None = None) -> go.Figure:
+    """Tensors (rows, in table order) x observers (columns): color is log10 of the damage of
+    ``metric`` when only that tensor is quantized with that observer (brighter: hurts more), the
+    cell text and hover the metric itself."""
+    labels = [tensor_label(a, b) for a, b in zip(frame["layer"], frame["tensor"], strict=True)]
+    table = frame.assign(label=labels).pivot_table(
+        index="label", columns="observer", values=metric, sort=False, aggfunc="first"
+    )
+    values = table.to_numpy(dtype=float)
+    harm = np.vectorize(lambda v: np.nan if np.isnan(v) else damage(metric, v, float_value))(values)
+    z = np.log10(np.maximum(harm, DAMAGE_FLOOR))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(table.columns),
+            y=list(table.index),
+            colorscale="Inferno",
+            customdata=values,
+            text=np.vectorize(lambda v: "" if np.isnan(v) else f"{v:.3g}")(values),
+            texttemplate="%{text}",
+            colorbar={"title": {"text": f"log10 damage ({metric})"}},
+            hovertemplate="%{y}<br>%{x}<br>" + metric + " %{customdata:.4g}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"{MODEL_METRIC_LABELS.get(metric, metric)} when only this tensor is quantized",
+        xaxis={"title": "observer", "automargin": True},
+        yaxis={"title": "layer · tensor", "automargin": True, "autorange": "reversed", "dtick": 1},
+        height=max(320, 200 + 28 * len(table.index)),
+    )
+    return fig
+
+
+def block_sqnr_figure(names: Sequence[str], curves: Sequence[Sequence[float]]) -> go.Figure:
+    """One line per choice set: SQNR (dB) of the hidden states after each block against the float
+    model's. Blocks before the first quantized one (infinite SQNR) are left out of the line."""
+    fig = go.Figure()
+    for i, (name, curve) in enumerate(zip(names, curves, strict=True)):
+        y = [v if math.isfinite(v) else None for v in curve]
+        if all(v is None for v in y):
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(len(curve))),
+                y=y,
+                mode="lines+markers",
+                name=name,
+                line={"color": SET_COLORS[i % len(SET_COLORS)]},
+                hovertemplate=f"{name}<br>block %{{x}}<br>%{{y:.2f}} dB<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title="Hidden-state SQNR after each block (where the error enters)",
+        xaxis={"title": "block", "dtick": 1},
+        yaxis={"title": METRIC_LABELS["sqnr_db"]},
+        height=420,
+    )
+    return legend_on_top(fig, "choice set")
+
+
+def choice_set_bars(names: Sequence[str], values: Sequence[float], metric: str) -> go.Figure:
+    """The model-level ``metric`` of each choice set, one bar each, the best one outlined."""
+    finite = [(v, i) for i, v in enumerate(values) if v is not None and math.isfinite(v)]
+    best = None
+    if finite:
+        best = (max if MODEL_METRICS.get(metric, True) else min)(finite)[1]
+    fig = go.Figure(
+        go.Bar(
+            x=list(names),
+            y=list(values),
+            marker={
+                "color": [SET_COLORS[i % len(SET_COLORS)] for i in range(len(names))],
+                "line": {"width": [3 if i == best else 0 for i in range(len(names))], "color": "black"},
+            },
+            text=[f"{v:.4g}" for v in values],
+            textposition="outside",
+        )
+    )
+    fig.update_layout(
+        title=f"{MODEL_METRIC_LABELS.get(metric, metric)} per choice set",
+        yaxis={"title": metric},
+        height=380,
+    )
+    return fig
+
+
+def local_vs_model(
+    frame: pd.DataFrame,
+    local_column: str,
+    metric: str,
+    float_value: float | None = None,
+    order: Sequence[str] | None = None,
+) -> go.Figure:
+    """Every (tensor, observer) of a sensitivity table: its local metric against the model-level
+    damage (log scale), one color per observer: whether a better local value means a better model."""
+    fig = go.Figure()
+    for name, part in frame.groupby("observer", sort=False):
+        harm = [max(damage(metric, v, float_value), DAMAGE_FLOOR) for v in part[metric]]
+        labels = [tensor_label(a, b) for a, b in zip(part["layer"], part["tensor"], strict=True)]
+        fig.add_trace(
+            go.Scatter(
+                x=list(part[local_column]),
+                y=harm,
+                mode="markers",
+                name=str(name),
+                text=labels,
+                marker={"color": observer_color(str(name), order)},
+                hovertemplate="%{text}<br>local %{x:.4g}<br>damage %{y:.3g}<extra>" + str(name) + "</extra>",
+            )
+        )
+    fig.update_layout(
+        title=f"Local {local_column.removeprefix('local_')} against model-level damage ({metric})",
+        xaxis={"title": local_column.removeprefix("local_")},
+        yaxis={"title": f"damage ({metric})", "type": "log"},
+        height=440,
+    )
+    return legend_on_top(fig)

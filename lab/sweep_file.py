@@ -1,0 +1,135 @@
+"""The partial file of a sweep (``lab.sweep``): finished units appended as they come, durable,
+resumable; only rank 0 touches it.
+
+The partial file, JSON Lines:
+
+- line 1: ``{"format": "observer-lab-sweep", "version": 1, "settings": sha256, "units": N,
+  "world_size": W}``; ``settings`` hashes everything that changes the results (model source with
+  file hashes, layers, attention blocks, run config, metric, uncalibrated policy, world size and
+  what the ranks split);
+- once: ``{"header": {...}}``, the final document's top-level fields (entries left empty);
+- one line per unit (a layer, or an attention block for ``k``/``v``): ``{"unit", "index",
+  "rank", "entries", "uncalibrated", "warnings", "error"}``, its Observer Lab entries and
+  uncalibrated records, analyse's warnings about it, and its first observer error (or null);
+  ``rank`` is the rank that analysed it, or "all" when the ranks split the calibration batches
+  (each entry then names its own: "all", or the rank that observed a weight).
+
+A line is complete or dropped (a torn last line from a kill mid-write is cut off on resume), so a
+unit is either done or redone. ``resume`` skips the units already there and refuses a partial
+file of other settings; without ``resume`` an existing partial file is refused rather than
+overwritten, since it may hold hours of work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lab import lab_json
+from lab.vocab import TensorKind
+
+PARTIAL_FORMAT = "observer-lab-sweep"
+PARTIAL_VERSION = 1
+PARTIAL_SUFFIX = ".partial.jsonl"
+
+
+def partial_path(out: str | Path) -> Path:
+    """Where a sweep writing ``out`` keeps its finished units until the end."""
+    return Path(f"{out}{PARTIAL_SUFFIX}")
+
+
+def append(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append whole lines and make them durable before going on (Ctrl-C loses nothing written)."""
+    with open(path, "ab") as handle:
+        handle.write(b"".join(lab_json.dumps(r).encode("utf-8") + b"\n" for r in records))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The complete lines of a partial file and the bytes they span; a torn last line (killed
+    mid-write) and anything after it does not count."""
+    lines: list[dict[str, Any]] = []
+    size = 0
+    for raw in path.read_bytes().splitlines(keepends=True):
+        try:
+            if not raw.endswith(b"\n"):
+                break
+            lines.append(json.loads(raw))
+        except ValueError:
+            break
+        size += len(raw)
+    return lines, size
+
+
+def open_partial(path: Path, settings: str, units: int, world_size: int, resume: bool) -> list[dict[str, Any]]:
+    """The lines a resumed sweep of these ``settings`` (a hash) starts from (the torn tail cut
+    off), or a fresh file whose first line records them."""
+    first = {"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "settings": settings}
+    first |= {"units": units, "world_size": world_size}
+    if path.exists() and not resume:
+        raise ValueError(f"{path} holds an unfinished sweep: add --resume to go on with it, or delete it to start over")
+    lines, size = complete_lines(path) if path.exists() else ([], 0)
+    if not lines:
+        path.write_bytes(b"")
+        append(path, [first])
+        return [first]
+    if lines[0].get("format") != PARTIAL_FORMAT:
+        raise ValueError(f"{path} is not the partial file of an Observer Lab sweep")
+    if lines[0].get("settings") != first["settings"]:
+        raise ValueError(
+            f"{path} was written by a sweep with other settings (model, layers, formats, observers, knobs, "
+            "calibration, metric or number of ranks): run with those settings, or delete it to start over"
+        )
+    os.truncate(path, size)
+    return lines
+
+
+@dataclass
+class Writer:
+    """Rank 0's side of the partial file: appends each round's unit lines (the header once)."""
+
+    path: Path
+    has_header: bool
+
+    def write_round(self, payloads: list[dict[str, Any]]) -> None:
+        """Write what every rank finished, then raise the first rank's error, if any: the units
+        that did finish are kept for a resume."""
+        records: list[dict[str, Any]] = []
+        header = next((p["header"] for p in payloads if p["header"] is not None), None)
+        if header is not None and not self.has_header:
+            records.append({"header": header})
+            self.has_header = True
+        records += _merge_units([line for p in payloads for line in p["units"]])
+        if records:
+            append(self.path, records)
+        errors = [p["error"] for p in payloads if p["error"]]
+        if errors:
+            raise ValueError(errors[0])
+
+
+def _merge_units(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per unit from the lines every rank sent for it (ranks that split the batches send
+    a line per unit each): entries in tensor order, the first error, the rest as rank 0 sent it."""
+    merged: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        first = merged.setdefault(line["index"], {**line, "entries": []})
+        first["entries"] += line["entries"]
+        first["error"] = first["error"] or line["error"]
+    order = {kind: i for i, kind in enumerate(TensorKind)}
+    for line in merged.values():
+        line["entries"].sort(key=lambda entry: order[entry["tensor"]])
+    return list(merged.values())
+
+
+def write_final(path: Path, document: dict[str, Any]) -> None:
+    """Write the file whole or not at all (a crash here leaves the partial file to resume from)."""
+    staging = Path(f"{path}.tmp")
+    with open(staging, "w", encoding="utf-8") as handle:
+        handle.write(lab_json.dumps(document))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)

@@ -1,0 +1,122 @@
+"""llm-compressor's shrink-grid search as its newer observers run it, shared by the observers that copy it.
+
+Two llm-compressor conventions that ``mse_grid`` does not follow are reproduced here:
+
+- **NVFP4 is searched with free scales.** llm-compressor's grid searches drop the FP8 block-scale
+  dtype of a ``tensor_group`` (NVFP4) scheme while they compare candidate ranges: each candidate
+  is scored with a free fp32 scale ``amax / 6`` and no global scale, and only the chosen range
+  goes through the NVFP4 rule (global scale, E4M3 block scales). ``free_scale_spec`` gives that
+  search spec.
+- **Errors are measured directly**, ``Σ w·|fake_quant(x) - x|^norm`` in fp32 per candidate, not in
+  steps times ``s^norm`` as ``mse_grid_search`` does for speed. With FP4 elements two candidates
+  whose scales differ by a factor of two often dequantize a block to the very same values; their
+  errors are then equal and llm-compressor keeps the first. Measured in steps the two sums differ
+  by rounding and either can win, so the NVFP4 searches here use the direct form.
+
+``lc_grid_search`` evaluates the candidates in chunks (a few tensor ops over all groups per
+chunk) and replays llm-compressor's sequential early stop over each chunk's errors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from observers.granularity import Flat
+from observers.qparams import calculate_qparams
+from observers.quantize import element_codes
+from observers.shared import Op, Reduce, part_min_max, shared_min_max
+from observers.spec import QuantSpec
+
+
+def free_scale_spec(spec: QuantSpec) -> QuantSpec:
+    """The spec llm-compressor scores candidate ranges with: NVFP4 becomes FP4 E2M1 elements with
+    free fp32 scales over the same blocks; every other spec is returned unchanged."""
+    if spec.format.scale_kind == "e4m3":
+        return spec.replace(dtype="fp4_e2m1", strategy="group", group_size=spec.group_size)
+    return spec
+
+
+def _candidate_errors(
+    data: torch.Tensor,
+    weight: torch.Tensor | None,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    factors: torch.Tensor,
+    spec: QuantSpec,
+    norm: float,
+) -> torch.Tensor:
+    """``Σ weight·|fake_quant(x) - x|^norm`` over each group for every factor, ``(C, *qparam_shape)``."""
+    shape = (-1, *([1] * low.ndim))
+    qp = calculate_qparams(low.unsqueeze(0) * factors.reshape(shape), high.unsqueeze(0) * factors.reshape(shape), spec)
+    scale = qp.effective_scale.unsqueeze(1).unsqueeze(-1)
+    zero_point = qp.zero_point.float().unsqueeze(1).unsqueeze(-1)
+    codes = element_codes(data.unsqueeze(0), scale, zero_point, spec)
+    dequantized = codes.sub_(zero_point).mul_(scale) if spec.format.kind == "int" else codes.mul_(scale)
+    error = dequantized.sub_(data).abs_().pow_(norm)
+    if weight is not None:
+        error.mul_(weight)
+    return error.sum(dim=(1, error.ndim - 1))
+
+
+def _replay_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patience: int) -> tuple[int, int, bool]:
+    """The sequential early stop over one chunk's errors ``(C, Q)`` after ``best`` ``(Q,)``: returns
+    (candidates the loop would evaluate, stale count after them, whether it stopped). A candidate
+    improves when any group's error is strictly below that group's best so far; ``patience`` 0
+    never stops."""
+    previous = torch.cat([best.unsqueeze(0), errors[:-1]]).cummin(dim=0).values
+    improved = (errors < previous).any(dim=1)
+    index = torch.arange(errors.shape[0], device=errors.device)
+    last = torch.where(improved, index, -1).cummax(dim=0).values
+    run = torch.where(last >= 0, index - last, stale + index + 1)
+    stops = torch.nonzero(run >= patience) if patience else run[:0]
+    if stops.numel():
+        stop = int(stops[0, 0])
+        return stop + 1, int(run[stop]), True
+    return errors.shape[0], int(run[-1]), False
+
+
+def lc_grid_search(
+    flat: Flat,
+    spec: QuantSpec,
+    factors: list[float],
+    norm: float,
+    patience: int,
+    expand: float,
+    max_working_bytes: int,
+    weight: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group ``(min, max)``: llm-compressor's loop over ``p`` in ``factors`` from
+    ``expand·(min, max)``, each group keeping its first lowest error, stopped after ``patience``
+    candidates that improved no group (0: never). ``weight`` (broadcastable to ``flat.data``)
+    weighs each element's error; padding of ragged groups counts zero. With ``reduce`` the batch is
+    split between ranks and the range and every candidate's errors are agreed before the pick.
+    """
+    low, high = shared_min_max(*part_min_max(flat), reduce)
+    low, high = low * expand, high * expand
+    data = flat.data.float()
+    if flat.valid is not None:
+        weight = flat.valid.float() if weight is None else weight * flat.valid
+    candidates = torch.tensor(factors, dtype=torch.float32, device=low.device)
+    chunk = max(1, min(len(factors), max_working_bytes // max(1, data.numel() * 8)))
+    if reduce is not None:  # every rank must run the same chunks: the errors are summed per chunk
+        chunk = int(reduce(torch.tensor([chunk], device=low.device), Op.MIN))
+    best = torch.full(low.shape, torch.finfo(torch.float32).max, device=low.device).reshape(-1)
+    best_factor = torch.ones_like(best)
+    stale = 0
+    for first in range(0, len(factors), chunk):
+        part = candidates[first : first + chunk]
+        errors = _candidate_errors(data, weight, low, high, part, spec, norm).reshape(len(part), -1)
+        if reduce is not None:
+            errors = reduce(errors, Op.SUM)
+        errors = torch.nan_to_num(errors, nan=torch.inf)
+        used, stale, stopped = _replay_patience(errors, best, stale, patience)
+        stacked = torch.cat([best.unsqueeze(0), errors[:used]])
+        pick = stacked.argmin(dim=0)
+        chosen = torch.cat([torch.ones(1, device=low.device), part[:used]])[pick]
+        best_factor = torch.where(pick > 0, chosen, best_factor)
+        best = stacked.gather(0, pick.unsqueeze(0)).squeeze(0)
+        if stopped:
+            break
+    best_factor = best_factor.reshape(low.shape)
+    return low * best_factor, high * best_factor

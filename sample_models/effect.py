@@ -1,0 +1,522 @@
+"""Model-level effect of quantization: run the model with chosen tensors fake-quantized and keep
+what a comparison with the float model needs.
+
+An ``EffectRunner`` tokenizes held-out text (``held_out_texts``: paragraphs that are not
+calibration text), records what every block receives besides its hidden states (masks, rotary
+embeddings), and runs the float model once, keeping the hidden states at every block boundary.
+``run(quantization)`` then fake-quantizes the chosen tensors inside the model (weights, layer
+inputs and outputs, key/value states; static qparams or run-time ones for dynamic specs) and
+starts from the first block the quantization touches: the float hidden states before it are
+reused, so quantizing one layer of block k runs only blocks k.. and the head. Its result holds the
+model's outputs (next-token logits of a decoder LM, mean-pooled sentence embeddings of an encoder)
+and the SQNR of the hidden states after each block, so a person sees where the error enters.
+
+The whole model is used when it is loaded or fits the memory budget; otherwise blocks are loaded
+one at a time from the checkpoint (``sequential``'s skeleton and loader), for the float pass and for
+every run. Hooks act only on the thread that installed them and the loaded module is never
+changed, so another session sharing the model sees the float model. Only linear layers
+(``nn.Linear``, ``Conv1D``) and attention blocks' key/value states can be quantized here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import cache, cached_property
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+import observers as ob
+
+from .calibration import Batch, make_batches
+from .capture import forward_kwargs
+from .kv import attention_kind
+from .model import Model
+from .sequential import _Call, _find_blocks, _LastBlockReached, _Loader, _split_call, _StandIn
+
+HELD_OUT_FILE = Path(__file__).with_name("held_out_texts.json")
+HELD_OUT_SAMPLES = 64
+HELD_OUT_SEQ_LEN = 128
+BATCH_SIZE = 16
+POSITIONS_PER_ROW = 16
+"""An encoder batch holds at most ``batch_size * POSITIONS_PER_ROW`` token positions, padding included."""
+LINEAR_MODULES = ("Linear", "Conv1D")
+FINAL_NORMS = ("norm", "final_layernorm", "ln_f")
+REPLAY_TOLERANCE = 1e-3
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+Key = tuple[str, str]
+
+
+@cache
+def _held_out() -> tuple[str, ...]:
+    return tuple(json.loads(HELD_OUT_FILE.read_text(encoding="utf-8")))
+
+
+def held_out_texts() -> list[str]:
+    """The shipped held-out paragraphs (prose, code, numbers, dialogue, lists, on other topics than
+    the calibration paragraphs and sharing no sentence with them): the text model-level effect is
+    measured on, so an observer is never judged on the text it was calibrated on."""
+    return list(_held_out())
+
+
+def sentences(texts: Sequence[str]) -> list[str]:
+    """Texts split into sentences (after ``.``, ``!`` or ``?`` and at line breaks)."""
+    return [part.strip() for text in texts for part in _SENTENCE_END.split(text) if part.strip()]
+
+
+def model_kind(module: nn.Module) -> str:
+    """``decoder`` for a causal LM (compared by next-token distributions), ``encoder`` for a model
+    whose output is ``last_hidden_state`` (compared by sentence embeddings)."""
+    if type(module).__name__.endswith("ForCausalLM"):
+        return "decoder"
+    return "encoder"
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one tensor is fake-quantized: its spec and static qparams, or ``qparams=None`` for a
+    dynamic spec, whose qparams the runtime computes on every call (``ob.dynamic_fake_quantize``)."""
+
+    spec: ob.QuantSpec
+    qparams: ob.QParams | None = None
+
+    def __call__(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """``x`` (an activation ``(..., hidden)``, a weight ``(out, in)`` or attention states
+        ``(batch, heads, seq, head_dim)``) quantized and dequantized, same shape and dtype."""
+        if self.qparams is None:
+            return ob.dynamic_fake_quantize(x, self.spec)
+        if kind == "activation":
+            return ob.fake_quantize(x.reshape(-1, x.shape[-1]), self.qparams, self.spec).reshape(x.shape)
+        return ob.fake_quantize(x, self.qparams, self.spec)
+
+
+Quantization = Mapping[Key, TensorQuant]
+"""``{(layer, "weight"|"input"|"output"): ...}`` and ``{(attention block, "k"|"v"): ...}``."""
+
+
+@dataclass
+class RunResult:
+    """One run: the model's outputs per batch (logits ``(b, s, vocab)`` of a decoder, sentence
+    embeddings ``(b, hidden)`` of an encoder), the SQNR in dB of the hidden states after each block
+    against the float run (``inf`` before the first quantized block), and the block it started at."""
+
+    outputs: list[torch.Tensor]
+    block_sqnr_db: list[float]
+    start: int
+
+
+class _Resident:
+    """The loaded model: blocks run in place, nothing is loaded or freed."""
+
+    def __init__(self, model: Model) -> None:
+        self.module = model.module()
+        self.blocks_name, self.blocks = _find_blocks(self.module, model.source, model.config.num_hidden_layers)
+
+    @contextmanager
+    def block(self, index: int) -> Iterator[nn.Module]:
+        yield self.blocks[index]
+
+    def outer(self):
+        return nullcontext()
+
+    def record(self, batches: list[Batch], owner: int) -> tuple[list[list[_Call]], list[torch.Tensor], list]:
+        """Each block's calls and the first block's inputs, from one forward pass per batch with
+        pre-hooks on the blocks; also the module's own outputs (to check the replay against)."""
+        calls: list[list[_Call]] = [[] for _ in self.blocks]
+        first: list[torch.Tensor] = []
+
+        def hook_for(index: int):
+            def hook(module, args, kwargs):
+                if threading.get_ident() != owner:
+                    return
+                hidden, call = _split_call(args, kwargs)
+                calls[index].append(call)
+                if index == 0:
+                    first.append(hidden)
+
+            return hook
+
+        handles = [b.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
+        outputs = []
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    outputs.append(self.module(**forward_kwargs(self.module, batch)))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls, first, outputs
+
+
+class _Streamed:
+    """A model larger than the budget: the skeleton of ``sequential``, one block loaded at a time
+    from the checkpoint, the modules outside the blocks loaded when first called."""
+
+    def __init__(self, model: Model, budget: int) -> None:
+        self.seq = model._sequential.get()
+        self.seq.check_budget(budget)
+        self.module = self.seq.module
+        self.blocks_name, self.blocks = self.seq.blocks_name, self.seq.blocks
+        self.loader = _Loader(self.seq, model._store, model.device, budget)
+
+    @contextmanager
+    def block(self, index: int) -> Iterator[nn.Module]:
+        block = self.blocks[index]
+        self.loader.load(block, self.seq.block_name(index), recurse=True)
+        try:
+            yield block
+        finally:
+            self.loader.free(block)
+
+    @contextmanager
+    def outer(self) -> Iterator[None]:
+        handles = [m.register_forward_pre_hook(lambda m, args: self.loader.ensure_outer(m)) for m in self.seq.outer]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.loader.free_all()
+
+    def record(self, batches: list[Batch], owner: int) -> tuple[list[list[_Call]], list[torch.Tensor], list]:
+        """Each block's calls and the first block's inputs, the blocks replaced by stand-ins (the
+        skeleton belongs to the model's sequential runs, which hold the same lock)."""
+        calls: list[list[_Call]] = [[] for _ in self.blocks]
+        first: list[torch.Tensor] = []
+
+        def on_call(index: int, args: tuple, kwargs: dict) -> torch.Tensor:
+            hidden, call = _split_call(args, kwargs)
+            calls[index].append(call)
+            if index == 0:
+                first.append(hidden)
+            if index == len(self.blocks) - 1:
+                raise _LastBlockReached
+            return hidden
+
+        originals = list(self.blocks)
+        try:
+            for index in range(len(self.blocks)):
+                self.blocks[index] = _StandIn(index, on_call)
+            with self.outer(), torch.no_grad():
+                for batch in batches:
+                    try:
+                        self.module(**forward_kwargs(self.module, batch))
+                    except _LastBlockReached:
+                        continue
+        finally:
+            for index, block in enumerate(originals):
+                self.blocks[index] = block
+        return calls, first, []
+
+
+class _QuantizingCache(DynamicCache):
+    """A KV cache that fake-quantizes the keys and values an attention block stores (after RoPE,
+    as a quantized KV cache holds them) and hands them back to the attention without keeping them."""
+
+    def __init__(self, quantize: Mapping[int, Mapping[str, TensorQuant]]) -> None:
+        super().__init__()
+        self._quantize = quantize
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        chosen = self._quantize.get(layer_idx, {})
+        k = chosen["k"](key_states, "attention") if "k" in chosen else key_states
+        v = chosen["v"](value_states, "attention") if "v" in chosen else value_states
+        return k, v
+
+
+class EffectRunner:
+    """The float run of a model on held-out text, cached at every block boundary, and runs with
+    chosen tensors fake-quantized that start from the first block they touch.
+
+    ``texts`` (default ``held_out_texts()``): a decoder reads them as one stream cut into full
+    windows of ``seq_len`` tokens (at most ``samples``); an encoder embeds them sentence by
+    sentence (at most ``samples`` sentences of at most ``seq_len`` tokens). Text shorter than one
+    window is refused. ``sequential``/``max_memory`` as in ``Model.capture``.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        texts: Sequence[str] | None = None,
+        *,
+        samples: int = HELD_OUT_SAMPLES,
+        seq_len: int = HELD_OUT_SEQ_LEN,
+        batch_size: int = BATCH_SIZE,
+        sequential: bool | None = None,
+        max_memory: int | None = None,
+    ) -> None:
+        self.model = model
+        with model._capture_lock:
+            budget = model._sequential_budget(sequential, max_memory)
+            self._backend = _Resident(model) if budget is None else _Streamed(model, budget)
+            self.sequential = budget is not None
+            self.kind = model_kind(self._backend.module)
+            texts = held_out_texts() if texts is None else [t for t in texts if t.strip()]
+            self.batches = self._held_out_batches(texts, samples, seq_len, batch_size)
+            self.tokens = int(sum(int(b.valid.sum()) for b in self.batches))
+            self._calls, first, module_outputs = self._backend.record(self.batches, threading.get_ident())
+            self._boundaries: list[list[torch.Tensor]] = [first]
+            self.float_outputs = self._run_blocks({}, 0, keep=True).outputs
+            self._check_replay(module_outputs)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._backend.blocks)
+
+    @property
+    def blocks_name(self) -> str:
+        return self._backend.blocks_name
+
+    # ------------------------------------------------------------ held-out text
+
+    def _held_out_batches(self, texts: list[str], samples: int, seq_len: int, batch_size: int) -> list[Batch]:
+        for knob, value in (("samples", samples), ("seq_len", seq_len), ("batch_size", batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"held-out {knob} must be a positive integer, got {value!r}")
+        if not texts:
+            raise ValueError("the held-out text is empty")
+        tokenizer = self.model.tokenizer()
+        if self.kind == "decoder":
+            ids = tokenizer("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"]
+            windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:samples]
+            total = len(ids)
+        else:
+            encoded = tokenizer(sentences(texts)[:samples], truncation=True, max_length=seq_len)["input_ids"]
+            # by length, so batches hold little padding; the metrics do not depend on the order
+            windows = sorted((list(w) for w in encoded), key=len)
+            total = sum(len(w) for w in encoded)
+            if len(windows) < 3:
+                raise ValueError(f"the held-out text has {len(windows)} sentence(s); comparing embeddings needs 3")
+        if total < seq_len or not windows:
+            raise ValueError(
+                f"the held-out text has {total} tokens, shorter than one window of {seq_len} tokens: "
+                "give more text or a shorter window"
+            )
+        device = self.model.device
+        if self.kind == "decoder":
+            padded = make_batches(tokenizer, windows, batch_size, device)
+        else:
+            groups = _by_positions(windows, batch_size * POSITIONS_PER_ROW)
+            padded = [make_batches(tokenizer, group, len(group), device)[0] for group in groups]
+        return [Batch(ids, mask, mask.bool()) for ids, mask in padded]
+
+    # ------------------------------------------------------------ where a tensor lives
+
+    def block_of(self, name: str) -> int | None:
+        """The block index of a module, ``num_blocks`` for one after the blocks (the LM head), None
+        for one before them (embeddings)."""
+        prefix = f"{self.blocks_name}."
+        if name.startswith(prefix):
+            index = name[len(prefix) :].split(".", 1)[0]
+            if index.isdigit():
+                return int(index)
+        return self.num_blocks if name in self._after_blocks else None
+
+    def start_of(self, keys: Sequence[Key]) -> int:
+        """The first block a quantization of ``keys`` changes (``num_blocks``: only the head)."""
+        starts = [self.block_of(layer) for layer, _ in keys]
+        if any(s is None for s in starts):
+            bad = next(layer for (layer, _), s in zip(keys, starts, strict=True) if s is None)
+            raise ValueError(f"{bad!r} runs before the first block; model-level evaluation quantizes blocks and head")
+        return min(starts, default=self.num_blocks)
+
+    def check(self, quantization: Quantization) -> None:
+        """Refuse what cannot be quantized here: layers that are not linear modules of the model,
+        key/value states of modules that are not attention blocks. ``ValueError`` naming each."""
+        problems = []
+        for layer, tensor in quantization:
+            module = self._module(layer)
+            if module is None:
+                problems.append(f"{layer}: not a module of the loaded model (fused MoE experts cannot be evaluated)")
+            elif tensor in ("k", "v"):
+                if attention_kind(module) is None:
+                    problems.append(f"{layer} {tensor}: not an attention block with key/value states")
+            elif type(module).__name__ not in LINEAR_MODULES:
+                problems.append(f"{layer} {tensor}: a {type(module).__name__}; only linear layers can be evaluated")
+        if problems:
+            raise ValueError("cannot evaluate these choices on the model:\n  - " + "\n  - ".join(problems))
+        self.start_of(list(quantization))
+
+    def _module(self, name: str) -> nn.Module | None:
+        try:
+            return self._backend.module.get_submodule(name)
+        except AttributeError:
+            return None
+
+    @cached_property
+    def _after_blocks(self) -> frozenset[str]:
+        """Modules registered after the blocks (final norm, LM head, pooler): quantizing one of them
+        changes only what follows the last block (an encoder's mean-pooled embedding uses none)."""
+        names = [n for n, _ in self._backend.module.named_modules()]
+        last = max(i for i, n in enumerate(names) if n == self.blocks_name or n.startswith(f"{self.blocks_name}."))
+        return frozenset(names[last + 1 :])
+
+    # ------------------------------------------------------------ running
+
+    def run(self, quantization: Quantization, start: int | None = None, sqnr: bool = True) -> RunResult:
+        """The model's outputs with ``quantization`` applied, from block ``start`` on (default: the
+        first block it touches; 0 runs every block, which gives the same result). ``sqnr=False``
+        skips the per-block SQNR (NaN in the result), which a sweep reading only outputs does not need."""
+        self.check(quantization)
+        first = self.start_of(list(quantization))
+        start = first if start is None else start
+        if not 0 <= start <= first:
+            raise ValueError(f"start={start} must be between 0 and {first}, the first block this quantization touches")
+        with self.model._capture_lock:
+            return self._run_blocks(quantization, start, keep=False, sqnr=sqnr)
+
+    def _run_blocks(self, quantization: Quantization, start: int, keep: bool, sqnr: bool = True) -> RunResult:
+        hidden = self._boundaries[start]
+        owner = threading.get_ident()
+        sqnr_db = [math.inf if i < start or sqnr else math.nan for i in range(self.num_blocks)]
+        for index in range(start, self.num_blocks):
+            inside = {k: q for k, q in quantization.items() if self.block_of(k[0]) == index}
+            with self._backend.block(index) as block, self._hooks(inside, owner), torch.inference_mode():
+                overrides = self._kv_overrides(inside)
+                hidden = [
+                    call.invoke(block, h, overrides(b))
+                    for b, (call, h) in enumerate(zip(self._calls[index], hidden, strict=True))
+                ]
+            if keep:
+                self._boundaries.append(hidden)
+            elif sqnr:
+                sqnr_db[index] = self._sqnr(hidden, self._boundaries[index + 1])
+        after = {k: q for k, q in quantization.items() if self.block_of(k[0]) == self.num_blocks}
+        with self._backend.outer(), self._hooks(after, owner), torch.inference_mode():
+            outputs = [self._tail(h, batch) for h, batch in zip(hidden, self.batches, strict=True)]
+        return RunResult(outputs, sqnr_db, start)
+
+    def _sqnr(self, hidden: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+        signal = error = 0.0
+        for h, ref, batch in zip(hidden, reference, self.batches, strict=True):
+            valid = batch.valid
+            ref32, h32 = ref[valid].float(), h[valid].float()
+            signal += float(ref32.square().sum())
+            error += float((h32 - ref32).square().sum())
+        if error == 0.0:
+            return math.inf
+        return 10.0 * math.log10(signal / error) if signal > 0 else -math.inf
+
+    def _head_module(self) -> nn.Module | None:
+        get = getattr(self._backend.module, "get_output_embeddings", None)
+        return get() if self.kind == "decoder" and get is not None else None
+
+    def _final_norm(self) -> nn.Module | None:
+        if self.kind != "decoder":
+            return None
+        base = getattr(self._backend.module, self._backend.module.base_model_prefix, None)
+        return next((getattr(base, n) for n in FINAL_NORMS if isinstance(getattr(base, n, None), nn.Module)), None)
+
+    def _tail(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits of a decoder (final norm, then the LM head), the mean of the last hidden states
+        over real tokens for an encoder (the sentence embedding all-MiniLM-L6-v2 is trained for)."""
+        if self.kind == "decoder":
+            norm, head = self._final_norm(), self._head_module()
+            if head is None:
+                raise ValueError(f"{self.model.name}: a causal LM without an output embedding cannot be evaluated")
+            return head(hidden if norm is None else norm(hidden)).float()
+        mask = batch.attention_mask.unsqueeze(-1).float()
+        return (hidden.float() * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+    def _check_replay(self, module_outputs: list) -> None:
+        """Running the blocks one by one must give the model's own output, or every comparison
+        after it would measure the replay instead of the quantization."""
+        for output, mine, batch in zip(module_outputs, self.float_outputs, self.batches, strict=False):
+            if self.kind == "decoder":
+                theirs = output.logits.float()
+            else:
+                mask = batch.attention_mask.unsqueeze(-1).float()
+                theirs = (output.last_hidden_state.float() * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+            scale = float(theirs.abs().max()) or 1.0
+            if float((theirs - mine).abs().max()) > REPLAY_TOLERANCE * scale:
+                raise ValueError(
+                    f"{self.model.name}: running its blocks one by one does not reproduce the model's output, "
+                    "so model-level effect cannot be measured on it"
+                )
+
+    # ------------------------------------------------------------ hooks
+
+    def _kv_overrides(self, inside: Quantization) -> Callable[[int], dict]:
+        per_layer: dict[int, dict[str, TensorQuant]] = {}
+        for (name, tensor), quant in inside.items():
+            if tensor in ("k", "v") and attention_kind(self._module(name)) == "cache":
+                per_layer.setdefault(self._module(name).layer_idx, {})[tensor] = quant
+        if not per_layer:
+            return lambda b: {}
+        return lambda b: {"past_key_values": _QuantizingCache(per_layer)}
+
+    @contextmanager
+    def _hooks(self, quantization: Quantization, owner: int) -> Iterator[None]:
+        """Forward hooks that fake-quantize the chosen tensors of linear layers (weight, input,
+        output) and the key/value projections of encoder attention blocks, for this thread only."""
+        by_module: dict[str, dict[str, TensorQuant]] = {}
+        for (name, tensor), quant in quantization.items():
+            module = self._module(name)
+            if tensor in ("k", "v"):
+                if attention_kind(module) == "projection":
+                    projection = f"{name}.{'key' if tensor == 'k' else 'value'}"
+                    by_module.setdefault(projection, {})[f"heads_{tensor}"] = quant
+                continue
+            by_module.setdefault(name, {})[tensor] = quant
+        handles = []
+        try:
+            for name, chosen in by_module.items():
+                module = self._module(name)
+                handles.append(module.register_forward_hook(self._linear_hook(module, chosen, owner), with_kwargs=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _linear_hook(self, module: nn.Module, chosen: dict[str, TensorQuant], owner: int):
+        weights: list[torch.Tensor] = []
+        heads = self.model.config.num_attention_heads if self.model.config is not None else 1
+
+        def hook(mod, args, kwargs, output):
+            if threading.get_ident() != owner:
+                return None
+            x = args[0] if args else next(iter(kwargs.values()))
+            y = output
+            if "weight" in chosen or "input" in chosen:
+                weight = _as_out_in(mod)
+                if "weight" in chosen:
+                    if not weights:
+                        weights.append(chosen["weight"](weight, "weight"))
+                    weight = weights[0]
+                x_in = chosen["input"](x, "activation") if "input" in chosen else x
+                y = F.linear(x_in, weight.to(x_in.dtype), None if mod.bias is None else mod.bias)
+            if "output" in chosen:
+                y = chosen["output"](y, "activation")
+            for which in ("heads_k", "heads_v"):
+                if which in chosen:
+                    per_head = y.reshape(*y.shape[:-1], heads, -1).transpose(-3, -2)
+                    y = chosen[which](per_head, "attention").transpose(-3, -2).reshape(y.shape)
+            return y
+
+        return hook
+
+
+def _by_positions(windows: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Windows sorted by length, grouped so that each padded batch holds at most ``budget``
+    positions (at least one window): short sentences share a batch, long ones do not pad it."""
+    groups: list[list[list[int]]] = []
+    for window in windows:
+        if groups and (len(groups[-1]) + 1) * len(window) <= budget:
+            groups[-1].append(window)
+        else:
+            groups.append([window])
+    return groups
+
+
+def _as_out_in(module: nn.Module) -> torch.Tensor:
+    """A linear module's weight as ``(out, in)`` (``Conv1D`` stores it transposed)."""
+    return module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
