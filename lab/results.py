@@ -215,16 +215,18 @@ def spec_text(spec: ob.QuantSpec) -> str:
     return text + (" dynamic" if spec.dynamic else "")
 
 
-def range_table(results: Sequence[SuiteResult], spec: ob.QuantSpec) -> pd.DataFrame:
+def range_table(
+    results: Sequence[SuiteResult], spec: ob.QuantSpec, specs: Mapping[str, ob.QuantSpec] | None = None
+) -> pd.DataFrame:
     """Per observer: the tensor-wide range its format keeps unclipped (``plots.envelope``), the
-    share of values clipped and the SQNR."""
+    share of values clipped and the SQNR; ``specs`` as in ``plots.range_histogram``."""
     from lab.plots import envelope
 
     rows = []
     for r in results:
         if r.qparams is None:
             continue
-        lo, hi = envelope(r, spec)
+        lo, hi = envelope(r, (specs or {}).get(r.name, spec))
         clip = r.metrics.get("clip_ratio")
         rows.append(
             {

@@ -25,7 +25,11 @@ BINS = Knob(2048, int, low=2, doc="Bins of the running histogram (it widens as d
 STRIDE = Knob(1, int, low=1, doc="Step between candidate bins (larger: faster, coarser search)")
 
 
-class _HistogramBase(Observer):
+class HistogramBase(Observer):
+    """The histogram family's shared part: a running per-group histogram (``observers.hist_state``,
+    of ``|x|`` when ``absolute``), merged exactly across ranks; a member picks the range from it
+    (``_rows_range``, or its own ``_choose_range`` / ``_qparams``). Tensor and channel strategies."""
+
     strategies = (Strategy.TENSOR, Strategy.CHANNEL)
     scale_kinds = ("float",)
     checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
@@ -60,7 +64,7 @@ def _symmetric_range(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @register
-class HistogramObserver(_HistogramBase):
+class HistogramObserver(HistogramBase):
     """Running histogram; the range with the least L2 quantization error estimated from it.
 
     Rule: a ``bins``-bin histogram of every observed value (the range grows as data arrives and
@@ -99,7 +103,7 @@ class HistogramObserver(_HistogramBase):
 
 
 @register
-class PercentileObserver(_HistogramBase):
+class PercentileObserver(HistogramBase):
     """Clip at a percentile of the running histogram.
 
     Rule: symmetric formats clip ``|x|`` at its ``percentile``-th percentile (histogram of ``|x|``
@@ -142,7 +146,7 @@ class PercentileObserver(_HistogramBase):
 
 
 @register
-class HistogramMSEObserver(_HistogramBase):
+class HistogramMSEObserver(HistogramBase):
     """ModelOpt-style sweep: the bin-centre amax with the least histogram-weighted squared error.
 
     Rule (symmetric): candidates ``amax`` = centres of bins ``start_bin, start_bin + stride, ...``
@@ -202,7 +206,7 @@ class HistogramMSEObserver(_HistogramBase):
 
 
 @register
-class EntropyObserver(_HistogramBase):
+class EntropyObserver(HistogramBase):
     """TensorRT/ModelOpt KL calibration on a running ``|x|`` histogram.
 
     Rule: for every candidate end bin ``i`` from ``start_bin`` to ``bins`` (``stride``): P = the

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from observers.base import Observer, register
-from observers.granularity import Flat
-from observers.hist_state import RowHistogram, rows_of, update_histogram
+from observers.base import register
+from observers.hist_state import RowHistogram
+from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
-from observers.shared import EXACT_HISTOGRAM
 
 DEFAULT_CANDIDATES = "99.99,99.999,99.99999"
 
@@ -81,7 +80,7 @@ def range_errors(
 
 
 @register
-class LayerWisePercentileObserver(Observer):
+class LayerWisePercentileObserver(HistogramBase):
     """Quark's layer-wise percentile: each tensor (or channel) takes the best of several percentiles.
 
     Rule: a running ``bins``-bin histogram (2048; of ``|x|`` for symmetric specs, signed otherwise);
@@ -99,35 +98,22 @@ class LayerWisePercentileObserver(Observer):
 
     name = "layerwise_percentile"
     description = "Best of percentiles 99.99/99.999/99.99999 by histogram MAE (Quark 0.13 LayerWisePercentile)"
-    strategies = ("tensor", "channel")
-    scale_kinds = ("float",)
-    checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
-    shares_statistics = True
-    merge_rule = EXACT_HISTOGRAM
     knobs = {
         "percentile_candidates": Knob(
             DEFAULT_CANDIDATES, str, doc="Percentiles tried, comma-separated, each in (0, 100]"
         ),
         "metric": Knob("mae", str, choices=("mae", "mse"), doc="Error that picks the percentile"),
-        "bins": Knob(2048, int, low=2, doc="Histogram bins per qparam group"),
+        "bins": BINS,
     }
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.hist: RowHistogram | None = None
 
     def validate_knobs(self) -> None:
         if self.spec.format.kind != "int":
             raise ValueError(f"observer {self.name!r} needs an integer dtype, not {self.spec.dtype!r}")
         self._percentiles = parse_percentiles(self.percentile_candidates)
 
-    def _reset_statistics(self) -> None:
-        self.hist = None
-
-    def _observe(self, flat: Flat) -> None:
-        self.hist = update_histogram(
-            self.hist, rows_of(flat), self.bins, absolute=self.spec.symmetric, reduce=self._across
-        )
+    @property
+    def absolute(self) -> bool:
+        return self.spec.symmetric
 
     def chosen_percentile(self) -> torch.Tensor:
         """The winning percentile per qparam group (fp32)."""

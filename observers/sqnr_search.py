@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from observers.base import Observer, register
-from observers.granularity import Flat
-from observers.hist_state import RowHistogram, rows_of, update_histogram
+from observers.base import register
+from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
 from observers.qparams import QParams
-from observers.shared import EXACT_HISTOGRAM
 
 MINIMUM_SCALE = float(torch.finfo(torch.float32).eps)
 """AIMET's smallest delta (fp32 machine epsilon)."""
@@ -86,7 +84,7 @@ def sqnr_noise(
 
 
 @register
-class SQNRObserver(Observer):
+class SQNRObserver(HistogramBase):
     """AIMET's SQNR analyzer: on a running histogram, the integer grid of least clip-weighted noise.
 
     Rule: a running ``bins``-bin histogram per qparam group (2048); candidate grids as AIMET
@@ -104,13 +102,8 @@ class SQNRObserver(Observer):
 
     name = "sqnr"
     description = "Integer grid of least histogram noise, clipping noise x3 (AIMET v2 SqnrEncodingAnalyzer)"
-    strategies = ("tensor", "channel")
-    scale_kinds = ("float",)
-    checks_finite_itself = True  # update_histogram raises NonFiniteStatistics from its min/max
-    shares_statistics = True
-    merge_rule = EXACT_HISTOGRAM
     knobs = {
-        "bins": Knob(2048, int, low=2, doc="Histogram bins per qparam group"),
+        "bins": BINS,
         "symmetric_delta_candidates": Knob(101, int, low=2, doc="Deltas tried for symmetric specs"),
         "asymmetric_delta_candidates": Knob(17, int, low=2, doc="Deltas tried for asymmetric specs"),
         "offset_candidates": Knob(21, int, low=3, doc="Offsets tried for asymmetric specs (plus the observed one)"),
@@ -118,19 +111,9 @@ class SQNRObserver(Observer):
         "max_working_bytes": MAX_WORKING_BYTES,
     }
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.hist: RowHistogram | None = None
-
     def validate_knobs(self) -> None:
         if self.spec.format.kind != "int":
             raise ValueError(f"observer {self.name!r} needs an integer dtype, not {self.spec.dtype!r}")
-
-    def _reset_statistics(self) -> None:
-        self.hist = None
-
-    def _observe(self, flat: Flat) -> None:
-        self.hist = update_histogram(self.hist, rows_of(flat), self.bins, reduce=self._across)
 
     def encodings(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen ``(delta, offset)`` per row (fp32, ``(R,)``)."""

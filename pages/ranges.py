@@ -24,19 +24,19 @@ chosen = [r for r in entry.results if r.name in shown]
 note = results.granularity_note(entry.spec, entry.tensor)
 if note:
     st.info(note)
+tail = None if view["zoom"] == "full" else view["zoom"].split()[0]
+
+
+def histogram(data, drawn, spec, title: str, specs=None) -> None:
+    """The value histogram with each result's range, as the controls above say."""
+    options = {"log_count": view["log"], "absolute": view["abs"], "tail": tail, "order": order, "specs": specs}
+    st.plotly_chart(plots.range_histogram(data, drawn, spec, title=title, **options), theme="streamlit")
+
+
 with ui.guard("Drawing the histogram"):
-    tail = None if view["zoom"] == "full" else view["zoom"].split()[0]
-    fig = plots.range_histogram(
-        entry.data,
-        chosen,
-        entry.spec,
-        log_count=view["log"],
-        absolute=view["abs"],
-        tail=tail,
-        title=f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})",
-        order=order,
+    histogram(
+        entry.data, chosen, entry.spec, f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})"
     )
-    st.plotly_chart(fig, theme="streamlit")
     st.caption("Each observer's lines mark where its format clips: the ends of the values it can represent.")
     if tail:
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
@@ -49,6 +49,7 @@ if entry.tool_results:
         "on the same tensor: what it would actually produce. Shown for comparison, never exported."
     )
     by_tool = [run.result for run in entry.tool_results if run.result.qparams is not None]
+    tool_specs = {run.result.name: run.profile.spec for run in entry.tool_results if run.profile is not None}
     for run in entry.tool_results:
         if run.result.qparams is None:
             st.caption(f"{run.tool}: {run.result.error}")
@@ -56,17 +57,9 @@ if entry.tool_results:
             st.caption(f"{run.result.name}: {'; '.join(run.profile.notes)}")
     if by_tool:
         with ui.guard("Drawing the tools' ranges"):
-            fig = plots.range_histogram(
-                entry.data,
-                by_tool,
-                entry.spec,
-                log_count=view["log"],
-                absolute=view["abs"],
-                tail=tail,
-                title=f"{entry.layer} · {entry.tensor} as each tool would quantize it",
-            )
-            st.plotly_chart(fig, theme="streamlit")
-        st.dataframe(results.range_table(by_tool, entry.spec), hide_index=True)
+            title = f"{entry.layer} · {entry.tensor} as each tool would quantize it"
+            histogram(entry.data, by_tool, entry.spec, title, specs=tool_specs)
+        st.dataframe(results.range_table(by_tool, entry.spec, tool_specs), hide_index=True)
 
 seen = ws.transformed_entry(entry)
 if seen is not None:
@@ -78,17 +71,7 @@ if seen is not None:
     )
     seen_results = [r for r in seen.results if r.name in shown]
     with ui.guard("Drawing the transformed histogram"):
-        fig = plots.range_histogram(
-            seen.data,
-            seen_results,
-            seen.spec,
-            log_count=view["log"],
-            absolute=view["abs"],
-            tail=tail,
-            title=f"{entry.layer} · {entry.tensor} through a {label}",
-            order=order,
-        )
-        st.plotly_chart(fig, theme="streamlit")
+        histogram(seen.data, seen_results, seen.spec, f"{entry.layer} · {entry.tensor} through a {label}")
     st.dataframe(results.range_table(seen_results, seen.spec), hide_index=True)
 
 if entry.tensor == "weight":

@@ -121,11 +121,13 @@ def test_block_sqnr_figure_leaves_out_blocks_before_the_first_quantized_one():
     assert list(fig.data[0].y) == [None, 30.0, 25.0] and fig.data[0].name == "one layer"
 
 
-def test_choice_set_bars_outline_the_best():
+def test_choice_set_bars_outline_the_best_quantized_set_on_an_axis_that_shows_the_difference():
     fig = effect_plots.choice_set_bars(["float", "x", "y"], [0.0, 0.3, 0.1], "kl")
-    assert list(fig.data[0].marker.line.width) == [3, 0, 0]
-    fig = effect_plots.choice_set_bars(["x", "y"], [0.98, 0.99], "cosine")
-    assert list(fig.data[0].marker.line.width) == [0, 3]
+    assert list(fig.data[0].marker.line.width) == [0, 0, 3]  # float is the yardstick, not a choice
+    fig = effect_plots.choice_set_bars(["float", "x", "y"], [1.0, 0.9957, 0.9969], "cosine")
+    assert list(fig.data[0].marker.line.width) == [0, 0, 3]
+    low, high = fig.layout.yaxis.range
+    assert 0.99 < low < 0.9957 and high > 1.0  # not 0..1, where 0.9957 and 0.9969 look the same
 
 
 def test_local_vs_model_has_one_trace_per_observer():

@@ -256,3 +256,32 @@ def test_report_heatmap_and_bars_make_room_for_long_layer_names():
     assert heatmap.layout.xaxis.automargin is True
     assert len(figures) == 2 + len(entries)
     assert math.isclose(max(_lines(figures[2])["minmax"]), plots.envelope(entries[0].results[0], spec)[1])
+
+
+def test_a_result_computed_under_another_spec_draws_its_own_clip_lines():
+    """``--as torch.ao``: its activations use reduce_range (-64..63); drawn under the run's int8 spec
+    its lines would sit twice as far out as where it clips."""
+    from lab.results import range_table
+
+    x = torch.linspace(-4.0, 4.0, 1001).reshape(-1, 1)
+    run_spec, halved = ob.QuantSpec(dtype="int8"), ob.QuantSpec(dtype="int8", reduce_range=True)
+    result = ob.run_one("minmax", x, halved, "activation")
+    fig = plots.range_histogram(x, [result], run_spec, specs={result.name: halved})
+    lines = sorted(shape.x0 for shape in fig.layout.shapes)
+    step = 4.0 / 63.5  # amax over half of the 127 steps of -64..63
+    assert lines == pytest.approx([-64 * step, 63 * step], rel=1e-5)
+    wrong = sorted(shape.x0 for shape in plots.range_histogram(x, [result], run_spec).layout.shapes)
+    assert wrong == pytest.approx([-128 * step, 127 * step], rel=1e-5)  # what the run's spec alone would draw
+    table = range_table([result], run_spec, {result.name: halved})
+    assert table["clips above"].iloc[0] == pytest.approx(lines[1])
+
+
+def test_a_long_legend_pushes_the_plot_down_instead_of_into_the_title():
+    x = torch.randn(500, 8)
+    spec = ob.QuantSpec(dtype="int8")
+    few = [ob.run_one("minmax", x, spec, "activation")]
+    many = [ob.run_one(name, x, spec, "activation") for name in ("minmax", "mse_grid", "percentile", "mse")] * 4
+    for i, result in enumerate(many):
+        result.name = f"{result.name}#{i}"
+    top = {n: plots.range_histogram(x, r, spec).layout.margin.t for n, r in (("few", few), ("many", many))}
+    assert top["many"] > top["few"] >= 120

@@ -99,12 +99,17 @@ def block_sqnr_figure(names: Sequence[str], curves: Sequence[Sequence[float]]) -
     return legend_on_top(fig, "choice set")
 
 
-def choice_set_bars(names: Sequence[str], values: Sequence[float], metric: str) -> go.Figure:
-    """The model-level ``metric`` of each choice set, one bar each, the best one outlined."""
+def choice_set_bars(
+    names: Sequence[str], values: Sequence[float], metric: str, reference: str | None = "float"
+) -> go.Figure:
+    """The model-level ``metric`` of each choice set, one bar each, the best quantized one outlined
+    (``reference``, the float model, is the yardstick, not a choice). The value axis spans the
+    values, not zero to them: sets that differ in the third decimal of a cosine must look different."""
     finite = [(v, i) for i, v in enumerate(values) if v is not None and math.isfinite(v)]
+    candidates = [(v, i) for v, i in finite if names[i] != reference] or finite
     best = None
-    if finite:
-        best = (max if MODEL_METRICS.get(metric, True) else min)(finite)[1]
+    if candidates:
+        best = (max if MODEL_METRICS.get(metric, True) else min)(candidates)[1]
     fig = go.Figure(
         go.Bar(
             x=list(names),
@@ -122,6 +127,10 @@ def choice_set_bars(names: Sequence[str], values: Sequence[float], metric: str) 
         yaxis={"title": metric},
         height=380,
     )
+    if len(finite) > 1:
+        low, high = min(v for v, _ in finite), max(v for v, _ in finite)
+        pad = (high - low) or abs(high) or 1.0
+        fig.update_yaxes(range=[low - 0.3 * pad, high + 0.15 * pad])
     return fig
 
 

@@ -4,7 +4,7 @@ and per-head ranges."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -95,6 +95,7 @@ def range_histogram(
     tail: str | None = None,
     title: str = "",
     order: Sequence[str] | None = None,
+    specs: Mapping[str, ob.QuantSpec] | None = None,
 ) -> go.Figure:
     """Histogram of the tensor's values with, per observer, two vertical lines where its format
     clips (``envelope`` under ``spec``: the representable range, not the chosen min/max) as layout
@@ -104,12 +105,14 @@ def range_histogram(
     ``absolute`` histograms ``|x|`` and draws the lines at ``|lo|`` and ``|hi|``; ``tail``
     (``left``/``right``) re-bins only the outer 0.1 % of values, so the tail's shape and the
     lines inside it become visible. The full view spans the data and the lines near it
-    (``view_bounds``).
+    (``view_bounds``). ``specs``: the spec a result was computed under, by name, where it is not
+    ``spec`` (a tool's conventions, e.g. torch.ao's halved activation range, move its clip lines).
     """
     x = data.detach().to(torch.float32)
     x = x.abs() if absolute else x
     ok = _ok(results)
-    ends = {r.name: _line_x(*envelope(r, spec), absolute) for r in ok}
+    specs = specs or {}
+    ends = {r.name: _line_x(*envelope(r, specs.get(r.name, spec)), absolute) for r in ok}
     if tail is None:
         lo, hi = view_bounds(float(x.min()), float(x.max()), [at for pair in ends.values() for at in pair])
     else:
@@ -152,7 +155,7 @@ def range_histogram(
         bargap=0,
         height=520,
     )
-    legend_on_top(fig, "observer: clips outside [lo, hi]")
+    legend_on_top(fig, "observer: clips outside [lo, hi]", entries=len(ok) + 1)
     if log_count:
         fig.update_yaxes(dtick=1)
     pad = 0.0 if tail is not None else 0.02 * ((hi - lo) or max(abs(lo), 1.0))

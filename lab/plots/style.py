@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -47,12 +48,21 @@ def legend_on_right(fig: go.Figure, title: str = "observer") -> go.Figure:
     return fig
 
 
-def legend_on_top(fig: go.Figure, title: str = "observer") -> go.Figure:
-    """A horizontal legend above the plot, so a dozen observers never squeeze the plot area."""
+LEGEND_ROW_PX = 26
+"""Height of one row of a horizontal legend."""
+LEGEND_PER_ROW = 3
+"""Legend entries per row to plan for: range labels (``name [lo, hi] · x% clipped``) are long."""
+
+
+def legend_on_top(fig: go.Figure, title: str = "observer", entries: int | None = None) -> go.Figure:
+    """A horizontal legend above the plot, so a dozen observers never squeeze the plot area. With
+    ``entries`` (how many legend items) the top margin grows with the rows they take, so a long
+    legend never runs into the title."""
+    rows = 4 if entries is None else max(1, math.ceil(entries / LEGEND_PER_ROW))
     fig.update_layout(
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0, "title_text": title},
         title={"yref": "container", "y": 0.99, "yanchor": "top"},
-        margin={"t": 170},
+        margin={"t": max(120, 66 + LEGEND_ROW_PX * rows)},
     )
     return fig
 
