@@ -166,7 +166,8 @@ def _start(device: str) -> Ranks:
     size = world_size()
     try:
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = rank_device(device, local).startswith("cuda")
+        own_device = rank_device(device, local)
+        cuda = own_device.startswith("cuda")
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but CUDA is not available")
         if cuda:
@@ -174,7 +175,7 @@ def _start(device: str) -> Ranks:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, timeout=START_TIMEOUT)
     except (RuntimeError, ValueError, KeyError) as err:
         raise ValueError(f"could not start the process group of {size} ranks: {err}") from None
-    return Ranks(rank, size, local, dist.new_group(timeout=WORK_TIMEOUT), rank_device(device, local))
+    return Ranks(rank, size, local, dist.new_group(timeout=WORK_TIMEOUT), own_device)
 
 
 @contextmanager

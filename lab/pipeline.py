@@ -356,21 +356,28 @@ def analyse(
         shared = across is not None
         whole = observed.total_shape(tensor, data, ranks) if shared else None
         entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, whole, None if shared else ranks.rank)
-        entry.tool_results = [_as_tool(tool, entry, across) for tool in config.tools]
+        tensor_id = f"{source_id}|{layer}|{tensor}"
+        entry.tool_results = [_as_tool(tool, entry, across, cache, tensor_id, extra) for tool in config.tools]
         entries.append(entry)
     if progress is not None:
         progress(total, total, "done")
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
 
 
-def _as_tool(tool: str, entry: TensorAnalysis, across: Any) -> ToolResult:
-    """``entry``'s tensor observed as ``tool`` would by default: its observer, knobs and conventions."""
+def _as_tool(
+    tool: str, entry: TensorAnalysis, across: Any, cache: ResultCache, tensor_id: str, extra: str
+) -> ToolResult:
+    """``entry``'s tensor observed as ``tool`` would by default: its observer, knobs and conventions,
+    through the result cache like the observers (a re-run after a knob change reuses it)."""
     try:
         found = profile(tool, entry.tensor, entry.spec)
     except ValueError as err:
         return ToolResult(tool, None, SuiteResult(tool, None, {}, 0.0, {}, 0, str(err)))
     kind = _observer_kind(entry.tensor)
-    result = ob.run_one(found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, across=across, **found.knobs)
+    run = partial(
+        ob.run_one, found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, across=across, **found.knobs
+    )
+    result = cache.get_or_run(cache.key(tensor_id, found.spec, found.observer, found.knobs, extra), run)
     return ToolResult(tool, found, replace(result, name=f"{tool}: {found.observer}"))
 
 

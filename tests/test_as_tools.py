@@ -89,3 +89,14 @@ def test_the_ranges_page_draws_each_tool():
     at.switch_page("pages/ranges.py").run()
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     assert any(h.value == "As each tool would run it" for h in at.subheader)
+
+
+def test_a_rerun_reuses_the_tools_results_from_the_cache():
+    from lab.pipeline import ResultCache
+
+    model, cache = open_model("tiny-llama"), ResultCache()
+    config = RunConfig(specs={"weight": ob.QuantSpec(dtype="int8")}, observers=("minmax",), tools=("modelopt",))
+    analyse(model, [LAYER], config, cache=cache)
+    assert (cache.misses, cache.hits) == (2, 0)  # the observer and the tool's default
+    again = analyse(model, [LAYER], config, cache=cache)
+    assert (cache.misses, cache.hits) == (2, 2) and again.entries[0].tool_results[0].result.qparams is not None
