@@ -110,12 +110,14 @@ class Observer:
         """Check rules between knobs, or between a knob and the spec (each value alone is already
         checked against its declaration); subclasses raise ``ValueError`` naming the knobs."""
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, part: bool = False) -> None:
+        """``x`` can be observed; a rank's ``part`` of a split batch may be empty (no tokens) if
+        it still has its feature dimensions."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"observe() needs a torch.Tensor, got {type(x).__name__}")
         if x.ndim == 0:
             raise ValueError("observe() needs a tensor with at least one dimension, got a 0-d tensor")
-        if x.numel() == 0:
+        if x.numel() == 0 and not (part and x.ndim >= 2):
             raise ValueError(f"observe() got an empty tensor of shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"observe() needs a floating-point tensor, got {x.dtype}")
@@ -171,10 +173,7 @@ class Observer:
         qparams stay per rank (``observers.shared.gather_tokens`` joins them)."""
         error, flat = None, None
         try:
-            if not isinstance(x, torch.Tensor) or x.numel() or x.ndim < 2:
-                self._check_input(x)
-            if not x.dtype.is_floating_point:
-                raise ValueError(f"observe() needs a floating-point tensor, got {x.dtype}")
+            self._check_input(x, part=True)
             if x.numel() and not all_finite(x):
                 x = self._without_nonfinite(x)
             flat = flatten(x, self.spec, self.kind, g_idx=g_idx)
