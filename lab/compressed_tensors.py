@@ -293,7 +293,9 @@ class CompressedTensorsExport:
         config = json.dumps({"quantization_config": self.quantization_config}, indent=2, allow_nan=False)
         return {
             CONFIG_FILE: config.encode("utf-8"),
-            TENSORS_FILE: save(self.tensors, metadata=metadata),
+            # Layers that read one input (q, k, v) share one result, so their qparams can be one
+            # tensor under two names: safetensors refuses shared storage, so each name gets a copy.
+            TENSORS_FILE: save({name: tensor.clone() for name, tensor in self.tensors.items()}, metadata=metadata),
             NOTES_FILE: "".join(f"{note}\n" for note in self.notes).encode("utf-8"),
         }
 

@@ -27,7 +27,7 @@ import observers as ob
 from lab.json_values import json_safe
 from lab.model_facts import ModelFacts, describe_source, same_weights
 from lab.pipeline import Analysis
-from lab.results import Choices, choose, valid_choices
+from lab.results import Choices, choose, usable_observers, valid_choices
 from lab.vocab import DECODER_METRICS, ENCODER_METRICS, KV_TENSORS, observer_kind
 from sample_models.effect import HELD_OUT_SAMPLES, HELD_OUT_SEQ_LEN, EffectRunner, RunResult, TensorQuant
 
@@ -83,7 +83,7 @@ def from_analysis(analysis: Analysis, choices: Mapping[Key, str], name: str) -> 
 def all_observer(analysis: Analysis, observer: str, name: str, keys: Sequence[Key] | None = None) -> ChoiceSet:
     """``observer`` on every tensor of ``keys`` (default: all analysed) where it gave qparams."""
     keys = analysis.keys() if keys is None else keys
-    usable = {k: observer for k in keys if analysis.entry(*k).result(observer).qparams is not None}
+    usable = {k: observer for k in keys if observer in usable_observers(analysis.entry(*k))}
     if not usable:
         raise ValueError(f"{observer} gave no qparams on any chosen tensor, so {name!r} cannot be evaluated")
     return from_analysis(analysis, usable, name)

@@ -1,6 +1,7 @@
 """The tensors ``lab.pipeline.analyse`` observes, derived from what it read and captured: the
 views through a transform (``observers.transforms``), the per-column importance that activation
-order and some weight observers take, and a split calibration's whole shape. Each merges across
+order and some weight observers take, which captured tensors are the same, and a split
+calibration's whole shape. Each merges across
 ranks that split the calibration batches (``lab.distributed``), so every rank derives the same."""
 
 from __future__ import annotations
@@ -51,6 +52,33 @@ def transformed(
     return weights, activations, sorted(set(notes))
 
 
+def identical_activations(
+    activations: dict[tuple[str, str], torch.Tensor], ranks: Ranks
+) -> dict[tuple[str, str], tuple[str, str]]:
+    """``{key: earlier key}`` for each captured tensor that holds exactly the values of an
+    earlier one of the same kind (the query, key and value projections of an attention block
+    read one hidden state): ``analyse`` keys results by the earlier one, so identical tensors
+    are observed once. A fingerprint (shape, sum, ends) picks candidates; ``torch.equal`` decides.
+    Not when ranks split the batches: each rank sees only its part, and the ranks would have to
+    agree before running collectives on a different set of tensors."""
+    if ranks.world_size > 1:
+        return {}
+    seen: dict[tuple, list[tuple[str, str]]] = {}
+    same: dict[tuple[str, str], tuple[str, str]] = {}
+    for key, data in activations.items():
+        if data.numel() == 0:
+            continue
+        flat = data.reshape(-1)
+        fingerprint = (key[1], tuple(data.shape), data.dtype, float(flat.sum()), float(flat[0]), float(flat[-1]))
+        candidates = seen.setdefault(fingerprint, [])
+        match = next((other for other in candidates if torch.equal(activations[other], data)), None)
+        if match is None:
+            candidates.append(key)
+        else:
+            same[key] = match
+    return same
+
+
 def g_idx_for(config: RunConfig, spec: ob.QuantSpec, importance: torch.Tensor | None) -> torch.Tensor | None:
     if not config.actorder or spec.strategy != "group" or spec.format.is_block or importance is None:
         return None
@@ -75,7 +103,8 @@ def input_statistics(
     allow (a Hessian block that does not divide its inputs) is left out: the observer says so."""
     if "weight" not in config.specs:
         return {}
-    taken = {knob for name in config.observer_names if name in ob.available() for knob in ob.knobs(name)}
+    names = [name for name in config.observers_for("weight") if name in ob.available()]
+    taken = {knob for name in names for knob in ob.knobs(name)}
     wanted = [knob for knob in INPUT_STATISTICS if knob in taken or (knob == "importance" and config.actorder)]
     across = ranks.reduce if ranks.world_size > 1 else None
     found: dict[str, dict[str, torch.Tensor]] = {}

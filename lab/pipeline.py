@@ -33,6 +33,13 @@ from observers.suite import SuiteResult
 ProgressFn = Callable[[int, int, str], None]
 
 
+def default_observers(specs: dict[str, ob.QuantSpec]) -> tuple[str, ...]:
+    """Every observer that applies to at least one of ``specs`` (keyed by tensor kind), in
+    registry order: what a run with no observers named compares."""
+    found = {name for key, spec in specs.items() for name in ob.applicable(spec, _observer_kind(key))}
+    return tuple(name for name in ob.available() if name in found)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What to run: a spec per tensor kind (``weight``/``input``/``output`` of layers, ``kv`` for
@@ -79,7 +86,16 @@ class RunConfig:
 
     @property
     def observer_names(self) -> tuple[str, ...]:
-        return tuple(ob.available()) if self.observers is None else tuple(self.observers)
+        """The observers named, else (None) every observer that applies to any of the specs,
+        in registry order (``observers_for`` says which run on each tensor)."""
+        return tuple(self.observers) if self.observers is not None else default_observers(self.specs)
+
+    def observers_for(self, key: str) -> tuple[str, ...]:
+        """The observers run on the tensors of spec ``key``: the named ones (an observer that
+        does not apply reports why in its result), else ``observers.applicable`` for the spec."""
+        if self.observers is not None:
+            return tuple(self.observers)
+        return tuple(ob.applicable(self.specs[key], _observer_kind(key)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -317,10 +333,11 @@ def analyse(
         weights, activations, notes = observed.transformed(config, layers, weights, activations, ranks)
     weights = {layer: weights[layer] for layer in mine if layer in weights} if "weight" in config.specs else {}
     statistics = observed.input_statistics(layers, activations, config, ranks)
-    names = config.observer_names
+    same = observed.identical_activations(activations, ranks)
     jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
     jobs += [(block, which) for block in attention for which in KV_TENSORS]
-    total = len(jobs) * len(names)
+    names_for = {key: config.observers_for(key) for key in config.specs}
+    total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
     entries: list[TensorAnalysis] = []
     warnings: list[str] = list(notes)
     step = 0
@@ -329,9 +346,10 @@ def analyse(
         if data is None:
             if tensor != "weight":
                 warnings.append(f"{layer}: no {tensor} activations were captured")
-            step += len(names)
+            step += len(names_for[spec_key(tensor)])
             continue
         spec = config.specs[spec_key(tensor)]
+        names = names_for[spec_key(tensor)]
         weight_job = tensor == "weight"
         given = statistics.get(layer, {}) if weight_job else {}
         g_idx = observed.g_idx_for(config, spec, given.get("importance")) if weight_job else None
@@ -339,24 +357,25 @@ def analyse(
         extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
         extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
         across = ranks.reduce if split and not weight_job else None
+        first_layer, first_tensor = same.get((layer, tensor), (layer, tensor))
+        tensor_id = f"{source_id}|{first_layer}|{first_tensor}"  # identical tensors share their results
         results = []
         for name in names:
             if progress is not None:
                 progress(step, total, f"{layer} · {tensor} · {name}")
             step += 1
             knobs = dict(config.knobs.get(name, {}))
-            key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, extra + str(config.actorder))
+            key = cache.key(tensor_id, spec, name, knobs, extra + str(config.actorder))
             filled = sorted(knob for knob in given if knob in ob.knobs(name) and knob not in knobs)
             if filled:
                 inputs_key = f"{'+'.join(filled)}|{config.calibration_key()}"
-                key = cache.key(f"{source_id}|{layer}|{tensor}", spec, name, knobs, inputs_key + extra)
+                key = cache.key(tensor_id, spec, name, knobs, inputs_key + extra)
                 knobs |= {knob: given[knob] for knob in filled}
             run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, across=across, **knobs)
             results.append(cache.get_or_run(key, run))
         shared = across is not None
         whole = observed.total_shape(tensor, data, ranks) if shared else None
         entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, whole, None if shared else ranks.rank)
-        tensor_id = f"{source_id}|{layer}|{tensor}"
         entry.tool_results = [_as_tool(tool, entry, across, cache, tensor_id, extra) for tool in config.tools]
         entries.append(entry)
     if progress is not None:

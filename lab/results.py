@@ -188,10 +188,9 @@ def layer_output_rows(model, analysis: Analysis, observers: Sequence[str]) -> pd
             continue
         if inputs.data.shape[0] == 0:
             continue
-        for name in observers:
+        on_both = set(usable_observers(weight)) & set(usable_observers(inputs))
+        for name in (name for name in observers if name in on_both):
             w_res, x_res = weight.result(name), inputs.result(name)
-            if w_res.qparams is None or x_res.qparams is None:
-                continue
             w_hat = ob.fake_quantize(weight.data, w_res.qparams, weight.spec)
             x_hat = ob.fake_quantize(inputs.data, x_res.qparams, inputs.spec)
             for mode, (qw, qx) in {

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 import observers as ob
-from lab.pipeline import RunConfig
+from lab.pipeline import RunConfig, default_observers
 from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
 from observers.formats import FAMILIES
 
@@ -238,6 +238,19 @@ class RunSettings:
             and (has_attention if kind == KV else has_layers)
             and (can_capture or kind == TensorKind.WEIGHT)
         ]
+
+    def default_observers(
+        self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True
+    ) -> list[str]:
+        """The observers a run of these settings compares when none are chosen: every one that
+        applies to a spec it analyses (a spec the editors cannot build yet is left out)."""
+        specs = {}
+        for kind in self.kinds(has_layers, has_attention, can_capture):
+            try:
+                specs[kind] = self.editor(ROLE_OF_KIND[kind]).spec()
+            except ValueError:
+                continue
+        return list(default_observers(specs))
 
     def config(self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True) -> RunConfig:
         """The ``RunConfig`` of these settings (``kinds`` says which specs it holds); a bad knob

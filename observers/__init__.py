@@ -24,6 +24,7 @@ from observers.modelopt_search import local_hessian
 from observers.base import (
     Observer,
     aliases,
+    applicable,
     available,
     create,
     describe,
@@ -37,7 +38,7 @@ from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dyna
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
 from observers.knobs import Knob
-from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics
+from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics, quantization_metrics
 from observers.presets import PRESET_NAMES, preset
 from observers.qparams import QParams, calculate_qparams, representable_range
 from observers.quantize import dequantize, fake_quantize, quantize
@@ -69,6 +70,7 @@ __all__ = [
     "TransformSpec",
     "activation_order_g_idx",
     "aliases",
+    "applicable",
     "available",
     "calculate_qparams",
     "column_importance",
@@ -81,6 +83,7 @@ __all__ = [
     "dynamic_qparams",
     "dynamic_view_spec",
     "error_metrics",
+    "quantization_metrics",
     "fake_quantize",
     "flatten",
     "get_format",

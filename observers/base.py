@@ -54,6 +54,9 @@ class Observer:
     kinds: ClassVar[tuple[str, ...]] = tuple(ObserverKind)
     strategies: ClassVar[tuple[str, ...] | None] = None
     scale_kinds: ClassVar[tuple[str, ...]] = ("float", "e8m0", "e4m3", "pow2")
+    tuned_for: ClassVar[tuple[str, ...] | None] = None
+    """Element formats (dtype names) whose defaults this observer was tuned for; it still runs on
+    any format it accepts, but ``applicable`` leaves it out of the default set of other formats."""
     checks_finite_itself: ClassVar[bool] = False
     merge_rule: ClassVar[str] = MEAN_OF_RANGES
     """How ranks that split a batch merge this observer's statistics (``observers.shared``)."""
@@ -291,6 +294,23 @@ def create(name: str, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> Ob
 def available() -> dict[str, str]:
     """``{name: one-line description}`` of every registered observer."""
     return {name: cls.description for name, cls in _REGISTRY.items()}
+
+
+def applicable(spec: QuantSpec, kind: str = "weight") -> list[str]:
+    """The observers a run on ``spec`` and ``kind`` uses by default, in registry order: those that
+    accept them (strategy, dtype, kind) and are not tuned for another format (``tuned_for``).
+    The rest would only fill a comparison with "not available" rows or searches meant for
+    another format; they still run when named."""
+    names = []
+    for name, cls in _REGISTRY.items():
+        if cls.tuned_for is not None and spec.dtype not in cls.tuned_for:
+            continue
+        try:
+            cls(spec, kind=kind)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
 
 
 def observer_class(name: str) -> type[Observer]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from observers.granularity import all_finite, as_2d, flatten, reduce_min_max
-from observers.metrics import error_metrics
+from observers.metrics import quantization_metrics
 from observers.qparams import QParams, calculate_qparams
 from observers.quantize import fake_quantize
 from observers.spec import QuantSpec
@@ -105,5 +105,4 @@ def dynamic_error_metrics(x: torch.Tensor, spec: QuantSpec) -> tuple[QParams, di
     of ``METRIC_KEYS``), in one pass of the range computation."""
     x2, view_spec, qp = _dynamic(x, spec)
     with torch.no_grad():
-        x_hat = fake_quantize(x2, qp, view_spec)
-        return qp, error_metrics(x2, x_hat, qp, view_spec)
+        return qp, quantization_metrics(x2, qp, view_spec)

@@ -7,12 +7,19 @@ candidates.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from observers.hist_state import RowHistogram
 
 PAIR_BUDGET = 1 << 22
 """Bounds the exact-error polish of the L2 search (cells per round ~ 4x this)."""
+SERIAL_ELEMENTS = 1 << 15
+"""Working-tensor size of the one-row searches: torch runs an op on fewer elements than its grain
+size (32768) on the calling thread. Forking at this size saves about what it costs, and a worker
+whose core another process holds stalls every op: MiniLM's 12 one-row L2 searches took 0.3-3.8 s
+on 2 threads of a shared 2-core machine with tensors 2-8x larger, 55 ms on one thread."""
 
 
 def _prefix_moments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,49 +69,54 @@ def _screen_pairs(terms: torch.Tensor, start: torch.Tensor, end: torch.Tensor, l
     return torch.where(valid, _combine(at_start, at_end, half_step), torch.inf)
 
 
+@functools.lru_cache(maxsize=16)
+def _grid_blocks(
+    step: int, bins: int, levels: int, rows: int, chunk_elements: int, device: torch.device
+) -> tuple[torch.Tensor, tuple[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor], ...]]:
+    """The grid's edges (E,) fp64 and, per block of starts ``[first, last)`` (about
+    ``chunk_elements`` scores for ``rows`` rows) scored against every edge after ``first``: the
+    half steps (1, b, E') fp32 of those pairs and the cells (rows, columns) whose end is not after
+    their start. They depend on the shapes and the levels only, so every histogram of one shape
+    shares them (a third of the screen's time on MiniLM's one-row searches)."""
+    edges = _grid_edges(step, bins, device).double()
+    count = edges.numel()
+    block = max(1, chunk_elements // max(1, rows * count))
+    blocks = []
+    for first in range(0, count - 1, block):
+        last = min(count - 1, first + block)
+        half_step = ((edges[first + 1 :].view(1, 1, -1) - edges[first:last].view(1, -1, 1)) / (2 * levels)).float()
+        empty = torch.nonzero(half_step[0] <= 0, as_tuple=True)
+        blocks.append((first, last, half_step, *empty))
+    return edges, tuple(blocks)
+
+
 def _screen_grid(
-    terms: torch.Tensor, edges: torch.Tensor, levels: int, chunk_elements: int = 1 << 20
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best end for every start among ``edges`` (E,), all pairs: (score, end), each (R, E).
+    terms: torch.Tensor, step: int, levels: int, chunk_elements: int = SERIAL_ELEMENTS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All pairs of the grid of every ``step``-th edge: (edges (E,), best score per start (R, E),
+    its end (R, E)).
 
     Blocks of starts are scored against every later edge by broadcasting, in place, in blocks
-    small enough to stay in cache (``chunk_elements`` scores at a time).
+    small enough to stay in cache (``chunk_elements`` scores at a time); a block's starts skip
+    the edges before its first start, so small blocks also skip most of the invalid half.
     """
-    rows, count = terms.shape[1], edges.numel()
+    rows, bins = terms.shape[1], terms.shape[2] - 1
+    edges, blocks = _grid_blocks(step, bins, levels, rows, chunk_elements, terms.device)
+    count = edges.numel()
     index = edges.long()
     at_start_all = terms[:3, :, index]
     at_end_all = terms[3:, :, index]
     best = torch.full((rows, count), torch.inf, device=terms.device)
     best_end = torch.full((rows, count), float(edges[-1]), dtype=torch.float64, device=terms.device)
-    block = max(1, chunk_elements // max(1, rows * count))
-    for first in range(0, count - 1, block):
-        last = min(count - 1, first + block)
-        ends = edges[first + 1 :]
+    for first, last, half_step, empty_start, empty_end in blocks:
         alpha, beta, epsilon = (t[:, first:last].unsqueeze(2) for t in at_start_all)
         gamma, delta, zeta = (t[:, first + 1 :].unsqueeze(1) for t in at_end_all)
-        half_step = ((ends.view(1, 1, -1) - edges[first:last].view(1, -1, 1)) / (2 * levels)).float()
         score = (epsilon + zeta).mul_(half_step).add_(beta).add_(delta).mul_(half_step).add_(alpha).add_(gamma)
-        score.masked_fill_(half_step <= 0, torch.inf)
+        score[:, empty_start, empty_end] = torch.inf
         value, which = score.min(dim=2)
         best[:, first:last] = value
-        best_end[:, first:last] = ends[which]
-    return best, best_end
-
-
-def _cumulative_moments(counts: torch.Tensor, moments, points: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``∫_0^t x^k ρ(x) dx`` at arbitrary ``points`` t (R, ...) in bin units, k = 0, 1, 2."""
-    p0, p1, p2 = moments
-    rows, bins = counts.shape
-    t = points.clamp(0, bins)
-    b = t.floor().clamp_(max=bins - 1)
-    flat_index = b.long().reshape(rows, -1)
-    shape = t.shape
-    c = torch.gather(counts, 1, flat_index).reshape(shape)
-    base = [torch.gather(p, 1, flat_index).reshape(shape) for p in (p0, p1, p2)]
-    g0 = base[0] + c * (t - b)
-    g1 = base[1] + c * (t * t - b * b) / 2
-    g2 = base[2] + c * (t * t * t - b * b * b) / 3
-    return g0, g1, g2
+        best_end[:, first:last] = edges[first + 1 :][which]
+    return edges, best, best_end
 
 
 def exact_l2(counts: torch.Tensor, moments, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
@@ -112,17 +124,38 @@ def exact_l2(counts: torch.Tensor, moments, start: torch.Tensor, end: torch.Tens
 
     The quantizer is torch.ao's model: ``levels`` equal cells over the range, each value goes to
     its cell's centre, values beyond the range to the first/last centre. ``start``/``end`` (R, K).
+
+    Summation by parts over the cells (centres ``c_j``, inner bounds ``b_j = (c_(j-1) + c_j) / 2``
+    a step apart) gives the error of every value at the last centre ``c`` plus
+    ``2·step·Σ_j h(b_j)`` with ``h(t) = ∫_0^t x ρ - t·∫_0^t ρ = P1[k] - t·P0[k] - counts[k]·(t - k)²/2``
+    (``k = floor t``, density uniform inside a bin): per bound two prefix sums and a count, no
+    second moment and no per-cell differences.
     """
-    bins = counts.shape[1]
+    p0, p1, p2 = moments
+    rows, bins = counts.shape
     step = (end - start) / levels
-    j = torch.arange(levels + 1, dtype=torch.float64, device=counts.device)
-    bounds = start.unsqueeze(-1) + j * step.unsqueeze(-1)
-    bounds[..., 0] = 0.0
-    bounds[..., -1] = float(bins)
-    centres = start.unsqueeze(-1) + (j[:-1] + 0.5) * step.unsqueeze(-1)
-    g0, g1, g2 = _cumulative_moments(counts, moments, bounds)
-    d0, d1, d2 = g0.diff(dim=-1), g1.diff(dim=-1), g2.diff(dim=-1)
-    return (d2 - 2 * centres * d1 + centres * centres * d0).sum(dim=-1)
+    last = end - 0.5 * step
+    at_last = p2[:, -1:] - 2 * last * p1[:, -1:] + last * last * p0[:, -1:]
+    j = torch.arange(1, levels, dtype=torch.float64, device=counts.device)
+    t = torch.addcmul(start.unsqueeze(-1), j, step.unsqueeze(-1))  # inner bounds (R, K, levels - 1)
+    k = t.floor().clamp_(0, bins - 1)
+    index = k.long().view(rows, -1)
+    at = lambda table: torch.gather(table, 1, index).view(t.shape)  # noqa: E731
+    inside = (t - k).square_().mul_(at(counts * 0.5))
+    h = at(p1).sub_(t.mul_(at(p0))).sub_(inside)
+    return at_last + 2 * step * h.sum(dim=-1)
+
+
+def _exact_l2_chunked(counts, moments, start: torch.Tensor, end: torch.Tensor, levels: int) -> torch.Tensor:
+    """``exact_l2`` over the candidates (R, K) in column chunks of about ``SERIAL_ELEMENTS``
+    cells (at least one column), so a one-row search stays on the calling thread (each
+    candidate's error is computed alike in any chunk)."""
+    columns = max(1, SERIAL_ELEMENTS // (counts.shape[0] * max(1, levels - 1)))
+    parts = [
+        exact_l2(counts, moments, start[:, first : first + columns], end[:, first : first + columns], levels)
+        for first in range(0, start.shape[1], columns)
+    ]
+    return torch.cat(parts, dim=1)
 
 
 def _grid_edges(step: int, bins: int, device: torch.device) -> torch.Tensor:
@@ -164,8 +197,7 @@ def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tup
     moments = _prefix_moments(counts)
     terms = _edge_terms(moments)
     step = _first_step(rows, bins)
-    edges = _grid_edges(step, bins, counts.device).double()
-    score, end = _screen_grid(terms, edges, levels)
+    edges, score, end = _screen_grid(terms, step, levels)
     start = edges.unsqueeze(0).expand(rows, -1)
     while step > 1:
         best = score.argmin(dim=1, keepdim=True)
@@ -175,11 +207,25 @@ def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tup
     top = min(exact_top, score.shape[1])
     top_idx = score.topk(top, dim=1, largest=False).indices
     top_start, top_end = start.gather(1, top_idx), end.gather(1, top_idx)
-    exact = exact_l2(counts, moments, top_start, top_end, levels)
+    exact = _exact_l2_chunked(counts, moments, top_start, top_end, levels)
     exact = torch.where(torch.isfinite(score.gather(1, top_idx)), exact, torch.inf)
     pick = exact.argmin(dim=1, keepdim=True)
     best_start, best_end = top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
     return _refine_exact(counts, moments, best_start, best_end, exact.gather(1, pick).squeeze(1), levels)
+
+
+def _exact_where(counts, moments, start: torch.Tensor, end: torch.Tensor, wanted: torch.Tensor, levels: int):
+    """``exact_l2`` of the candidates (R, W) marked ``wanted``, ``inf`` for the others, which are
+    not scored: each row's wanted candidates are packed to the front (in order) first."""
+    kept = wanted.sum(dim=1)
+    width = int(kept.max()) if kept.numel() else 0
+    out = torch.full(start.shape, torch.inf, dtype=torch.float64, device=start.device)
+    if width == 0:
+        return out
+    order = torch.argsort((~wanted).to(torch.uint8), dim=1, stable=True)[:, :width]
+    exact = _exact_l2_chunked(counts, moments, start.gather(1, order), end.gather(1, order), levels)
+    real = torch.arange(width, device=start.device) < kept.unsqueeze(1)
+    return out.scatter_(1, order, torch.where(real, exact, torch.inf))
 
 
 def _refine_exact(counts, moments, start, end, error, levels: int, max_rounds: int = 8):
@@ -187,25 +233,30 @@ def _refine_exact(counts, moments, start, end, error, levels: int, max_rounds: i
 
     The screen's rounding-noise estimate misjudges spiky histograms (e.g. many exact zeros);
     this polishes its pick with the exact error. The window shrinks with the number of rows so
-    each round scores at most ~``PAIR_BUDGET · 4`` cells.
+    each round scores at most ~``PAIR_BUDGET · 4`` cells. A round scores only the candidates no
+    earlier window held: those all had an error at least the current best's, so they can be
+    neither the new best nor an improvement (the same picks as rescoring the whole window).
     """
-    rows = counts.shape[0]
+    rows, bins = counts.shape
     radius = 1
     while radius < 8 and rows * (2 * radius + 3) ** 2 * (levels + 1) <= 4 * PAIR_BUDGET:
         radius += 1
+    old_start = old_end = start.unsqueeze(1)[:, :0]  # (R, rounds so far): earlier windows' centres
     for _ in range(max_rounds):
         cand_start, cand_end = _window_pairs(start, end, radius, 1)
-        bins = counts.shape[1]
-        valid = (cand_start >= 0) & (cand_end <= bins) & (cand_end > cand_start)
-        cand_start, cand_end = cand_start.clamp(0, bins - 1), cand_end.clamp(1, bins)
-        exact = torch.where(valid, exact_l2(counts, moments, cand_start, cand_end, levels), torch.inf)
-        value, pick = exact.min(dim=1, keepdim=True)
-        better = value.squeeze(1) < error
+        seen = ((cand_start.unsqueeze(2) - old_start.unsqueeze(1)).abs_() <= radius) & (
+            (cand_end.unsqueeze(2) - old_end.unsqueeze(1)).abs_() <= radius
+        )
+        wanted = (cand_start >= 0) & (cand_end <= bins) & (cand_end > cand_start) & ~seen.any(dim=2)
+        exact = _exact_where(counts, moments, cand_start, cand_end, wanted, levels)
+        value, pick = exact.min(dim=1)
+        better = value < error
         if not bool(better.any()):
             break
-        start = torch.where(better, cand_start.gather(1, pick).squeeze(1), start)
-        end = torch.where(better, cand_end.gather(1, pick).squeeze(1), end)
-        error = torch.where(better, value.squeeze(1), error)
+        old_start, old_end = torch.cat([old_start, start.unsqueeze(1)], 1), torch.cat([old_end, end.unsqueeze(1)], 1)
+        start = torch.where(better, cand_start.gather(1, pick.unsqueeze(1)).squeeze(1), start)
+        end = torch.where(better, cand_end.gather(1, pick.unsqueeze(1)).squeeze(1), end)
+        error = torch.where(better, value, error)
     return start, end
 
 
@@ -234,8 +285,8 @@ def quantile(hist: RowHistogram, q: torch.Tensor) -> torch.Tensor:
     """
     total = hist.counts.sum(dim=1, keepdim=True)
     rank = q.double().unsqueeze(0) * (total - 1)
-    low, high = rank.floor(), rank.ceil()
-    v_low, v_high = value_at_ranks(hist, low), value_at_ranks(hist, high)
+    low = rank.floor()
+    v_low, v_high = value_at_ranks(hist, torch.cat([low, rank.ceil()], dim=1)).chunk(2, dim=1)
     return v_low + (rank - low) * (v_high - v_low)
 
 

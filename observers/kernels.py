@@ -1,11 +1,12 @@
-"""An optional native kernel: per-group min and max of fp32 CPU data in one read.
+"""Optional native kernels (the loader every ``csrc/<name>.c`` goes through) and the first of
+them: per-group min and max of fp32 CPU data in one read.
 
-Why: a min-max observer reduces each group to ``(min, max)``. Eager torch does that as two
+Why the min-max kernel: a min-max observer reduces each group to ``(min, max)``. Eager torch does that as two
 passes (``amin``, then ``amax``; ``torch.aminmax`` over a short last dim is not vectorized and
 is several times slower still), so on CPU a group-128 min-max observe costs about three reads
 of the weight. ``csrc/group_min_max.c`` reads it once (AVX-512 or AVX2, chosen at run time).
 
-How: on first use the C file is compiled with the system C compiler (``$CC``, else ``cc``,
+How (every kernel): on first use the C file is compiled with the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``; plain C, no torch headers, well under a second) into a cache folder
 (``$OBSERVERS_CACHE_DIR``, else ``~/.cache/observer-lab``, else a folder of the temp folder that
 this user owns and nobody else can write), keyed by a hash of the source and the compiler, then
@@ -19,6 +20,12 @@ no compiler, a build failure, a CPU without AVX2, ``OBSERVERS_NATIVE=0``, CUDA t
 dtypes, non-contiguous views (e.g. per-input-channel or 2-D block layouts), runs shorter than
 ``MIN_RUN`` or tensors smaller than ``MIN_ELEMENTS``. ``status()`` says which path is in use and
 why. Both paths give the same numbers (the min and max are selections, not sums).
+
+Other kernels (``observers.hist_kernel``, ``observers.mse_kernel``) load their source with
+``native(name)`` / ``in_use(name)``, keep an eager path that gives the same numbers, and are
+bypassed inside ``disabled()`` like this one. Every source is compiled with
+``-ffp-contract=off``, so a multiply-add rounds twice unless the C asks for ``fma``: the
+kernels can then round exactly as the eager torch path does.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "group_min_max.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "group_min_max.c"
 MIN_ELEMENTS = 1 << 16
 """Below this many elements the eager passes are as quick (start-up costs dominate both)."""
 MIN_RUN = 16
@@ -48,8 +56,11 @@ statistics, run length 1) stay eager, where the reduction is vectorized across r
 MAX_RUN = 16384
 """Longer runs (a per-tensor observation is one run) are cut into sub-runs of at most this
 length, so every thread gets work; the few sub-run results are then reduced eagerly."""
-_FLAGS = ("-O2", "-std=c99", "-fopenmp", "-shared", "-fPIC")
-_ISA_NAMES = {2: "avx512", 1: "avx2"}
+ELEMENTS_PER_THREAD = 1 << 18
+"""Work worth one more thread in a kernel call (about 1 MB of fp32; see ``threads_for``)."""
+_FLAGS = ("-O2", "-std=c99", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
+ISA_NAMES = {2: "avx512", 1: "avx2"}
+"""The SIMD variants every kernel source provides, by the level its ``simd_level()`` returns."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -90,20 +101,21 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache folder for the native kernel (set OBSERVERS_CACHE_DIR)")
 
 
-def _build(compiler: str) -> Path:
-    """Compile the kernel once per (source, compiler); concurrent builders each write a private
-    temporary file and rename it into place, so a reader never sees a half-written library."""
-    source = SOURCE.read_bytes()
+def _build(compiler: str, name: str) -> Path:
+    """Compile ``csrc/<name>.c`` once per (source, compiler); concurrent builders each write a
+    private temporary file and rename it into place, so a reader never sees a half-written library."""
+    source_path = CSRC / f"{name}.c"
+    source = source_path.read_bytes()
     build = " ".join([compiler, *_FLAGS, sys.platform, platform.machine()])
     key = hashlib.sha256(source + build.encode()).hexdigest()
-    library = _cache_dir() / f"group_min_max-{key[:16]}.so"
+    library = _cache_dir() / f"{name}-{key[:16]}.so"
     if library.exists():
         return library
     handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
     os.close(handle)
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, timeout=120
+            [compiler, *_FLAGS, str(source_path), "-o", partial], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise OSError(f"{Path(compiler).name} failed: {done.stderr.strip()[-300:]}")
@@ -114,32 +126,52 @@ def _build(compiler: str) -> Path:
     return library
 
 
-def _load() -> tuple[ctypes.CDLL | None, int, str]:
-    """(library, SIMD level, status line), built on first call and remembered."""
+def _load(name: str) -> tuple[ctypes.CDLL | None, int, str]:
+    """(library, SIMD level, status line) of ``csrc/<name>.c``, built if needed."""
     if os.environ.get("OBSERVERS_NATIVE", "1") == "0":
         return None, 0, "eager: native kernel disabled by OBSERVERS_NATIVE=0"
     compiler = _compiler()
     if compiler is None:
-        return None, 0, "eager: no C compiler found (set CC to build the native min-max kernel)"
+        return None, 0, f"eager: no C compiler found (set CC to build the native {name} kernel)"
     try:
-        path = _build(compiler)
+        path = _build(compiler, name)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         return None, 0, f"eager: native kernel unavailable ({error})"
     level = int(library.simd_level())
     if level == 0:
         return None, 0, "eager: this CPU has no AVX2, which the native kernel needs"
-    arguments = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    for isa in _ISA_NAMES.values():
-        getattr(library, f"group_min_max_{isa}").argtypes = arguments
-    return library, level, f"native ({_ISA_NAMES[level]}, {path.name})"
+    return library, level, f"native ({ISA_NAMES[level]}, {path.name})"
+
+
+def native(name: str) -> tuple[ctypes.CDLL | None, int, str]:
+    """The loaded kernel library ``csrc/<name>.c`` as (library or None, SIMD level, status
+    line), built and loaded on first call and remembered; (None, 0, why) when the eager path
+    must be used. Callers declare their functions' ``argtypes`` on the library."""
+    with _lock:
+        loaded = _state.setdefault("loaded", {})
+        if name not in loaded:
+            loaded[name] = _load(name)
+        return loaded[name]
+
+
+def in_use(name: str) -> tuple[ctypes.CDLL, str] | None:
+    """(library, best ISA name) when kernel ``name`` should run now, else None (not built,
+    unsupported CPU, or inside ``disabled()``)."""
+    if _state.get("disabled"):
+        return None
+    library, level, _ = native(name)
+    return None if library is None else (library, ISA_NAMES[level])
 
 
 def _loaded() -> tuple[ctypes.CDLL | None, int, str]:
-    with _lock:
-        if "loaded" not in _state:
-            _state["loaded"] = _load()
-        return _state["loaded"]
+    library, level, line = native("group_min_max")
+    if library is not None and not _state.get("min_max_typed"):
+        arguments = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        for isa in ISA_NAMES.values():
+            getattr(library, f"group_min_max_{isa}").argtypes = arguments
+        _state["min_max_typed"] = True
+    return library, level, line
 
 
 def reset() -> None:
@@ -147,11 +179,12 @@ def reset() -> None:
     changing ``OBSERVERS_NATIVE`` or ``CC``)."""
     with _lock:
         _state.pop("loaded", None)
+        _state.pop("min_max_typed", None)
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
-    """Within this block every min-max reduction takes the eager path (for side-by-side timings
+    """Within this block every native kernel is bypassed: the eager paths run (for side-by-side timings
     and checks; process-wide, so not for use while other threads observe)."""
     with _lock:
         previous = _state.get("disabled", False)
@@ -163,15 +196,15 @@ def disabled() -> Iterator[None]:
             _state["disabled"] = previous
 
 
-def status() -> str:
-    """Which min-max path CPU fp32 data takes: ``native (avx512, ...)`` or ``eager: <why>``."""
-    return _loaded()[2]
+def status(name: str = "group_min_max") -> str:
+    """Which path kernel ``name`` takes on CPU fp32 data: ``native (avx512, ...)`` or ``eager: <why>``."""
+    return _loaded()[2] if name == "group_min_max" else native(name)[2]
 
 
 def available_isas() -> list[str]:
     """The kernel variants this CPU can run, best first (empty when the kernel is not in use)."""
     level = _loaded()[1]
-    return [name for lvl, name in _ISA_NAMES.items() if lvl <= level]
+    return [name for lvl, name in ISA_NAMES.items() if lvl <= level]
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,13 +216,20 @@ def _sub_run(run: int) -> int | None:
     return next((size for size in range(MAX_RUN, 1023, -1) if run % size == 0), None)
 
 
+def threads_for(elements: int) -> int:
+    """Threads a kernel call over ``elements`` values uses: one per ``ELEMENTS_PER_THREAD``, at
+    most ``torch.get_num_threads()``. A small tensor stays on the calling thread: waking a
+    sleeping worker (or waiting for a core another process holds) costs more than it saves."""
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD))
+
+
 def _launch(
     library: ctypes.CDLL, isa: str, data: torch.Tensor, run: int, low: torch.Tensor, high: torch.Tensor
 ) -> None:
     """Run the kernel over contiguous ``data`` read as ``low.numel()`` runs of ``run`` values,
     writing into the contiguous fp32 ``low`` and ``high``."""
     rows = low.numel()
-    threads = max(1, min(torch.get_num_threads(), rows))
+    threads = max(1, min(threads_for(rows * run), rows))
     getattr(library, f"group_min_max_{isa}")(data.data_ptr(), run, rows, threads, low.data_ptr(), high.data_ptr())
 
 
@@ -203,7 +243,7 @@ def run_min_max(runs: torch.Tensor, isa: str | None = None) -> tuple[torch.Tenso
     library, level, line = _loaded()
     if library is None:
         raise RuntimeError(f"the native min-max kernel is not in use: {line}")
-    isa = isa or _ISA_NAMES[level]
+    isa = isa or ISA_NAMES[level]
     if isa not in available_isas():
         raise ValueError(f"kernel variant {isa!r} does not run here; available: {available_isas()}")
     if runs.ndim != 2 or runs.dtype != torch.float32 or runs.device.type != "cpu" or not runs.is_contiguous():
@@ -238,9 +278,9 @@ def group_min_max(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         return None
     if data.shape[0] == 1 and sub_run == run:
         low, high = torch.empty(data.shape[1:-1]), torch.empty(data.shape[1:-1])
-        _launch(library, _ISA_NAMES[level], data, run, low, high)
+        _launch(library, ISA_NAMES[level], data, run, low, high)
         return low, high
     split = (*data.shape[:-1], run // sub_run)
     low, high = torch.empty(split), torch.empty(split)
-    _launch(library, _ISA_NAMES[level], data, sub_run, low, high)
+    _launch(library, ISA_NAMES[level], data, sub_run, low, high)
     return low.amin(dim=(0, -1)), high.amax(dim=(0, -1))

@@ -14,15 +14,21 @@ Two llm-compressor conventions that ``mse_grid`` does not follow are reproduced 
   by rounding and either can win, so the NVFP4 searches here use the direct form.
 
 ``lc_grid_search`` evaluates the candidates in chunks (a few tensor ops over all groups per
-chunk) and replays llm-compressor's sequential early stop over each chunk's errors.
+chunk) and replays llm-compressor's sequential early stop over each chunk's errors. Int formats
+on fp32 CPU data take the native kernel of ``observers.mse_kernel`` in its ``direct`` mode
+(the same codes, dequantized values and exact powers for norms 1, 2 and 3; imatrix_mse on a
+4096x4096 int4 g128 weight: ~0.1 s instead of ~2.3 s).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from observers import mse_kernel
 from observers.granularity import Flat
-from observers.qparams import calculate_qparams
+from observers.qparams import QParams, calculate_qparams
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -48,6 +54,10 @@ def _candidate_errors(
     """``Σ weight·|fake_quant(x) - x|^norm`` over each group for every factor, ``(C, *qparam_shape)``."""
     shape = (-1, *([1] * low.ndim))
     qp = calculate_qparams(low.unsqueeze(0) * factors.reshape(shape), high.unsqueeze(0) * factors.reshape(shape), spec)
+    if spec.format.kind == "int":
+        native = _native_errors(data, weight, qp, spec, norm)
+        if native is not None:
+            return native
     scale = qp.effective_scale.unsqueeze(1).unsqueeze(-1)
     zero_point = qp.zero_point.float().unsqueeze(1).unsqueeze(-1)
     codes = element_codes(data.unsqueeze(0), scale, zero_point, spec)
@@ -56,6 +66,28 @@ def _candidate_errors(
     if weight is not None:
         error.mul_(weight)
     return error.sum(dim=(1, error.ndim - 1))
+
+
+def _rows(values: torch.Tensor) -> torch.Tensor:
+    """``(N, *qparam_shape, K)`` viewed as ``(N, Q, K)``, the layout of ``observers.mse_kernel``."""
+    return values.reshape(values.shape[0], math.prod(values.shape[1:-1]), values.shape[-1])
+
+
+def _native_errors(
+    data: torch.Tensor, weight: torch.Tensor | None, qp: QParams, spec: QuantSpec, norm: float
+) -> torch.Tensor | None:
+    """``_candidate_errors``' sums from the native kernel (int formats, errors measured directly:
+    ``|(code - zp)·s - x|``, the same codes and dequantized values), or None when it cannot run.
+    ``weight`` is full-size (``lc_grid_search`` lays it out once)."""
+    count, groups = qp.scale.shape[0], data.shape[1:-1]
+    step = qp.effective_scale.expand(count, *groups).reshape(count, -1)
+    zero_point = qp.zero_point.float().expand(count, *groups).reshape(count, -1)
+    qmin, qmax = spec.int_range
+    rows = _rows(data)
+    errors = mse_kernel.candidate_errors(
+        rows, None if weight is None else _rows(weight), step, qmin - zero_point, qmax - zero_point, norm, direct=True
+    )
+    return None if errors is None else errors.reshape(count, *groups)
 
 
 def _replay_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patience: int) -> tuple[int, int, bool]:
@@ -98,7 +130,11 @@ def lc_grid_search(
     if flat.valid is not None:
         weight = flat.valid.float() if weight is None else weight * flat.valid
     candidates = torch.tensor(factors, dtype=torch.float32, device=low.device)
-    chunk = max(1, min(len(factors), max_working_bytes // max(1, data.numel() * 8)))
+    if spec.format.kind == "int" and mse_kernel.usable(_rows(data), None):
+        chunk = mse_kernel.chunk_size(len(factors), patience)
+        weight = None if weight is None else weight.float().expand(data.shape).contiguous()
+    else:
+        chunk = max(1, min(len(factors), max_working_bytes // max(1, data.numel() * 8)))
     if reduce is not None:  # every rank must run the same chunks: the errors are summed per chunk
         chunk = int(reduce(torch.tensor([chunk], device=low.device), Op.MIN))
     best = torch.full(low.shape, torch.finfo(torch.float32).max, device=low.device).reshape(-1)

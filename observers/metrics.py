@@ -2,8 +2,11 @@
 
 ``compare_tensors`` is the part that needs only two tensors (also used for layer outputs);
 ``error_metrics`` adds what needs the qparams: the share of clipped elements and the RMS error in
-units of the quantization step. Sums are fp32; edge cases give defined values, never NaN:
-a zero error has SQNR ``inf``, two zero tensors have cosine 1.
+units of the quantization step; ``quantization_metrics`` gives the same for ``x`` and its qparams
+without materializing ``x̂`` where the native kernel reads the layout (``observers.metrics_kernel``).
+Eager sums are fp32, native ones fp64 over fp32 lanes; both go through the same final code, so
+edge cases give the same defined values, never NaN: a zero error has SQNR ``inf``, a zero
+reference (with an error) ``-inf``, two zero tensors have cosine 1.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import math
 
 import torch
 
+from observers import metrics_kernel
 from observers.granularity import flatten
 from observers.qparams import QParams
+from observers.quantize import fake_quantize
 from observers.shared import Op, Reduce
 from observers.spec import QuantSpec
 
@@ -42,9 +47,18 @@ def compare_tensors(reference: torch.Tensor, approx: torch.Tensor, across: Reduc
     app = approx.detach().float().flatten()
     err = app - ref
     sums = torch.stack([err.square().sum(), ref.square().sum(), app.square().sum(), torch.dot(ref, ref + err)])
-    count, largest = ref.numel(), err.abs().max() if ref.numel() else torch.zeros((), device=ref.device)
+    largest = err.abs().max() if ref.numel() else torch.zeros((), device=ref.device)
+    return _comparison_metrics(sums, largest, ref.numel(), across)
+
+
+def _comparison_metrics(
+    sums: torch.Tensor, largest: torch.Tensor, count: int, across: Reduce | None
+) -> dict[str, float]:
+    """``compare_tensors``' metrics from one rank's ``[Σ err², Σ x², Σ x̂², Σ x·x̂]``, ``max |err|``
+    (0-d fp32) and element count: one place for the reduction over ranks and the edge-case rules,
+    whether the sums come from eager torch or from the native kernel (``quantization_metrics``)."""
     if across is not None:
-        count = int(across(torch.tensor([count], dtype=torch.float64, device=ref.device), Op.SUM))
+        count = int(across(torch.tensor([count], dtype=torch.float64, device=sums.device), Op.SUM))
         if count == 0:
             raise ValueError("cannot compute error metrics of an empty tensor (no rank has any element)")
         sums, largest = across(sums.double(), Op.SUM), across(largest.reshape(1), Op.MAX)
@@ -72,6 +86,13 @@ def compare_tensors(reference: torch.Tensor, approx: torch.Tensor, across: Reduc
 _EDGE_STEPS = 1e-3
 
 
+def _clip_bounds(spec: QuantSpec) -> tuple[float, float]:
+    """The shifted codes ``x / s + zp`` beyond which an integer element counts as clipped: half a
+    step past ``[qmin, qmax]`` plus ``_EDGE_STEPS`` (see ``_clip_and_step_sums``)."""
+    qmin, qmax = spec.int_range
+    return qmin - 0.5 - _EDGE_STEPS, qmax + 0.5 + _EDGE_STEPS
+
+
 def _clip_and_step_sums(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec: QuantSpec) -> torch.Tensor:
     """How many elements lie beyond the representable range, and the sum of squared error / step.
 
@@ -90,9 +111,9 @@ def _clip_and_step_sums(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec:
     scale = flat.broadcast(qp.effective_scale)
     scaled = flat.data.float() / scale
     if fmt.kind == "int":
-        qmin, qmax = spec.int_range
+        low, high = _clip_bounds(spec)
         shifted = scaled + flat.broadcast(qp.zero_point)
-        clipped = (shifted > qmax + 0.5 + _EDGE_STEPS) | (shifted < qmin - 0.5 - _EDGE_STEPS)
+        clipped = (shifted > high) | (shifted < low)
     else:
         clipped = scaled.abs() > fmt.max_value * (1 + 1e-6)
     step_error = ((flat_hat.data.float() - flat.data.float()) / scale).square()
@@ -118,11 +139,39 @@ def error_metrics(
         sums = torch.stack([(x.float().abs() > limit).sum().double(), torch.zeros((), dtype=torch.float64)])
     else:
         sums = _clip_and_step_sums(x, x_hat, qp, spec)
+    return {**metrics, **_step_metrics(sums, x, spec, across)}
+
+
+def _step_metrics(
+    sums: torch.Tensor, x: torch.Tensor, spec: QuantSpec, across: Reduce | None
+) -> dict[str, float | None]:
+    """``clip_ratio`` and ``rmse_over_scale`` from one rank's ``[clipped count, Σ (err / s)²]``
+    of ``x``, added over the ranks (the one place for that rule, eager or native sums)."""
     count = torch.tensor(float(x.numel()), dtype=torch.float64)
     sums = torch.cat([sums.to(count.device), count.reshape(1)])
     if across is not None:
         sums = across(sums.to(x.device), Op.SUM)
     clipped, step_sq, count = (float(value) for value in sums)
-    metrics["clip_ratio"] = clipped / count
-    metrics["rmse_over_scale"] = None if spec.format.kind == "cast" else math.sqrt(step_sq / count)
-    return metrics
+    return {
+        "clip_ratio": clipped / count,
+        "rmse_over_scale": None if spec.format.kind == "cast" else math.sqrt(step_sq / count),
+    }
+
+
+def quantization_metrics(
+    x: torch.Tensor, qp: QParams, spec: QuantSpec, across: Reduce | None = None
+) -> dict[str, float | None]:
+    """``error_metrics(x, fake_quantize(x, qp, spec), qp, spec, across)``, without writing x̂
+    where it can.
+
+    Integer formats on contiguous fp32 CPU layouts go through the native one-read kernel
+    (``observers.metrics_kernel``: the same x̂, the same counts and maximum, sums a few ulps
+    apart); everything else, or an empty part of a tensor split between ranks, fake-quantizes
+    eagerly. Both paths make the same reductions over ranks, so ranks may take different paths.
+    """
+    native = metrics_kernel.quant_error_sums(x, qp, spec, _clip_bounds(spec))
+    if native is None:
+        x_hat = fake_quantize(x, qp, spec) if x.numel() else x
+        return error_metrics(x, x_hat, qp, spec, across)
+    comparison = _comparison_metrics(native.comparison, native.largest, x.numel(), across)
+    return {**comparison, **_step_metrics(native.clip_and_step, x, spec, across)}

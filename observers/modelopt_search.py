@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from observers import mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
 from observers.granularity import Flat, all_finite, reduce_min_max
@@ -71,6 +72,10 @@ def candidate_errors(
     whose groups are whole Hessian blocks). Candidates run in chunks of about
     ``max_working_bytes``; each chunk is a few tensor ops over all groups.
     """
+    if spec.format.kind == "int" and hessian is None:
+        native = _native_squared_errors(flat, spec, scale, zero_point)
+        if native is not None:
+            return native
     data = flat.data.float()
     count = scale.shape[0]
     shape = (count, 1, *flat.qparam_shape, 1) if scale.ndim > 1 else (count, *([1] * data.ndim))
@@ -92,6 +97,31 @@ def candidate_errors(
             square.mul_(flat.valid)
         errors.append(square.sum(dim=(1, square.ndim - 1)))
     return torch.cat(errors)
+
+
+def _native_squared_errors(
+    flat: Flat, spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``candidate_errors`` for integer formats through ``observers.mse_kernel`` (one read of each
+    group for all candidates), or None when that kernel does not take the data. The kernel
+    measures ``Σ (code - x/s)²`` in steps with the codes of ``fake_quantize``; times ``s²`` that
+    is the squared error up to fp32 rounding, which can only flip a pick whose two best
+    candidates tie to a few ulps."""
+    groups = math.prod(flat.qparam_shape)
+    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1])
+    count = scale.shape[0]
+    step = scale.float().reshape(count, -1).expand(count, groups).contiguous()
+    qmin, qmax = spec.int_range
+    if zero_point is None:
+        low, high = float(qmin), float(qmax)
+    else:
+        zero = zero_point.float().reshape(count, -1).expand(count, groups)
+        low, high = (qmin - zero).contiguous(), (qmax - zero).contiguous()
+    weight = None if flat.valid is None else flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+    errors = mse_kernel.candidate_errors(data.contiguous(), weight, step, low, high, 2.0)
+    if errors is None:
+        return None
+    return errors.mul_(step.square()).reshape(count, *flat.qparam_shape)
 
 
 def _hessian_error(diff: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ class NVFP4ExpandedMSEObserver(MSEGridObserver):
     """
 
     name = "nvfp4_expanded_mse"
+    tuned_for = ("nvfp4",)
     description = "mse_grid from 1.8x the range down to 0.8x, grid 200, patience 1000 (LC 0.14 nvfp4_expanded_mse)"
     knobs = _nvfp4_defaults(MSEGridObserver.knobs, "Stop after this many candidates that improved no group")
 
@@ -86,6 +87,7 @@ class NVFP4ExpandedIMatrixObserver(IMatrixMSEObserver):
     """
 
     name = "nvfp4_expanded_imatrix"
+    tuned_for = ("nvfp4",)
     description = "imatrix_mse from 1.8x the range down to 0.8x, grid 200, norm 2.4 (LC 0.14 nvfp4_expanded_imatrix)"
     knobs = _nvfp4_defaults(IMatrixMSEObserver.knobs, "Stop after this many candidates that improved no group; 0 never")
 

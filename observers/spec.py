@@ -160,7 +160,7 @@ class QuantSpec:
     def check_kind(self, kind: str) -> None:
         """Raise a clear ``ValueError`` when ``strategy`` does not apply to ``kind``."""
         kind = _choice_kind(kind)
-        allowed = STRATEGIES_BY_KIND[ObserverKind(kind)]
+        allowed = STRATEGIES_BY_KIND[kind]
         if self.strategy not in allowed:
             raise ValueError(
                 f"strategy {self.strategy!r} is not valid for kind={kind!r}; allowed: {', '.join(allowed)}"
@@ -192,9 +192,13 @@ class QuantSpec:
         return cls(**data)
 
 
+_KIND_VALUES = {member.value: member.value for member in ObserverKind}
+"""Every kind's plain str, looked up on each observe (iterating the enum costs microseconds)."""
+
+
 def _choice_kind(kind: str) -> str:
     """``kind`` as a plain str (``ObserverKind`` members included), or a ``ValueError``."""
-    kinds = [member.value for member in ObserverKind]
-    if kind not in kinds:
-        raise ValueError(f"kind={kind!r} is not valid; allowed: {', '.join(kinds)}")
-    return ObserverKind(kind).value
+    value = _KIND_VALUES.get(kind) if isinstance(kind, str) else None
+    if value is None:
+        raise ValueError(f"kind={kind!r} is not valid; allowed: {', '.join(_KIND_VALUES)}")
+    return value

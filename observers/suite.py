@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from observers.base import available, create
-from observers.metrics import error_metrics
+from observers.metrics import quantization_metrics
 from observers.qparams import QParams
-from observers.quantize import fake_quantize
 from observers.shared import Reduce, agree, gather_tokens
 from observers.spec import QuantSpec
 
@@ -86,8 +85,7 @@ def run_one(
     if error is not None:
         return SuiteResult(name, None, {}, 0.0, dict(knobs), 0, str(error))
     reference = batches[-1] if spec.strategy == "token" else _concat(batches, kind)
-    x_hat = fake_quantize(reference, qp, spec) if reference.numel() else reference
-    metrics = error_metrics(reference, x_hat, qp, spec, across)
+    metrics = quantization_metrics(reference, qp, spec, across)
     if across is not None and spec.strategy == "token":
         qp = gather_tokens(qp, across)
     return SuiteResult(name, qp, metrics, seconds, observer.config, observer.num_observed_tokens)

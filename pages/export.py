@@ -55,9 +55,7 @@ edited = st.data_editor(
     hide_index=True,
     disabled=["layer", "tensor", "best"],
     column_config={
-        "observer": st.column_config.SelectboxColumn(
-            "observer (click to change)", options=choosable, required=True
-        ),
+        "observer": st.column_config.SelectboxColumn("observer (click to change)", options=choosable, required=True),
         "best": st.column_config.TextColumn(f"best by {plots.METRIC_LABELS.get(metric, metric)}"),
     },
     key=f"choices_editor:{metric}:{ws.imported.digest}",

@@ -97,8 +97,17 @@ run.tools = tuple(
 
 st.subheader("Observers")
 names = list(ob.available())
-chosen = ui.bound(st.multiselect, "Observers to run", "observers", list(run.observers or names), options=names)
-run.observers = None if chosen == names else tuple(chosen)
+applicable = run.default_observers(**scope)
+chosen = ui.bound(
+    st.multiselect,
+    "Observers to run",
+    "observers",
+    list(run.observers or applicable),
+    options=names,
+    help="By default every observer that applies to each tensor's format runs; observers tuned for another "
+    "format (the NVFP4 expanded searches) and those that do not take it run only when chosen here.",
+)
+run.observers = None if chosen == applicable else tuple(chosen)
 for name in chosen:
     with st.expander(f"{name}: {ob.available()[name]}"):
         ui.knob_editor(name, run.knobs.setdefault(name, {}))

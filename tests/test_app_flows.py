@@ -142,8 +142,13 @@ def test_import_shows_restored_choices_at_once_and_notes_in_one_box():
     document = json.loads(lab_json.save(analysis, _ws(at).choices()[0]))
     assert {e["chosen"]["observer"] for e in document["entries"]} == {"percentile"}
     other = json.loads(data)
-    other["source"] = {"kind": "directory", "name": "someone-else", "path": "/x", "id": None,
-                       "files": [{"name": "model.safetensors", "sha256": "0" * 64}]}
+    other["source"] = {
+        "kind": "directory",
+        "name": "someone-else",
+        "path": "/x",
+        "id": None,
+        "files": [{"name": "model.safetensors", "sha256": "0" * 64}],
+    }
     at.file_uploader(key="import_file").set_value(("other.json", json.dumps(other).encode(), "application/json"))
     at.run()
     _ok(at)

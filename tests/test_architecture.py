@@ -39,9 +39,7 @@ def test_only_the_app_layer_imports_streamlit():
     offenders = [
         str(p.relative_to(ROOT))
         for p in _sources()
-        if "streamlit" in _imports(p)
-        and str(p.relative_to(ROOT)) not in STREAMLIT_ALLOWED
-        and p.parent.name != "pages"
+        if "streamlit" in _imports(p) and str(p.relative_to(ROOT)) not in STREAMLIT_ALLOWED and p.parent.name != "pages"
     ]
     assert offenders == []
 

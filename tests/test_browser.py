@@ -25,10 +25,6 @@ SLOW_MS = 240_000
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def app_url() -> Iterator[str]:
     port = free_port()

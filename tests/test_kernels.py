@@ -64,14 +64,16 @@ def test_every_variant_equals_amin_amax(run):
 
 @needs_kernel
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("position", [0, 15, 16, 129])
-def test_a_nonfinite_value_makes_its_group_nan_and_leaves_others_exact(bad, position):
-    runs = torch.randn(64, 130, generator=torch.Generator().manual_seed(1))
-    runs[7, position] = bad
+@pytest.mark.parametrize("position", [0, 15, 16, 127])
+@pytest.mark.parametrize("run", [128, 130])  # sixteen runs at a time (multiples of 32) and one by one
+@pytest.mark.parametrize("row", [7, 66])  # inside a block of sixteen runs, and in the rows after the last block
+def test_a_nonfinite_value_makes_its_group_nan_and_leaves_others_exact(bad, position, run, row):
+    runs = torch.randn(69, run, generator=torch.Generator().manual_seed(1))
+    runs[row, position] = bad
     for isa in kernels.available_isas():
         low, high = kernels.run_min_max(runs, isa)
-        assert math.isnan(low[7]) and math.isnan(high[7]), isa
-        keep = torch.arange(64) != 7
+        assert math.isnan(low[row]) and math.isnan(high[row]), isa
+        keep = torch.arange(69) != row
         assert torch.equal(low[keep], runs[keep].amin(1)) and torch.equal(high[keep], runs[keep].amax(1))
 
 
@@ -79,7 +81,7 @@ def test_a_nonfinite_value_makes_its_group_nan_and_leaves_others_exact(bad, posi
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 300),
-    run=st.integers(16, 300),
+    run=st.one_of(st.integers(16, 300), st.sampled_from([32, 64, 128, 256])),
     magnitude=st.floats(1e-30, 1e30),
     seed=st.integers(0, 2**31 - 1),
     threads=st.integers(1, 4),
@@ -252,3 +254,34 @@ def test_the_temp_folder_fallback_must_be_private(fresh_kernel, tmp_path):
     if kernels._compiler() is not None:
         kernels.reset()
         assert kernels.status().startswith("eager: native kernel unavailable (no writable cache folder")
+
+
+def test_small_calls_stay_on_one_thread_and_large_ones_split():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert kernels.threads_for(kernels.ELEMENTS_PER_THREAD - 1) == 1
+        assert kernels.threads_for(3 * kernels.ELEMENTS_PER_THREAD) == 3
+        assert kernels.threads_for(100 * kernels.ELEMENTS_PER_THREAD) == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("run", [128, 130])
+def test_a_call_split_over_several_threads_equals_eager(run):
+    """Big enough for 4 threads (rows not a multiple of 16, so the last rows go one by one)."""
+    runs = torch.randn(4 * kernels.ELEMENTS_PER_THREAD // run + 7, run, generator=torch.Generator().manual_seed(3))
+    runs[-3, 5] = math.nan
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for isa in kernels.available_isas():
+            low, high = kernels.run_min_max(runs, isa)
+            assert math.isnan(low[-3]) and math.isnan(high[-3])
+            low[-3] = high[-3] = 0.0
+            runs[-3] = 0.0
+            assert torch.equal(low, runs.amin(1)) and torch.equal(high, runs.amax(1)), isa
+            runs[-3, 5] = math.nan
+    finally:
+        torch.set_num_threads(before)

@@ -260,8 +260,7 @@ def test_kv_cache_scheme_records_the_most_common_choice_and_notes_the_others(per
     built = compressed_tensors.build(per_head, choices)
     assert built.quantization_config["kv_cache_scheme"]["observer"] == "memoryless_mse"
     assert any(
-        note.startswith(f"{blocks[0]} k: chose 'minmax' but kv_cache_scheme records 'mse_grid'")
-        for note in built.notes
+        note.startswith(f"{blocks[0]} k: chose 'minmax' but kv_cache_scheme records 'mse_grid'") for note in built.notes
     )
     minmax_scale = per_head.entry(blocks[0], "k").result("minmax").qparams.scale
     torch.testing.assert_close(built.tensors[f"{blocks[0]}.k_scale"].flatten(), minmax_scale)

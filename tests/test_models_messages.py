@@ -26,10 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS_ONLY = "activations cannot be captured; weights can be analysed"
 
 
-
-
-
-
 def _assert_weights_only(model, reason: str) -> None:
     """Weights-only: the reason is given, layers and weights are readable, captures raise it."""
     assert not model.supports_activations

@@ -26,12 +26,6 @@ from sample_models.builtin import MASSIVE_CHANNELS, VOCAB_SIZE
 TEXTS = ["A short sentence.", "Another, slightly longer sentence about quantization observers."]
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     return save_checkpoint(tiny_llama(), tmp_path_factory.mktemp("llama"))

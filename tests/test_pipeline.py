@@ -105,3 +105,37 @@ def test_weight_observers_get_their_input_statistics_from_the_captured_inputs():
     weight = analysis.entry(layer, "weight")
     assert torch.allclose(weight.result("local_hessian").knobs["hessian"], ob.local_hessian(inputs))
     assert torch.allclose(weight.result("imatrix_mse").knobs["importance"], ob.column_importance(inputs))
+
+
+def test_layers_that_read_the_same_input_share_its_results():
+    """q, k and v of an attention block read one hidden state: observed once, same results;
+    a tensor that differs in one value is observed on its own."""
+    model = _Model()
+    g = torch.Generator().manual_seed(1)
+    for name in ("q", "k", "v", "near"):
+        model.weights[name] = torch.randn(8, 64, generator=g)
+    model.inputs |= {"q": model.inputs["fc"] * 0.5}
+    model.inputs |= {"k": model.inputs["q"].clone(), "v": model.inputs["q"].clone(), "near": model.inputs["q"].clone()}
+    model.inputs["near"][7, 3] += 1.0
+    cache = ResultCache()
+    config = RunConfig(specs={"input": ob.QuantSpec("int8")}, observers=("minmax", "percentile"))
+    analysis = analyse(model, ["q", "k", "v", "near"], config, cache=cache)
+    assert cache.misses == 2 * 2 and cache.hits == 2 * 2  # q and near computed; k and v reuse q's
+    q, k, v, near = (analysis.entry(name, "input") for name in ("q", "k", "v", "near"))
+    assert k.results == q.results and v.results == q.results
+    assert near.results[0].metrics != q.results[0].metrics  # observed on its own
+
+
+def test_the_default_observers_are_those_that_apply_to_each_format():
+    spec_w, spec_x = ob.QuantSpec("int4", strategy="group", group_size=16), ob.QuantSpec("int8")
+    config = RunConfig(specs={"weight": spec_w, "input": spec_x})
+    assert config.observers_for("weight") == tuple(ob.applicable(spec_w, "weight"))
+    assert "histogram" not in config.observers_for("weight") and "histogram" in config.observers_for("input")
+    assert "nvfp4_expanded_mse" not in config.observer_names  # tuned for NVFP4: runs only when chosen
+    assert "nvfp4_expanded_mse" in ob.applicable(ob.QuantSpec("nvfp4"), "weight")
+    analysis = analyse(_Model(), ["fc"], config)
+    for entry in analysis.entries:
+        assert [r.name for r in entry.results] == list(config.observers_for(entry.tensor))
+        assert all(r.error is None for r in entry.results), [(r.name, r.error) for r in entry.results if r.error]
+    named = RunConfig(specs={"weight": spec_w}, observers=("histogram",))
+    assert analyse(_Model(), ["fc"], named).entries[0].results[0].error is not None  # named: runs and says why

@@ -55,10 +55,6 @@ def test_config_names_only_options_this_streamlit_knows():
     assert [name for name in names if name not in known] == []
 
 
-
-
-
-
 def _open_session(port: int) -> socket.socket:
     """A browser tab as far as the server cares: the websocket handshake on /_stcore/stream.
     Streamlit installs its file watchers per session, so without one no watcher would start."""
