@@ -102,10 +102,11 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, name: str) -> Path:
-    """Compile ``csrc/<name>.c`` once per (source, compiler); concurrent builders each write a
-    private temporary file and rename it into place, so a reader never sees a half-written library."""
+    """Compile ``csrc/<name>.c`` (with ``csrc/simd_level.h``, which every kernel includes) once
+    per (source, compiler); concurrent builders each write a private temporary file and rename
+    it into place, so a reader never sees a half-written library."""
     source_path = CSRC / f"{name}.c"
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + (CSRC / "simd_level.h").read_bytes()
     build = " ".join([compiler, *_FLAGS, sys.platform, platform.machine()])
     key = hashlib.sha256(source + build.encode()).hexdigest()
     library = _cache_dir() / f"{name}-{key[:16]}.so"
@@ -140,7 +141,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, int, str]:
         return None, 0, f"eager: native kernel unavailable ({error})"
     level = int(library.simd_level())
     if level == 0:
-        return None, 0, "eager: this CPU has no AVX2, which the native kernel needs"
+        return None, 0, "eager: this CPU has no AVX2 with FMA, which the native kernels need"
     return library, level, f"native ({ISA_NAMES[level]}, {path.name})"
 
 

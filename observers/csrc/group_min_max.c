@@ -13,7 +13,7 @@
  * group_min_max_<isa>(x, run, rows, threads, lo, hi): for each run r < rows, lo[r] and hi[r]
  * are the min and max of x[r*run .. r*run + run - 1]; both are NaN when the run holds a NaN or
  * an infinity, so callers detect non-finite data from the (small) results alone.
- * simd_level() says which variants this CPU runs: 2 = AVX-512 and AVX2, 1 = AVX2, 0 = none.
+ * simd_level() (simd_level.h) says which variants this CPU runs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -150,12 +150,6 @@ __attribute__((target("avx2"))) void group_min_max_avx2(const float *x, int64_t 
     }
 }
 
-int simd_level(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")) return 2;
-    if (__builtin_cpu_supports("avx2")) return 1;
-    return 0;
-}
-#else
-int simd_level(void) { return 0; }
 #endif
+
+#include "simd_level.h"

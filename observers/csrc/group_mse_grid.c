@@ -26,7 +26,7 @@
  *   a degree-6 polynomial and the exponent bits), a few ulps from the exact power, as torch's
  *   exp(norm*log e) on the eager path. A NaN quotient (0/0 from a zero step) makes the sum NaN,
  *   as on the eager path.
- * simd_level() says which variants this CPU runs: 2 = AVX-512 and AVX2, 1 = AVX2, 0 = none.
+ * simd_level() (simd_level.h) says which variants this CPU runs.
  */
 #include <stdint.h>
 
@@ -359,12 +359,6 @@ __attribute__((target("avx2,fma"))) void group_mse_grid_avx2(const float *x, con
     }
 }
 
-int simd_level(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")) return 2;
-    if (__builtin_cpu_supports("avx2")) return 1;
-    return 0;
-}
-#else
-int simd_level(void) { return 0; }
 #endif
+
+#include "simd_level.h"

@@ -27,7 +27,7 @@
  *   Work: each run is cut into even pieces of at most PIECE values, thread t takes a contiguous
  *   share of the pieces (so both many short runs and a few long ones spread over the threads),
  *   and the per-thread totals are added in thread order (deterministic for a thread count).
- * simd_level() says which variants this CPU runs: 2 = AVX-512 and AVX2, 1 = AVX2, 0 = none.
+ * simd_level() (simd_level.h) says which variants this CPU runs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -156,20 +156,28 @@ __attribute__((target("avx512f"))) static void pieces_avx512(const struct layout
     flush_avx512(&a, t);
 }
 
-__attribute__((target("avx512f"))) void quant_error_avx512(const float *x, int64_t rows, int64_t run, int64_t groups,
-                                                           const float *scale, const float *zero_point, float qmin,
-                                                           float qmax, float clip_low, float clip_high, int threads,
-                                                           double *out) {
-    const struct layout l = make_layout(x, run, groups, scale, zero_point, qmin, qmax, clip_low, clip_high);
-    const int64_t units = rows * l.pieces;
+/* The pieces of the work split over the threads, each thread's totals kept apart and added in
+ * thread order (deterministic for a thread count); `pieces` is the ISA's loop over pieces. */
+typedef void (*pieces_fn)(const struct layout *, int64_t, int64_t, struct totals *);
+
+static void split_over_threads(pieces_fn pieces, const struct layout *l, int64_t rows, int threads, double *out) {
+    const int64_t units = rows * l->pieces;
     struct totals parts[threads];
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < threads; ++t) {
         const struct totals zero = {0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0f};
         parts[t] = zero;
-        pieces_avx512(&l, units * t / threads, units * (t + 1) / threads, &parts[t]);
+        pieces(l, units * t / threads, units * (t + 1) / threads, &parts[t]);
     }
     finish(parts, threads, out);
+}
+
+__attribute__((target("avx512f"))) void quant_error_avx512(const float *x, int64_t rows, int64_t run, int64_t groups,
+                                                           const float *scale, const float *zero_point, float qmin,
+                                                           float qmax, float clip_low, float clip_high, int threads,
+                                                           double *out) {
+    const struct layout l = make_layout(x, run, groups, scale, zero_point, qmin, qmax, clip_low, clip_high);
+    split_over_threads(pieces_avx512, &l, rows, threads, out);
 }
 
 /* ---------------------------------------------------------------- AVX2 */
@@ -253,23 +261,9 @@ __attribute__((target("avx2,fma"))) void quant_error_avx2(const float *x, int64_
                                                          float qmax, float clip_low, float clip_high, int threads,
                                                          double *out) {
     const struct layout l = make_layout(x, run, groups, scale, zero_point, qmin, qmax, clip_low, clip_high);
-    const int64_t units = rows * l.pieces;
-    struct totals parts[threads];
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < threads; ++t) {
-        const struct totals zero = {0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0f};
-        parts[t] = zero;
-        pieces_avx2(&l, units * t / threads, units * (t + 1) / threads, &parts[t]);
-    }
-    finish(parts, threads, out);
+    split_over_threads(pieces_avx2, &l, rows, threads, out);
 }
 
-int simd_level(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")) return 2;
-    if (__builtin_cpu_supports("avx2")) return 1;
-    return 0;
-}
-#else
-int simd_level(void) { return 0; }
 #endif
+
+#include "simd_level.h"

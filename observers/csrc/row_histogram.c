@@ -13,8 +13,7 @@
  * only the explicit fma fuses), clamp and cast compute, so both give the same counts. Returns 0,
  * or -1 when a thread's scratch histogram cannot be allocated (the counts are then incomplete and
  * the caller must bin eagerly). MAX_COPIES * (bins + 48) must fit in an int32 (the caller checks).
- * simd_level() says which variants this CPU runs: 2 = AVX-512 and AVX2, 1 = AVX2, 0 = none
- * (or no FMA).
+ * simd_level() (simd_level.h) says which variants this CPU runs.
  *
  * Work split: with at least as many rows as threads each thread takes whole rows (each row its
  * own counts); with fewer rows every row is cut into PIECES_PER_THREAD pieces per thread. Pieces
@@ -212,14 +211,6 @@ int row_histogram_avx2(const float *x, int64_t rows, int64_t n, int64_t bins, co
     return row_histogram(bin_slice_avx2, x, rows, n, bins, scale, shift, absolute, threads, counts);
 }
 
-/* As in group_min_max.c, and FMA is required too: both variants fuse the multiply-add. */
-int simd_level(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("fma")) return 0;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")) return 2;
-    if (__builtin_cpu_supports("avx2")) return 1;
-    return 0;
-}
-#else
-int simd_level(void) { return 0; }
 #endif
+
+#include "simd_level.h"
