@@ -393,7 +393,7 @@ class MSEGridObserver(_GridBase):
     """
 
     name = "mse_grid"
-    description = "Per-group shrink grid minimising |err|^2.4 (LC memoryless_mse), chunked tensor search"
+    description = "Per-group shrink grid minimising |err|^2.4 (LC memoryless_mse), every candidate per read"
     knobs = dict(_GRID_KNOBS)
 
 
