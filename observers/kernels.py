@@ -57,7 +57,7 @@ MAX_RUN = 16384
 """Longer runs (a per-tensor observation is one run) are cut into sub-runs of at most this
 length, so every thread gets work; the few sub-run results are then reduced eagerly."""
 ELEMENTS_PER_THREAD = 1 << 16
-"""Work worth one more thread in a kernel call (about 1 MB of fp32; see ``threads_for``)."""
+"""Work worth one more thread in a kernel call (256 KiB of fp32; see ``threads_for``)."""
 _FLAGS = ("-O2", "-std=c99", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 ISA_NAMES = {2: "avx512", 1: "avx2"}
 """The SIMD variants every kernel source provides, by the level its ``simd_level()`` returns."""
