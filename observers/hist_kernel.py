@@ -17,7 +17,6 @@ kernel bins 4M values in 2.4 ms, the eager path in 10.5 ms (measured).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -28,36 +27,21 @@ MAX_BINS = 1 << 28
 """Most bins the kernel takes (its interleaved copies index with int32); more stay eager."""
 
 
-@functools.cache
-def _typed(library: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the kernel's argument types, once per loaded library."""
-    arguments = [
-        ctypes.c_void_p,  # values
-        ctypes.c_int64,  # rows
-        ctypes.c_int64,  # values per row
-        ctypes.c_int64,  # bins
-        ctypes.c_void_p,  # scale
-        ctypes.c_void_p,  # shift
-        ctypes.c_int,  # absolute
-        ctypes.c_int,  # threads
-        ctypes.c_void_p,  # counts
-    ]
-    for isa in kernels.ISA_NAMES.values():
-        function = getattr(library, f"{NAME}_{isa}")
-        function.argtypes = arguments
-        function.restype = ctypes.c_int
-    return library
-
-
-def available_isas() -> list[str]:
-    """The kernel variants this CPU runs, best first (empty when the kernel is not built)."""
-    level = kernels.native(NAME)[1]
-    return [name for lvl, name in kernels.ISA_NAMES.items() if lvl <= level]
+_ARGUMENTS = [
+    ctypes.c_void_p,  # values
+    ctypes.c_int64,  # rows
+    ctypes.c_int64,  # values per row
+    ctypes.c_int64,  # bins
+    ctypes.c_void_p,  # scale
+    ctypes.c_void_p,  # shift
+    ctypes.c_int,  # absolute
+    ctypes.c_int,  # threads
+    ctypes.c_void_p,  # counts
+]
 
 
 def _run(
-    library: ctypes.CDLL,
-    isa: str,
+    isa: str | None,
     values: torch.Tensor,
     scale: torch.Tensor,
     shift: torch.Tensor,
@@ -67,7 +51,7 @@ def _run(
     """Counts (R, bins) int64 of checked inputs, or None when the kernel's scratch allocation failed."""
     rows, n = values.shape
     counts = torch.zeros(rows, bins, dtype=torch.int64)
-    failed = getattr(_typed(library), f"{NAME}_{isa}")(
+    failed = kernels.function(NAME, isa, _ARGUMENTS, ctypes.c_int)(
         values.data_ptr(),
         rows,
         n,
@@ -100,11 +84,9 @@ def native_counts(
 ) -> torch.Tensor | None:
     """Counts (R, bins) int64 of ``values`` (R, n) binned natively (see ``row_histogram``), or
     None when the eager path must run (see the module docstring)."""
-    loaded = kernels.in_use(NAME)
-    if loaded is None or values.numel() == 0 or not _takes(values, scale, shift, bins):
+    if kernels.in_use(NAME) is None or values.numel() == 0 or not _takes(values, scale, shift, bins):
         return None
-    library, isa = loaded
-    return _run(library, isa, values, scale, shift, bins, absolute)
+    return _run(None, values, scale, shift, bins, absolute)
 
 
 def row_histogram(
@@ -123,12 +105,7 @@ def row_histogram(
     even inside ``kernels.disabled()``. Raises ``RuntimeError`` when the kernel is not built here
     (``kernels.status("row_histogram")`` says why), ``ValueError`` for inputs it cannot read.
     """
-    library, level, line = kernels.native(NAME)
-    if library is None:
-        raise RuntimeError(f"the native row-histogram kernel is not in use: {line}")
-    isa = isa or kernels.ISA_NAMES[level]
-    if isa not in available_isas():
-        raise ValueError(f"kernel variant {isa!r} does not run here; available: {available_isas()}")
+    kernels.function(NAME, isa, _ARGUMENTS, ctypes.c_int)  # not built here, or a variant this CPU lacks: say so
     if not _takes(values, scale, shift, bins):
         raise ValueError(
             f"row_histogram takes contiguous float32 CPU values (rows, n) and scale/shift (rows,), "
@@ -136,7 +113,7 @@ def row_histogram(
             f"(contiguous: {values.is_contiguous()}), scale {scale.dtype} {tuple(scale.shape)}, "
             f"shift {shift.dtype} {tuple(shift.shape)}, bins {bins}"
         )
-    counts = _run(library, isa, values, scale, shift, bins, absolute)
+    counts = _run(isa, values, scale, shift, bins, absolute)
     if counts is None:
         raise MemoryError("row_histogram could not allocate its per-thread scratch histograms")
     return counts

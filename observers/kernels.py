@@ -21,9 +21,9 @@ dtypes, non-contiguous views (e.g. per-input-channel or 2-D block layouts), runs
 ``MIN_RUN`` or tensors smaller than ``MIN_ELEMENTS``. ``status()`` says which path is in use and
 why. Both paths give the same numbers (the min and max are selections, not sums).
 
-Other kernels (``observers.hist_kernel``, ``observers.mse_kernel``) load their source with
-``native(name)`` / ``in_use(name)``, keep an eager path that gives the same numbers, and are
-bypassed inside ``disabled()`` like this one. Every source is compiled with
+Other kernels (``observers.hist_kernel``, ``observers.mse_kernel``, ``observers.metrics_kernel``)
+ask ``in_use(name)`` whether to run, call ``function(name, isa, argtypes)``, keep an eager path
+that gives the same numbers, and are bypassed inside ``disabled()`` like this one. Every source is compiled with
 ``-ffp-contract=off``, so a multiply-add rounds twice unless the C asks for ``fma``: the
 kernels can then round exactly as the eager torch path does.
 """
@@ -165,14 +165,34 @@ def in_use(name: str) -> tuple[ctypes.CDLL, str] | None:
     return None if library is None else (library, ISA_NAMES[level])
 
 
-def _loaded() -> tuple[ctypes.CDLL | None, int, str]:
-    library, level, line = native("group_min_max")
-    if library is not None and not _state.get("min_max_typed"):
-        arguments = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        for isa in ISA_NAMES.values():
-            getattr(library, f"group_min_max_{isa}").argtypes = arguments
-        _state["min_max_typed"] = True
-    return library, level, line
+def available_isas(name: str = "group_min_max") -> list[str]:
+    """The variants of kernel ``name`` this CPU runs, best first (empty when it is not built)."""
+    level = native(name)[1]
+    return [isa for lvl, isa in ISA_NAMES.items() if lvl <= level]
+
+
+def function(name: str, isa: str | None, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr:
+    """Kernel ``name``'s entry point ``<name>_<isa>`` (``isa`` None: the best this CPU runs), its
+    argument types declared on first use. Raises ``RuntimeError`` when the kernel is not built
+    here (``status(name)`` says why) and ``ValueError`` for a variant this CPU does not run.
+    Callers that may fall back to eager ask ``in_use(name)`` first; this one ignores ``disabled()``
+    so tests can compare the variants."""
+    library, level, line = native(name)
+    if library is None:
+        raise RuntimeError(f"the native {name} kernel is not in use: {line}")
+    isa = isa or ISA_NAMES[level]
+    runnable = [variant for lvl, variant in ISA_NAMES.items() if lvl <= level]
+    if isa not in runnable:
+        raise ValueError(f"kernel variant {isa!r} does not run here; available: {runnable}")
+    entry = getattr(library, f"{name}_{isa}")  # ctypes keeps one object per name, so this sticks
+    if entry.argtypes is None:
+        entry.argtypes = argtypes
+        if restype is not None:
+            entry.restype = restype
+    return entry
+
+
+_MIN_MAX_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def reset() -> None:
@@ -180,7 +200,6 @@ def reset() -> None:
     changing ``OBSERVERS_NATIVE`` or ``CC``)."""
     with _lock:
         _state.pop("loaded", None)
-        _state.pop("min_max_typed", None)
 
 
 @contextmanager
@@ -199,13 +218,7 @@ def disabled() -> Iterator[None]:
 
 def status(name: str = "group_min_max") -> str:
     """Which path kernel ``name`` takes on CPU fp32 data: ``native (avx512, ...)`` or ``eager: <why>``."""
-    return _loaded()[2] if name == "group_min_max" else native(name)[2]
-
-
-def available_isas() -> list[str]:
-    """The kernel variants this CPU can run, best first (empty when the kernel is not in use)."""
-    level = _loaded()[1]
-    return [name for lvl, name in ISA_NAMES.items() if lvl <= level]
+    return native(name)[2]
 
 
 @functools.lru_cache(maxsize=256)
@@ -224,14 +237,13 @@ def threads_for(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD))
 
 
-def _launch(
-    library: ctypes.CDLL, isa: str, data: torch.Tensor, run: int, low: torch.Tensor, high: torch.Tensor
-) -> None:
-    """Run the kernel over contiguous ``data`` read as ``low.numel()`` runs of ``run`` values,
-    writing into the contiguous fp32 ``low`` and ``high``."""
+def _launch(isa: str | None, data: torch.Tensor, run: int, low: torch.Tensor, high: torch.Tensor) -> None:
+    """Run the min-max kernel over contiguous ``data`` read as ``low.numel()`` runs of ``run``
+    values, writing into the contiguous fp32 ``low`` and ``high``."""
     rows = low.numel()
     threads = max(1, min(threads_for(rows * run), rows))
-    getattr(library, f"group_min_max_{isa}")(data.data_ptr(), run, rows, threads, low.data_ptr(), high.data_ptr())
+    entry = function("group_min_max", isa, _MIN_MAX_ARGUMENTS)
+    entry(data.data_ptr(), run, rows, threads, low.data_ptr(), high.data_ptr())
 
 
 def run_min_max(runs: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,12 +253,7 @@ def run_min_max(runs: torch.Tensor, isa: str | None = None) -> tuple[torch.Tenso
     compare them); by default the best this CPU runs. Raises ``RuntimeError`` when the kernel
     is not in use (see ``status()``).
     """
-    library, level, line = _loaded()
-    if library is None:
-        raise RuntimeError(f"the native min-max kernel is not in use: {line}")
-    isa = isa or ISA_NAMES[level]
-    if isa not in available_isas():
-        raise ValueError(f"kernel variant {isa!r} does not run here; available: {available_isas()}")
+    function("group_min_max", isa, _MIN_MAX_ARGUMENTS)  # not built here, or a variant this CPU lacks: say so
     if runs.ndim != 2 or runs.dtype != torch.float32 or runs.device.type != "cpu" or not runs.is_contiguous():
         raise ValueError(
             f"run_min_max takes a contiguous float32 CPU (rows, run) tensor, got {runs.dtype} "
@@ -256,7 +263,7 @@ def run_min_max(runs: torch.Tensor, isa: str | None = None) -> tuple[torch.Tenso
     if rows == 0 or run == 0:
         raise ValueError(f"run_min_max needs at least one element per row, got shape {(rows, run)}")
     low, high = torch.empty(rows), torch.empty(rows)
-    _launch(library, isa, runs, run, low, high)
+    _launch(isa, runs, run, low, high)
     return low, high
 
 
@@ -272,16 +279,13 @@ def group_min_max(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     if run < MIN_RUN or data.numel() < MIN_ELEMENTS or not data.is_contiguous():
         return None
     sub_run = _sub_run(run)
-    if sub_run is None or _state.get("disabled"):
-        return None
-    library, level, _ = _loaded()
-    if library is None:
+    if sub_run is None or in_use("group_min_max") is None:
         return None
     if data.shape[0] == 1 and sub_run == run:
         low, high = torch.empty(data.shape[1:-1]), torch.empty(data.shape[1:-1])
-        _launch(library, ISA_NAMES[level], data, run, low, high)
+        _launch(None, data, run, low, high)
         return low, high
     split = (*data.shape[:-1], run // sub_run)
     low, high = torch.empty(split), torch.empty(split)
-    _launch(library, ISA_NAMES[level], data, sub_run, low, high)
+    _launch(None, data, sub_run, low, high)
     return low.amin(dim=(0, -1)), high.amax(dim=(0, -1))

@@ -20,7 +20,6 @@ tensor (the eager path raises the error), the kernel not in use
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from dataclasses import dataclass
 
@@ -46,33 +45,20 @@ class ErrorSums:
     """fp64 ``[clipped count, Σ (err / s)²]``, what ``_clip_and_step_sums`` sums."""
 
 
-@functools.cache
-def _typed(library: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the kernel's argument types, once per loaded library."""
-    arguments = [
-        ctypes.c_void_p,  # x
-        ctypes.c_int64,  # rows
-        ctypes.c_int64,  # run
-        ctypes.c_int64,  # groups
-        ctypes.c_void_p,  # scale (groups,)
-        ctypes.c_void_p,  # zero point (groups,), fp32
-        ctypes.c_float,  # qmin
-        ctypes.c_float,  # qmax
-        ctypes.c_float,  # clip low
-        ctypes.c_float,  # clip high
-        ctypes.c_int,  # threads
-        ctypes.c_void_p,  # out (7,) fp64
-    ]
-    for isa in kernels.ISA_NAMES.values():
-        getattr(library, f"{NAME}_{isa}").argtypes = arguments
-    return library
-
-
-def available_isas() -> list[str]:
-    """The variants of this kernel the CPU runs, best first (empty when it is not built)."""
-    level = kernels.native(NAME)[1]
-    return [name for lvl, name in kernels.ISA_NAMES.items() if lvl <= level]
-
+_ARGUMENTS = [
+    ctypes.c_void_p,  # x
+    ctypes.c_int64,  # rows
+    ctypes.c_int64,  # run
+    ctypes.c_int64,  # groups
+    ctypes.c_void_p,  # scale (groups,)
+    ctypes.c_void_p,  # zero point (groups,), fp32
+    ctypes.c_float,  # qmin
+    ctypes.c_float,  # qmax
+    ctypes.c_float,  # clip low
+    ctypes.c_float,  # clip high
+    ctypes.c_int,  # threads
+    ctypes.c_void_p,  # out (7,) fp64
+]
 
 _ZERO_POINT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.float32)
 """Zero points that become fp32 exactly as the eager ``add_`` makes them (a float64 zero point or
@@ -117,20 +103,16 @@ def quant_error_sums(
     ``isa`` picks a kernel variant (tests compare them); by default the best this CPU runs.
     None when the eager path must run (see the module docstring).
     """
-    loaded = kernels.in_use(NAME)
-    runs = None if loaded is None else _runs(x, qp, spec)
+    runs = None if kernels.in_use(NAME) is None else _runs(x, qp, spec)
     if runs is None:
         return None
-    library, best = loaded
-    isa = isa or best
-    if isa not in available_isas():
-        raise ValueError(f"kernel variant {isa!r} does not run here; available: {available_isas()}")
+    entry = kernels.function(NAME, isa, _ARGUMENTS)
     observations, groups, run = runs.shape
     scale = qp.effective_scale.reshape(groups).contiguous()
     zero_point = qp.zero_point.reshape(groups).to(torch.float32).contiguous()
     qmin, qmax = spec.int_range
     out = torch.empty(7, dtype=torch.float64)
-    getattr(_typed(library), f"{NAME}_{isa}")(
+    entry(
         runs.data_ptr(),
         observations * groups,
         run,

@@ -21,7 +21,6 @@ or inside ``kernels.disabled()``. Float formats never come here (the callers che
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import torch
 
@@ -55,12 +54,6 @@ _ARGUMENTS = [
 ]
 
 
-def available_isas() -> list[str]:
-    """The variants of this kernel the CPU runs, best first (empty when it is not in use)."""
-    level = kernels.native(NAME)[1]
-    return [name for lvl, name in kernels.ISA_NAMES.items() if lvl <= level]
-
-
 def chunk_size(count: int, patience: int) -> int:
     """Candidates per kernel call (between early-stop checks) of a search over ``count``.
 
@@ -79,18 +72,6 @@ def usable(data: torch.Tensor, weight: torch.Tensor | None) -> bool:
         for t in tensors
     )
     return readable and data.ndim == 3 and data.numel() > 0 and kernels.in_use(NAME) is not None
-
-
-def _function(isa: str | None) -> Callable[..., None]:
-    """The kernel variant ``isa`` (default the best this CPU runs) with its argument types declared."""
-    library, best = kernels.in_use(NAME)
-    isa = isa or best
-    if isa not in available_isas():
-        raise ValueError(f"kernel variant {isa!r} does not run here; available: {available_isas()}")
-    function = getattr(library, f"{NAME}_{isa}")
-    if function.argtypes is None:
-        function.argtypes = _ARGUMENTS
-    return function
 
 
 def _bounds(
@@ -130,7 +111,7 @@ def candidate_errors(
     """
     if not usable(data, weight):
         return None
-    function = _function(isa)
+    function = kernels.function(NAME, isa, _ARGUMENTS)
     observations, groups, run = data.shape
     count = step.numel() // groups
     step = step.reshape(count, groups).float().contiguous()

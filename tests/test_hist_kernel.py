@@ -16,7 +16,7 @@ from observers import hist_search as hs
 from observers.hist_state import _bin_transform, _eager_counts, update_histogram
 
 needs_kernel = pytest.mark.skipif(
-    not hist_kernel.available_isas(),
+    not kernels.available_isas(hist_kernel.NAME),
     reason=f"row-histogram kernel not in use here: {kernels.status(hist_kernel.NAME)}",
 )
 
@@ -31,10 +31,10 @@ def test_kernel_is_built_where_a_compiler_avx2_and_fma_exist():
     line = kernels.status(hist_kernel.NAME)
     if any(shutil.which(name) for name in ("cc", "gcc", "clang")) and _cpu_has("avx2", "fma"):
         assert line.startswith("native ("), line
-        assert "avx2" in hist_kernel.available_isas()
+        assert "avx2" in kernels.available_isas(hist_kernel.NAME)
     else:
         assert line.startswith("eager: "), line
-        assert hist_kernel.available_isas() == []
+        assert kernels.available_isas(hist_kernel.NAME) == []
 
 
 def _transform(lo: list[float], width: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +54,7 @@ def _assert_every_variant_matches(values, scale, shift, bins: int, absolute: boo
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for isa in hist_kernel.available_isas():
+            for isa in kernels.available_isas(hist_kernel.NAME):
                 native = hist_kernel.row_histogram(values, scale, shift, bins, absolute, isa)
                 assert native.dtype == torch.int64 and native.shape == eager.shape
                 assert torch.equal(native, eager), f"{isa}, {threads} threads, absolute={absolute}"
@@ -185,7 +185,7 @@ def test_inputs_the_kernel_leaves_to_eager(why, values, vector):
 
 def test_row_histogram_rejects_what_it_cannot_read():
     values, vector = torch.randn(2, 64), torch.ones(2)
-    if not hist_kernel.available_isas():
+    if not kernels.available_isas(hist_kernel.NAME):
         with pytest.raises(RuntimeError, match="not in use"):
             hist_kernel.row_histogram(values, vector, vector, 16)
         return

@@ -106,7 +106,7 @@ def _variant(monkeypatch, isa: str) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", metrics_kernel.available_isas())
+@pytest.mark.parametrize("isa", kernels.available_isas(metrics_kernel.NAME))
 @pytest.mark.parametrize("name,x,spec,kind,qp", CASES, ids=[case[0] for case in CASES])
 def test_native_metrics_equal_the_eager_ones(name, x, spec, kind, qp, isa, threads, monkeypatch):
     qp = qp or _qparams(x, spec, kind)
@@ -126,7 +126,7 @@ def test_the_special_cases_keep_their_defined_values():
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", metrics_kernel.available_isas())
+@pytest.mark.parametrize("isa", kernels.available_isas(metrics_kernel.NAME))
 def test_elements_on_the_clip_edges_count_as_on_the_eager_path(isa, monkeypatch):
     """Shifted codes within a few ulps of ``qmax + 0.5 + 1e-3`` and ``qmin - 0.5 - 1e-3``: the
     bounds are compared in fp32 on both paths."""
@@ -174,7 +174,7 @@ def test_property_native_equals_eager(rows, columns, dtype, symmetric, strategy,
     kind = "activation" if strategy == "token" else "weight"
     qp = _qparams(x * shrink, spec, kind)
     eager = _eager(x, qp, spec)
-    for isa in metrics_kernel.available_isas():
+    for isa in kernels.available_isas(metrics_kernel.NAME):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "threads_for", lambda elements: threads)
             assert metrics_kernel.quant_error_sums(x, qp, spec, _clip_bounds(spec), isa) is not None

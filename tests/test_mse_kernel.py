@@ -19,7 +19,7 @@ from observers.granularity import flatten, reduce_min_max
 from observers.mse_grid import _candidate_steps, _uniform_or, _unit_errors, mse_grid_search, shrink_factors
 
 needs_kernel = pytest.mark.skipif(
-    not mse_kernel.available_isas(), reason=f"kernel not in use here: {kernels.status(mse_kernel.NAME)}"
+    not kernels.available_isas(mse_kernel.NAME), reason=f"kernel not in use here: {kernels.status(mse_kernel.NAME)}"
 )
 
 
@@ -32,10 +32,10 @@ def test_kernel_is_built_and_used_where_a_compiler_and_avx2_exist():
     line = kernels.status(mse_kernel.NAME)
     if any(shutil.which(name) for name in ("cc", "gcc", "clang")) and _cpu_has_avx2():
         assert line.startswith("native ("), line
-        assert "avx2" in mse_kernel.available_isas()
+        assert "avx2" in kernels.available_isas(mse_kernel.NAME)
     else:
         assert line.startswith("eager: "), line
-        assert mse_kernel.available_isas() == []
+        assert kernels.available_isas(mse_kernel.NAME) == []
 
 
 def _search_inputs(spec: ob.QuantSpec, cols: int, seed: int = 0):
@@ -76,7 +76,7 @@ def test_native_errors_equal_the_eager_sums(spec, norm):
     weight = torch.rand(data.shape, generator=torch.Generator().manual_seed(1)) * 3
     for w in (None, weight):
         eager = _eager_sums(data, w, step, low, high, spec, norm)
-        for isa in mse_kernel.available_isas():
+        for isa in kernels.available_isas(mse_kernel.NAME):
             native = mse_kernel.candidate_errors(data, w, step, low, high, norm, isa=isa)
             assert native is not None and native.shape == eager.shape
             torch.testing.assert_close(native, eager, rtol=1e-5, atol=1e-30, msg=f"{isa}, weighted: {w is not None}")
@@ -95,7 +95,7 @@ def test_the_power_is_a_few_ulps_from_exact_and_keeps_the_special_values(norm):
     normal = (exact > 1e-30) & (exact < 1e38)
     eager = mse_grid._power_(x.abs(), norm).double()
     eager_error = float(((eager - exact).abs() / exact)[normal].max())  # fp32 rounding of norm·log x
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         got = mse_kernel.candidate_errors(x.reshape(1, -1, 1), None, torch.ones(1, x.numel()), 0.0, 0.0, norm, isa=isa)
         got = got.reshape(-1).double()
         # the kernel rounds norm·fraction(log2 x) once more: ~norm·2^-24, a few times eager's only for large norms
@@ -111,7 +111,7 @@ def test_scalar_bounds_give_the_same_errors_as_per_group_bounds():
     data, step, low, high = _search_inputs(spec, 512)
     uniform_low, uniform_high = _uniform_or(low), _uniform_or(high)
     assert isinstance(uniform_low, float) and isinstance(uniform_high, float)
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         per_group = mse_kernel.candidate_errors(data, None, step, low, high, 2.4, isa=isa)
         scalar = mse_kernel.candidate_errors(data, None, step, uniform_low, uniform_high, 2.4, isa=isa)
         mixed = mse_kernel.candidate_errors(data, None, step, uniform_low, high, 2.4, isa=isa)
@@ -124,7 +124,7 @@ def test_a_candidate_error_does_not_depend_on_the_other_candidates_of_the_call()
     whether it runs alone, in a group of four or of eight."""
     spec = SPECS[1]
     data, step, low, high = _search_inputs(spec, 800)
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         every = mse_kernel.candidate_errors(data, None, step, low, high, 2.4, isa=isa)
         for part in (slice(0, 12), slice(12, 20), slice(3, 4), slice(5, 9)):
             alone = mse_kernel.candidate_errors(data, None, step[part], low[part], high[part], 2.4, isa=isa)
@@ -145,7 +145,7 @@ def test_observations_and_long_rows_cut_into_pieces_give_the_eager_sums(monkeypa
     weight = torch.rand(data.shape, generator=torch.Generator().manual_seed(3))
     for w in (None, weight):
         eager = _eager_sums(data, w, step, lows, highs, spec, norm)
-        for isa in mse_kernel.available_isas():
+        for isa in kernels.available_isas(mse_kernel.NAME):
             native = mse_kernel.candidate_errors(data, w, step, lows, highs, norm, isa=isa)
             torch.testing.assert_close(native, eager, rtol=1e-5, atol=1e-30)
 
@@ -171,12 +171,12 @@ def test_direct_errors_equal_lc_search_eager_sums(spec, norm):
     step, zero_point = qp.scale.reshape(20, -1), qp.zero_point.float().reshape(20, -1)
     qmin, qmax = spec.int_range
     rows = data.reshape(1, -1, data.shape[-1])
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         native = mse_kernel.candidate_errors(
             rows, weight.reshape(rows.shape), step, qmin - zero_point, qmax - zero_point, norm, direct=True, isa=isa
         )
         torch.testing.assert_close(native.reshape(eager.shape), eager, rtol=1e-5, atol=1e-30, msg=isa)
-        if isa == mse_kernel.available_isas()[0]:  # what lc_search runs
+        if isa == kernels.available_isas(mse_kernel.NAME)[0]:  # what lc_search runs
             assert torch.equal(
                 lc_search._candidate_errors(data, weight, low, high, factors, spec, norm), native.reshape(eager.shape)
             )
@@ -260,7 +260,7 @@ def test_all_zero_groups_give_zero_errors_and_finite_scales(norm):
     lo, hi = reduce_min_max(flat)
     data = flat.data.reshape(1, -1, 64).contiguous()
     step, low, high = _candidate_steps(lo, hi, shrink_factors(0.2, 100), spec)
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         errors = mse_kernel.candidate_errors(data, None, step, low, high, norm, isa=isa)
         assert bool(torch.isfinite(errors).all()) and bool((errors[:, :32] == 0).all())
     qp = _scales("mse_grid", w, spec, norm=norm)
@@ -281,7 +281,7 @@ def test_a_zero_step_gives_nan_errors_like_eager_and_is_never_picked(monkeypatch
     step, low, high = _candidate_steps(lo, hi, shrink_factors(0.2, 100), spec)
     step[:, 0] = 0.0
     eager = _eager_sums(data, None, step, low, high, spec, 2.4)
-    for isa in mse_kernel.available_isas():
+    for isa in kernels.available_isas(mse_kernel.NAME):
         native = mse_kernel.candidate_errors(data, None, step, low, high, 2.4, isa=isa)
         assert bool(native[:, 0].isnan().all()) and bool(eager[:, 0].isnan().all())
         assert bool(torch.isfinite(native[:, 1:]).all())
@@ -385,7 +385,7 @@ def test_without_the_kernel_the_search_runs_eager(monkeypatch):
     kernels.reset()
     try:
         assert kernels.status(mse_kernel.NAME) == "eager: native kernel disabled by OBSERVERS_NATIVE=0"
-        assert mse_kernel.available_isas() == []
+        assert kernels.available_isas(mse_kernel.NAME) == []
         data = torch.randn(1, 64, 32)
         assert not mse_kernel.usable(data, None)
         qp = _scales("mse_grid", torch.randn(16, 64), ob.QuantSpec("int4", strategy="group", group_size=32))
