@@ -213,6 +213,9 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
     """``run`` as a sweep of ``plan`` (a ``lab.sweep.Plan``); only rank 0 draws progress and reports."""
     from lab.sweep import run_sweep
 
+    note = plan.split_note(ranks.world_size)
+    if note and ranks.is_main:
+        err.write(f"note: {note}\n")
     bar = ProgressBar(err, "layers") if ranks.is_main and not args.quiet else None
     outcome = run_sweep(plan, args.out, resume=args.resume, progress=bar, ranks=ranks)
     if outcome is None:

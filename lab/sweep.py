@@ -24,7 +24,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,34 @@ class Plan:
 
     def split_for(self, world_size: int) -> RankSplit:
         """What the ranks divide: the calibration batches when the sweep captures (each rank then
-        runs 1/N of every pass), else the layers; ``split`` overrides. One process: layers."""
+        runs 1/N of every pass) and there are at least as many batches as ranks, else the layers;
+        ``split`` overrides (an explicit ``batches`` with too few batches is refused when the
+        batches are shared out). One process: layers."""
         if world_size <= 1:
             return RankSplit.LAYERS
         if self.split is not None:
             return self.split
-        return RankSplit.BATCHES if self.captures else RankSplit.LAYERS
+        if not self.captures or self._calibration_batches < world_size:
+            return RankSplit.LAYERS
+        return RankSplit.BATCHES
+
+    def split_note(self, world_size: int) -> str | None:
+        """One line when the default split fell back to layers because the calibration makes
+        fewer batches than there are ranks; None otherwise."""
+        if world_size <= 1 or self.split is not None or not self.captures:
+            return None
+        batches = self._calibration_batches
+        if batches >= world_size:
+            return None
+        return (
+            f"the calibration set makes {batches} batch(es), fewer than the {world_size} ranks: "
+            "the ranks split the layers instead of the batches"
+        )
+
+    @cached_property
+    def _calibration_batches(self) -> int:
+        options = self.config.capture_options()
+        return self.model.calibration_batches(options["texts"], options["samples"], options["seq_len"])
 
     def settings_hash(self, world_size: int) -> str:
         """Changes exactly when a unit's records could change (the chunk size does not count)."""

@@ -213,6 +213,19 @@ class Model:
             with self._runner(batches, budget, progress) as runner:
                 return capture_sequential(runner, refs, batches, outputs, fraction)
 
+    def calibration_batches(
+        self,
+        texts: list[str] | str | None = None,
+        samples: int = 32,
+        seq_len: int = 128,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> int:
+        """How many forward batches a capture with these calibration settings runs: ranks that split
+        the batches need at least one each. Tokenizes the texts; runs nothing."""
+        check_knobs(samples, seq_len, batch_size, getattr(self.config, "max_position_embeddings", None))
+        windows = token_windows(self.tokenizer(), texts, samples, seq_len)
+        return -(-len(windows) // batch_size)
+
     def attention_blocks(self) -> list[str]:
         """Names of attention blocks ``capture_kv`` accepts (e.g. ``model.layers.0.self_attn``).
         Read from the skeleton, so listing them never loads the weights."""

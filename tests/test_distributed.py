@@ -116,10 +116,20 @@ def test_moe_experts_that_one_rank_never_routes_to_still_merge(tmp_path):
     assert first["uncalibrated"] == second["uncalibrated"]
 
 
-def test_fewer_calibration_batches_than_ranks_is_one_error_line_on_each(tmp_path):
+def test_fewer_calibration_batches_than_ranks_by_default_split_the_layers_with_a_note(tmp_path):
+    """Two samples make one batch: the default split must not fail where splitting layers works."""
+    args = [*RUN, "--kinds", "weight,input"]
+    first, second, ranks = _one_and_two_ranks(tmp_path, args)
+    assert "note: the calibration set makes 1 batch(es), fewer than the 2 ranks" in ranks.stderr
+    assert "split the layers" in ranks.stderr and ranks.stderr.count("note: the calibration set") == 1
+    assert {e["rank"] for e in second["entries"]} == {0, 1}  # layers, not batches ("all")
+    assert _without_ranks(first) == _without_ranks(second)
+
+
+def test_fewer_calibration_batches_than_ranks_with_split_batches_is_one_error_line_on_each(tmp_path):
     out = str(tmp_path / "q.json")
     args = ["run", "tiny-llama", "--layers", "all", "--format", "int8", "--observers", "minmax", "--kinds", "input"]
-    args += ["--samples", "2", "--seq-len", "16", "--quiet", "--out", out]
+    args += ["--samples", "2", "--seq-len", "16", "--split", "batches", "--quiet", "--out", out]
     for rank in _by_hand([args, args]):
         assert rank.returncode == 2 and rank.stderr.count("\n") == 1, rank.stderr
         assert "fewer than the 2 ranks" in rank.stderr

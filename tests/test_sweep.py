@@ -7,10 +7,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -175,25 +173,48 @@ def test_progress_bar_shows_layers_elapsed_and_eta():
     assert "[##############################] 10/10 layers 0:00:40 ETA 0:00:00" in last and last.endswith("\n")
 
 
+INTERRUPT_AFTER_ROUND = """
+import os, signal, sys
+from lab import sweep_file
+from lab.cli import main
+
+original, rounds = sweep_file.Writer.write_round, []
+
+
+def write_round(self, payloads):
+    original(self, payloads)
+    rounds.append(1)
+    if len(rounds) == int(os.environ["INTERRUPT_AFTER_ROUND"]):
+        os.kill(os.getpid(), signal.SIGINT)  # the real signal, at a known point of the sweep
+
+
+sweep_file.Writer.write_round = write_round
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_the_cli_keeps_finished_layers_and_resume_finishes(tmp_path):
+    """Ctrl-C arrives right after the second chunk is on disk (a SIGINT the process sends itself
+    from the writer), so the test never races the sweep's speed."""
     out = tmp_path / "q.json"
     argv = ["run", "minilm", "--layers", "encoder.layer.[0-2].*", "--format", "int4", "--strategy", "group"]
     argv += ["--group-size", "128", "--observers", "minmax,mse_grid", "--chunk", "1", "--quiet"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "observers", *argv, "--out", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        if partial_path(out).exists() and partial_path(out).read_text().count("\n") >= 4:
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
-    assert process.returncode == 130, err
+    interrupted = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AFTER_ROUND, *argv, "--out", str(out)],
+        cwd=ROOT,
+        env={**env, "INTERRUPT_AFTER_ROUND": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = interrupted.stderr
+    assert interrupted.returncode == 130, err
     assert err.strip().endswith("run the same command with --resume to go on") and "Traceback" not in err
     kept = partial_path(out).read_text().count("\n")
-    assert kept >= 4 and not out.exists()
+    assert kept == 4 and not out.exists()  # settings, document header, one line per chunk
     resumed = subprocess.run([*command, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"note: {kept - 2} of 18 layers came from the interrupted sweep" in resumed.stderr
