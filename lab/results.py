@@ -1,9 +1,10 @@
 """Reading an analysis: the one ranking rule, the tables the app and report show, warnings.
 
-``rank`` orders one tensor's observers by a metric (direction from ``ob.HIGHER_IS_BETTER``,
+``rank`` orders one tensor's observers by a metric (direction from ``higher_is_better``,
 observers without a value left out, ties in suite order); ``choose``, the highlighted best
 cells, the export's runner-up and the report all go through it, so "best" means one thing
-everywhere. No streamlit here: pages and the report draw these frames.
+everywhere. ``higher_is_better`` is the one place a metric's direction is decided: plots and the
+sensitivity ranking ask it too. No streamlit here: pages and the report draw these frames.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def check_metric(metric: str) -> str:
 
 
 def higher_is_better(metric: str) -> bool:
-    """Direction of a local or model-level (``model:<name>``) metric."""
+    """Whether a larger value of ``metric`` is better: a local metric (``ob.HIGHER_IS_BETTER``) or a
+    model-level one as ``model:<name>`` (``lab.vocab.MODEL_METRICS``). The one direction rule of the
+    lab; an unknown metric is a ``ValueError`` naming the known ones (``check_metric``), never a guess."""
     if check_metric(metric) in ob.HIGHER_IS_BETTER:
         return ob.HIGHER_IS_BETTER[metric]
     return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]

@@ -36,7 +36,7 @@ from lab.evaluate import (
 )
 from lab.json_values import json_safe
 from lab.pipeline import Analysis, TensorAnalysis
-from lab.results import Choices, Effect, check_metric, choose
+from lab.results import Choices, Effect, check_metric, choose, higher_is_better
 from lab.vocab import DEFAULT_METRIC, MODEL_METRICS, model_metric
 from sample_models.effect import TensorQuant
 
@@ -94,7 +94,7 @@ class Sensitivity:
     def ranking(self) -> pd.DataFrame:
         """Tensors, most sensitive first: the model-level damage with the observer that hurts least
         (what quantizing this tensor costs at best) and with the one that hurts most."""
-        m, high = self.metric, MODEL_METRICS[self.metric]
+        m, high = self.metric, higher_is_better(model_metric(self.metric))
         rows = []
         for (layer, tensor), group in self.frame.groupby(["layer", "tensor"], sort=False):
             ordered = group.sort_values(m, ascending=not high, kind="stable")

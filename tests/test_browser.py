@@ -15,12 +15,30 @@ from pathlib import Path
 
 import pytest
 from helpers import free_port, save_checkpoint, tiny_llama, wait_healthy
+from playwright.sync_api import expect
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key)$"
 SLOW_MS = 240_000
+RUN_COUNTER = """
+window.__finishedRuns = 0;
+new MutationObserver((records) => {
+  records.forEach((record, i) => {
+    const next = records.slice(i + 1).find((later) => later.target === record.target);
+    const now = next ? next.oldValue : record.target.getAttribute("data-test-script-state");
+    if (now === "notRunning" && record.oldValue !== "notRunning") window.__finishedRuns += 1;
+  });
+}).observe(document, {subtree: true, attributes: true, attributeOldValue: true,
+                      attributeFilter: ["data-test-script-state"]});
+"""
+"""Counts the script runs the tab has seen finish: Streamlit's root element carries the run state
+(``data-test-script-state``: initial, running, notRunning, ...), and each change to notRunning is
+one run over. Installed before the app loads, so no run is missed however short."""
+IDLE = """(after) => window.__finishedRuns > after &&
+  document.querySelector('[data-testid="stApp"]')?.getAttribute("data-test-script-state") === "notRunning"
+"""
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -66,6 +84,7 @@ def page(browser, app_url):
     """A new tab, so a new Streamlit session: each test starts from the app's defaults, as a
     person opening the app does."""
     tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+    tab.add_init_script(RUN_COUNTER)
     tab.goto(app_url)
     tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
     yield tab
@@ -73,17 +92,29 @@ def page(browser, app_url):
 
 
 def _go(tab, title: str) -> None:
+    """Open the page ``title`` and wait until its script run is over."""
     tab.locator('[data-testid="stSidebarNav"]').get_by_text(title, exact=True).click()
-    tab.get_by_role("heading", name=title).first.wait_for(timeout=SLOW_MS)
+    tab.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=SLOW_MS)
+    _settle(tab)
 
 
-def _settle(tab) -> None:
-    """Let the script run finish and the browser draw (a click while a run is still going can be
-    answered with the widget values of before that run)."""
-    tab.wait_for_timeout(1500)
+def _runs(tab) -> int:
+    """How many script runs the tab has seen finish (``RUN_COUNTER``)."""
+    return tab.evaluate("window.__finishedRuns")
+
+
+def _settle(tab, after: int = -1) -> None:
+    """Wait until the app is not running a script (a click while a run is still going can be
+    answered with the widget values of before that run).
+
+    After an action that reruns the script, pass ``after=_runs(tab)`` read before the action: its
+    rerun may not have started yet when this is called, and the app idle before it must not count.
+    Without ``after``, the caller knows the run it waits for has started (what it drew is on screen)."""
+    tab.wait_for_function(IDLE, arg=after, timeout=SLOW_MS)
 
 
 def _see(tab, text: str) -> None:
+    """Wait for ``text`` (drawn by the run that follows the last action), then for that run to end."""
     tab.get_by_text(text).first.wait_for(timeout=SLOW_MS)
     _settle(tab)
 
@@ -103,12 +134,17 @@ def _plots(tab, at_least: int = 1) -> int:
 
 
 def _fill(tab, label: str, value: str) -> None:
-    """Type into the box labelled ``label``, waiting as long as a slow rerun may take for it
-    (on a busy 2-core CI machine a rerun that reruns a capture can take longer than 30 s)."""
+    """Type into the box labelled ``label`` and press Enter, waiting as long as a slow rerun may
+    take for the box and, when the value changed, for the rerun it starts to end (on a busy 2-core
+    CI machine a rerun that reruns a capture can take longer than 30 s)."""
     box = tab.get_by_label(label, exact=True)
     box.wait_for(timeout=SLOW_MS)
+    changed = box.input_value(timeout=SLOW_MS) != value
+    runs = _runs(tab)
     box.fill(value, timeout=SLOW_MS)
     box.press("Enter")
+    if changed:
+        _settle(tab, after=runs)
 
 
 def _pick_layers(tab, pattern: str, count: int) -> None:
@@ -122,18 +158,13 @@ def _pick_layers(tab, pattern: str, count: int) -> None:
     _see(tab, f"{count} layer(s) selected.")
     _fill(tab, "Samples", "4")
     _fill(tab, "Sequence length (tokens)", "32")
-    tab.wait_for_function(
-        "() => [...document.querySelectorAll('input')].some(i => i.getAttribute('aria-label') === "
-        "'Sequence length (tokens)' && i.value === '32')",
-        timeout=SLOW_MS,
-    )
-    _settle(tab)
+    expect(tab.get_by_label("Samples", exact=True)).to_have_value("4")
+    expect(tab.get_by_label("Sequence length (tokens)", exact=True)).to_have_value("32")
 
 
 def test_model_run_ranges_export_in_a_browser(page):
     tab = page
     _see(tab, "Go to Model")
-    _settle(tab)
     _shot(tab, "0_home")
 
     _go(tab, "Model")
@@ -144,7 +175,7 @@ def test_model_run_ranges_export_in_a_browser(page):
 
     _go(tab, "Run")
     tab.get_by_role("button", name="Run", exact=True).click()
-    tab.get_by_text("Results for 4 tensors").wait_for(timeout=SLOW_MS)
+    _see(tab, "Results for 4 tensors")
     _no_exception(tab)
     _shot(tab, "2_run")
 
@@ -156,7 +187,6 @@ def test_model_run_ranges_export_in_a_browser(page):
     ):
         _go(tab, title)
         assert _plots(tab, minimum) >= minimum
-        _settle(tab)
         _no_exception(tab)
         _shot(tab, shot)
 
@@ -164,16 +194,17 @@ def test_model_run_ranges_export_in_a_browser(page):
     tab.get_by_role("button", name="Observer Lab JSON").wait_for(timeout=SLOW_MS)
     tab.get_by_role("button", name="compressed-tensors (zip)").wait_for(timeout=SLOW_MS)
     assert tab.get_by_role("button", name="compressed-tensors (zip)").count() == 1
-    _settle(tab)
     _no_exception(tab)
     _shot(tab, "7_export")
 
 
 def _choose(tab, label: str, option: str) -> None:
-    """Pick ``option`` in the Streamlit select box labelled ``label``."""
+    """Pick ``option`` (not the one shown) in the Streamlit select box labelled ``label`` and wait
+    for the rerun it starts to end."""
+    runs = _runs(tab)
     tab.get_by_label(label, exact=True).filter(visible=True).click()
     tab.get_by_role("option", name=option, exact=True).click()
-    _settle(tab)
+    _settle(tab, after=runs)
 
 
 def test_kv_cache_states_in_a_browser(page):
@@ -192,7 +223,7 @@ def test_kv_cache_states_in_a_browser(page):
     tab.get_by_role("tab", name="KV cache (keys, values)").click()
     _choose(tab, "Granularity", "per head (attn_head)")
     tab.get_by_role("button", name="Run", exact=True).click()
-    tab.get_by_text("Results for 5 tensors").wait_for(timeout=SLOW_MS)
+    _see(tab, "Results for 5 tensors")
     _no_exception(tab)
 
     _go(tab, "Ranges")
@@ -200,7 +231,6 @@ def test_kv_cache_states_in_a_browser(page):
     _see(tab, "Per-head ranges")
     assert _plots(tab, 3) >= 3
     tab.get_by_text("Per-head ranges").scroll_into_view_if_needed()
-    _settle(tab)
     _no_exception(tab)
     _shot(tab, "9_ranges_kv")
 
@@ -218,7 +248,7 @@ def test_demo_walk_in_a_browser(page, tmp_path):
     tab = page
     _go(tab, "Overview")
     tab.get_by_role("button", name="Run the demo").click()
-    tab.get_by_text("minilm: 12 tensors").wait_for(timeout=SLOW_MS)
+    _see(tab, "minilm: 12 tensors")
     assert _plots(tab, 1) >= 1
     _no_exception(tab)
     _shot(tab, "10_demo_overview")
@@ -280,7 +310,7 @@ def test_moe_expert_without_tokens_exports_in_a_browser(page):
     _pick_layers(tab, "model.layers.0.mlp.experts.3", 3)
     _go(tab, "Run")
     tab.get_by_role("button", name="Run", exact=True).click()
-    tab.get_by_text("Results for 6 tensors").wait_for(timeout=SLOW_MS)
+    _see(tab, "Results for 6 tensors")
     _go(tab, "Choose & export")
     _see(tab, "saw no calibration tokens")
     assert tab.locator('[data-testid="stException"]').count() == 0
@@ -318,12 +348,13 @@ def test_local_directory_and_knob_errors_in_a_browser(page, tmp_path):
     knob.fill("0")
     knob.press("Enter")
     _see(tab, "percentile.percentile must be a number in (0, 100], got 0")
-    assert tab.get_by_role("button", name="Run", exact=True).is_disabled()
+    expect(tab.get_by_role("button", name="Run", exact=True)).to_be_disabled()
     _see(tab, "Run is off: fix the knob values above.")
     _shot(tab, "16_knob_error")
+    runs = _runs(tab)
     knob.fill("99.9")
     knob.press("Enter")
-    tab.get_by_role("button", name="Run", exact=True).wait_for(timeout=SLOW_MS)
-    _settle(tab)
-    assert tab.get_by_role("button", name="Run", exact=True).is_enabled()
+    _settle(tab, after=runs)  # the button is there, disabled, before the rerun: wait for the rerun itself
+    expect(tab.get_by_role("button", name="Run", exact=True)).to_be_enabled()
+    expect(tab.get_by_text("Run is off: fix the knob values above.")).to_have_count(0)
     _no_exception(tab)

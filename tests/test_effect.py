@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from lab.evaluate import (
 )
 from lab.pipeline import RunConfig, analyse
 from lab.results import check_metric, choose
-from lab.sensitivity import compare, sensitivity
+from lab.sensitivity import Sensitivity, compare, sensitivity
 from sample_models import builtin_texts, open_model
 from sample_models.effect import EffectRunner, TensorQuant, held_out_texts, sentences
 
@@ -218,6 +219,29 @@ def test_choose_by_model_level_metric_through_the_one_ranking_rule(llama_eval, l
     assert evaluations[0].metrics["kl"] == 0 and all(e.metrics["kl"] > 0 for e in evaluations[1:])
     agreement = table.best_per_layer(llama_analysis)
     assert list(agreement.columns)[:3] == ["layer", "tensor", "best by model"] and len(agreement) == 4
+
+
+@pytest.mark.parametrize(
+    ("metric", "values", "order"),
+    [("kl", [0.3, 0.1, 0.02, 0.2], ["a", "b"]), ("cosine", [0.99, 0.9, 0.95, 0.98], ["b", "a"])],
+)
+def test_sensitivity_ranking_takes_the_direction_from_lab_results(metric, values, order):
+    """kl: lower is better; cosine: higher is better (``lab.results.higher_is_better``)."""
+    frame = pd.DataFrame(
+        {
+            "layer": ["a", "a", "b", "b"],
+            "tensor": ["weight"] * 4,
+            "observer": ["minmax", "mse_grid"] * 2,
+            metric: values,
+        }
+    )
+    table = Sensitivity(frame, metric, "sqnr_db", "decoder", 4, 4, 0.0, {})
+    ranking = table.ranking()
+    assert list(ranking["layer"]) == order  # most sensitive first: worst damage at its best observer
+    least = dict(zip(ranking["layer"], ranking["least harmful"], strict=True))
+    assert least == ({"a": "mse_grid", "b": "minmax"} if metric == "kl" else {"a": "minmax", "b": "mse_grid"})
+    with pytest.raises(ValueError, match="unknown metric"):
+        replace(table, metric="nonsense").ranking()
 
 
 # ---------------------------------------------------------------- bad input

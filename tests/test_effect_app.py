@@ -107,6 +107,27 @@ def test_sensitivity_heatmap_colors_log_damage_and_writes_the_values():
     assert list(heat.y) == ["a · weight", "b · weight"] and list(heat.x) == ["minmax", "mse_grid"]
     np.testing.assert_allclose(heat.z, [[-2.0, -4.0], [-12.0, -6.0]])  # zero damage at the floor
     assert heat.text[0][0] == "0.01" and np.asarray(heat.customdata)[1][1] == pytest.approx(1e-6)
+    assert heat.colorbar.title.text == "color: log10 kl<br>text: kl"
+
+
+def test_sensitivity_heatmap_text_tells_apart_cosines_that_round_to_one():
+    frame = _frame().rename(columns={"kl": "cosine"}).assign(cosine=[0.9996, 0.9990, 1.0, 0.987654321])
+    heat = effect_plots.sensitivity_heatmap(frame, "cosine").data[0]
+    assert heat.text[0][0] != heat.text[0][1]
+    assert [list(row) for row in heat.text] == [["0.0004", "0.001"], ["0", "0.0123"]]  # 1 − cosine
+    assert heat.hovertext[1][1] == "cosine = 0.987654321<br>1 − cosine = 0.0123457"  # the full value
+    assert heat.colorbar.title.text == "color: log10(1 − cosine)<br>text: 1 − cosine"
+
+
+def test_sensitivity_heatmap_writes_kl_and_perplexity_to_three_significant_digits():
+    frame = _frame().assign(kl=[0.0123456, 2.34567e-5, 0.0, 1.5])
+    heat = effect_plots.sensitivity_heatmap(frame, "kl").data[0]
+    assert [list(row) for row in heat.text] == [["0.0123", "2.35e-05"], ["0", "1.5"]]
+    assert heat.hovertext[0][0] == "kl = 0.0123456"
+    frame = _frame().rename(columns={"kl": "perplexity"}).assign(perplexity=[21.234, 20.0, 20.5, float("nan")])
+    heat = effect_plots.sensitivity_heatmap(frame, "perplexity", 20.0).data[0]
+    assert [list(row) for row in heat.text] == [["21.2", "20"], ["20.5", ""]]
+    assert heat.colorbar.title.text == "color: log10 relative rise of perplexity<br>text: perplexity"
 
 
 def test_damage_per_metric():
@@ -128,6 +149,25 @@ def test_choice_set_bars_outline_the_best_quantized_set_on_an_axis_that_shows_th
     assert list(fig.data[0].marker.line.width) == [0, 0, 3]
     low, high = fig.layout.yaxis.range
     assert 0.99 < low < 0.9957 and high > 1.0  # not 0..1, where 0.9957 and 0.9969 look the same
+
+
+def test_effect_figures_take_the_direction_from_lab_results(monkeypatch):
+    from lab import results
+
+    metrics = ("kl", "perplexity", "top1_agreement", "cosine", "spearman")
+    assert [effect_plots.is_similarity(m) for m in metrics] == [False, False, True, True, True]
+    flipped = results.higher_is_better
+    monkeypatch.setattr(results, "higher_is_better", lambda m: not flipped(m))
+    fig = effect_plots.choice_set_bars(["float", "x", "y"], [0.0, 0.3, 0.1], "kl")
+    assert list(fig.data[0].marker.line.width) == [0, 3, 0]  # the rule, not a table in the plot, says which
+
+
+def test_effect_figures_refuse_an_unknown_metric():
+    frame = _frame().rename(columns={"kl": "nonsense"})
+    with pytest.raises(ValueError, match=r"unknown metric 'model:nonsense'.*model:kl"):
+        effect_plots.choice_set_bars(["float", "x"], [0.0, 0.3], "nonsense")
+    with pytest.raises(ValueError, match="unknown metric"):
+        effect_plots.sensitivity_heatmap(frame, "nonsense")
 
 
 def test_local_vs_model_has_one_trace_per_observer():

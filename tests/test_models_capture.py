@@ -181,10 +181,12 @@ def test_concurrent_captures_do_not_see_each_other(minilm):
     results: dict[str, list] = {key: [] for key in plans}
     errors: list[BaseException] = []
     done = threading.Event()
+    running = threading.Event()  # set after the bystander's first forward pass: captures start beside it
 
     def capturer(key: str) -> None:
         names, texts = plans[key]
         try:
+            assert running.wait(timeout=120), "the bystander never ran a forward pass"
             for _ in range(3):
                 results[key].append(minilm.capture(names, texts=texts))
         except BaseException as err:  # surfaced in the main thread below
@@ -198,6 +200,7 @@ def test_concurrent_captures_do_not_see_each_other(minilm):
         with torch.no_grad():
             while not done.is_set():
                 minilm.module()(**batch)
+                running.set()
 
     capturers = [threading.Thread(target=capturer, args=(key,)) for key in plans]
     other = threading.Thread(target=bystander)

@@ -1,10 +1,12 @@
 """Lazy loading: opening a multi-GB sharded checkpoint and reading one layer's weight costs about
-what a direct safe_open read of that tensor costs, in time, peak RSS and page faults.
+what a direct safe_open read of that tensor costs, in bytes read, peak RSS and page faults.
 
 Each measurement runs in a fresh subprocess; the peak RSS (VmHWM) is reset after the imports so it
 measures the read alone. The checkpoint is bf16 and weights are read as fp32: safetensors and
 transformers map fp32 files zero-copy, which would let even a full model instantiation look
-cheap, while a conversion touches every byte it loads, so an eager load shows in time and memory.
+cheap, while a conversion touches every byte it loads, so an eager load shows in memory and page
+faults; reading whole files (hashing every shard, say) shows in the bytes read through read().
+Wall time is reported, not asserted: on a shared 2-core machine it measures the neighbours too.
 """
 
 import json
@@ -35,12 +37,18 @@ def status(field):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
 
+def chars_read():
+    for line in open("/proc/self/io"):
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise KeyError("rchar")
+
 def faults():
     fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
     return int(fields[7]) + int(fields[9])
 
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak RSS so imports do not mask the read
-rss_before, faults_before = status("VmRSS"), faults()
+rss_before, faults_before, read_before = status("VmRSS"), faults(), chars_read()
 start = time.perf_counter()
 if mode == "open":
     weight = sample_models.open_model(directory).weight(key.removesuffix(".weight"))
@@ -53,6 +61,7 @@ print(json.dumps({
     "seconds": elapsed,
     "peak_rss_growth": status("VmHWM") - rss_before,
     "page_faults": faults() - faults_before,
+    "bytes_read": chars_read() - read_before,
     "shape": list(weight.shape),
 }))
 """
@@ -118,4 +127,4 @@ def test_open_and_one_weight_cost_about_a_direct_read(big_checkpoint):
     assert lazy["peak_rss_growth"] < direct["peak_rss_growth"] + slack
     assert lazy["peak_rss_growth"] < total_bytes // 10
     assert lazy["page_faults"] < direct["page_faults"] + slack // PAGE
-    assert lazy["seconds"] < direct["seconds"] + 1.0
+    assert lazy["bytes_read"] < direct["bytes_read"] + slack, (lazy, direct)

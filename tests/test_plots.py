@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import observers as ob
-from lab import plots
+from lab import plots, results
 from lab.pipeline import ResultCache, RunConfig, TensorAnalysis, analyse
 
 MINMAX_FAMILY = ["minmax", "memoryless_minmax", "moving_average_minmax"]
@@ -235,6 +235,41 @@ def test_metric_heatmap_and_bars_carry_the_frame_values():
     assert "broken" not in [t.name for t in plots.metric_bars(failed).data], "no empty bars for errors"
     assert "broken" not in list(plots.metric_heatmap(failed).data[0].x)
     assert [t.marker.color for t in bars.data] == [plots.observer_color(n) for n in MINMAX_FAMILY]
+
+
+def _one_row(metric: str, values: list[float]) -> pd.DataFrame:
+    n = len(values)
+    return pd.DataFrame({"layer": ["a"] * n, "tensor": ["weight"] * n, "observer": MINMAX_FAMILY[:n], metric: values})
+
+
+def _color_of_cell(heat, column: int) -> str:
+    """The colorscale's color at the cell's place between the smallest and largest ``z``."""
+    z = np.asarray(heat.z, dtype=float)[0]
+    place = (z[column] - z.min()) / (z.max() - z.min())
+    return next(color for position, color in heat.colorscale if position == place)
+
+
+@pytest.mark.parametrize(("metric", "best"), [("mse", "minmax"), ("sqnr_db", "moving_average_minmax")])
+def test_metric_heatmap_paints_the_best_cell_bright_by_the_one_direction_rule(metric, best, monkeypatch):
+    frame = _one_row(metric, [1.0, 2.0, 3.0])  # mse: lowest is best; sqnr_db: highest is best
+    assert frame["observer"][results.best_mask(frame, metric)].tolist() == [best]
+    heat = plots.metric_heatmap(frame, metric).data[0]
+    bright = heat.colorscale[-1][1] if results.higher_is_better(metric) else heat.colorscale[0][1]
+    assert _color_of_cell(heat, MINMAX_FAMILY.index(best)) == bright == "#fde725"
+    # the figure asks lab.results, not a table of its own: flipping the rule flips the colors
+    flipped = results.higher_is_better
+    monkeypatch.setattr(results, "higher_is_better", lambda m: not flipped(m))
+    heat = plots.metric_heatmap(frame, metric).data[0]
+    assert _color_of_cell(heat, MINMAX_FAMILY.index(best)) != "#fde725"
+
+
+def test_an_unknown_metric_is_an_error_naming_the_known_ones_not_higher_is_better():
+    with pytest.raises(ValueError, match=r"unknown metric 'nonsense'.*mse.*sqnr_db.*model:kl"):
+        results.higher_is_better("nonsense")
+    with pytest.raises(ValueError, match=r"unknown metric 'nonsense'.*sqnr_db"):
+        plots.metric_heatmap(_one_row("nonsense", [1.0, 2.0]), "nonsense")
+    metrics = ("mse", "sqnr_db", "model:kl", "model:cosine")
+    assert [results.higher_is_better(m) for m in metrics] == [False, True, False, True]
 
 
 def test_error_histogram_counts_every_element_per_observer():

@@ -15,8 +15,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from lab import results
 from lab.plots.style import METRIC_LABELS, legend_on_top, observer_color, tensor_label
-from lab.vocab import MODEL_METRICS
+from lab.vocab import model_metric
 
 MODEL_METRIC_LABELS = {
     "kl": "KL(float ‖ quantized)",
@@ -29,20 +30,55 @@ DAMAGE_FLOOR = 1e-12
 SET_COLORS = ("#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
+def is_similarity(metric: str) -> bool:
+    """Whether the model-level ``metric`` is a similarity to the float model (1: unchanged): the
+    higher-is-better ones by ``lab.results.higher_is_better`` (top-1 agreement, cosine, Spearman);
+    KL and perplexity are lower-is-better. An unknown metric is a ``ValueError``."""
+    return results.higher_is_better(model_metric(metric))
+
+
 def damage(metric: str, value: float, float_value: float | None = None) -> float:
-    """How far ``value`` is from the float model's, as a positive number (0: no change): KL itself,
-    one minus an agreement/cosine/correlation, the relative rise of perplexity."""
-    if metric == "kl":
-        return max(value, 0.0)
+    """How far ``value`` is from the float model's, as a positive number (0: no change): one minus
+    an agreement/cosine/correlation, the relative rise of perplexity, KL itself."""
+    if is_similarity(metric):
+        return max(1.0 - value, 0.0)
     if metric == "perplexity":
         return abs(value / float_value - 1.0) if float_value else abs(value)
-    return max(1.0 - value, 0.0)
+    return max(value, 0.0)
+
+
+def cell_text(metric: str, value: float) -> str:
+    """What a sensitivity cell writes, to 3 significant digits: ``1 − value`` for a similarity (cosines
+    0.9996 and 0.99999 both read "1" at three digits; their damage reads "0.0004" and "1e-05"), else
+    the value itself."""
+    if math.isnan(value):
+        return ""
+    return f"{1.0 - value:.3g}" if is_similarity(metric) else f"{value:.3g}"
+
+
+def _hover_text(metric: str, value: float) -> str:
+    """The full value (shortest exact form) and, for a similarity, ``1 − value`` too."""
+    if math.isnan(value):
+        return f"{metric}: no value"
+    text = f"{metric} = {float(value)!r}"
+    return text + f"<br>1 − {metric} = {1.0 - value:.6g}" if is_similarity(metric) else text
+
+
+def _heatmap_titles(metric: str) -> tuple[str, str]:
+    """(what the color is, what the cell text is) for the sensitivity heatmap's colorbar."""
+    if is_similarity(metric):
+        return f"log10(1 − {metric})", f"1 − {metric}"
+    if metric == "perplexity":
+        return "log10 relative rise of perplexity", metric
+    return f"log10 {metric}", metric
 
 
 def sensitivity_heatmap(frame: pd.DataFrame, metric: str, float_value: float | None = None) -> go.Figure:
     """Tensors (rows, in table order) x observers (columns): color is log10 of the damage of
-    ``metric`` when only that tensor is quantized with that observer (brighter: hurts more), the
-    cell text and hover the metric itself."""
+    ``metric`` when only that tensor is quantized with that observer (brighter: hurts more). The
+    cell text (``cell_text``) is what tells cells apart: ``1 − value`` for a similarity (a cosine
+    above 0.9995 reads "1" at three digits), else the value; the hover has the full value, the
+    colorbar's title says what color and text are."""
     labels = [tensor_label(a, b) for a, b in zip(frame["layer"], frame["tensor"], strict=True)]
     table = frame.assign(label=labels).pivot_table(
         index="label", columns="observer", values=metric, sort=False, aggfunc="first"
@@ -50,6 +86,7 @@ def sensitivity_heatmap(frame: pd.DataFrame, metric: str, float_value: float | N
     values = table.to_numpy(dtype=float)
     harm = np.vectorize(lambda v: np.nan if np.isnan(v) else damage(metric, v, float_value))(values)
     z = np.log10(np.maximum(harm, DAMAGE_FLOOR))
+    color_title, text_title = _heatmap_titles(metric)
     fig = go.Figure(
         go.Heatmap(
             z=z,
@@ -57,10 +94,11 @@ def sensitivity_heatmap(frame: pd.DataFrame, metric: str, float_value: float | N
             y=list(table.index),
             colorscale="Inferno",
             customdata=values,
-            text=np.vectorize(lambda v: "" if np.isnan(v) else f"{v:.3g}")(values),
+            text=[[cell_text(metric, v) for v in row] for row in values],
             texttemplate="%{text}",
-            colorbar={"title": {"text": f"log10 damage ({metric})"}},
-            hovertemplate="%{y}<br>%{x}<br>" + metric + " %{customdata:.4g}<extra></extra>",
+            hovertext=[[_hover_text(metric, v) for v in row] for row in values],
+            colorbar={"title": {"text": f"color: {color_title}<br>text: {text_title}"}},
+            hovertemplate="%{y}<br>%{x}<br>%{hovertext}<extra></extra>",
         )
     )
     fig.update_layout(
@@ -103,13 +141,14 @@ def choice_set_bars(
     names: Sequence[str], values: Sequence[float], metric: str, reference: str | None = "float"
 ) -> go.Figure:
     """The model-level ``metric`` of each choice set, one bar each, the best quantized one outlined
-    (``reference``, the float model, is the yardstick, not a choice). The value axis spans the
-    values, not zero to them: sets that differ in the third decimal of a cosine must look different."""
+    (``reference``, the float model, is the yardstick, not a choice; "best" by
+    ``lab.results.higher_is_better``). The value axis spans the values, not zero to them: sets that
+    differ in the third decimal of a cosine must look different."""
     finite = [(v, i) for i, v in enumerate(values) if v is not None and math.isfinite(v)]
     candidates = [(v, i) for v, i in finite if names[i] != reference] or finite
     best = None
     if candidates:
-        best = (max if MODEL_METRICS.get(metric, True) else min)(candidates)[1]
+        best = (max if results.higher_is_better(model_metric(metric)) else min)(candidates)[1]
     fig = go.Figure(
         go.Bar(
             x=list(names),

@@ -12,6 +12,7 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
+from lab import results
 from lab.plots.ranges import _quantile_sample, value_histogram
 from lab.plots.style import BAR_PX, METRIC_LABELS, _ok, legend_on_right, legend_on_top, observer_color, tensor_label
 from observers.suite import SuiteResult
@@ -107,14 +108,15 @@ def metric_bars(frame: pd.DataFrame, metric: str = "sqnr_db", order: Sequence[st
 
 def metric_heatmap(frame: pd.DataFrame, metric: str = "sqnr_db") -> go.Figure:
     """Layers (rows) x observers (columns) colored by ``metric``, values written in the cells,
-    so a whole model can be scanned at a glance. Higher-is-better metrics use the reversed scale
-    so that better is always the same color. 28 px per row plus room for the rotated observer
-    names, every row labelled, and margins that grow to the longest
-    layer and observer names (``automargin``), so no name is cut and no axis title overlaps them."""
+    so a whole model can be scanned at a glance. Better is always the same (bright) color, the
+    direction being ``lab.results.higher_is_better``'s (an unknown metric is a ``ValueError``).
+    28 px per row plus room for the rotated observer names, every row labelled, and margins that
+    grow to the longest layer and observer names (``automargin``), so no name is cut and no axis
+    title overlaps them."""
     frame = frame.assign(label=[tensor_label(a, b) for a, b in zip(frame["layer"], frame["tensor"], strict=True)])
     table = frame.pivot_table(index="label", columns="observer", values=metric, sort=False, aggfunc="first")
     table = table.dropna(axis="columns", how="all")
-    better_high = ob.HIGHER_IS_BETTER.get(metric, True)
+    better_high = results.higher_is_better(metric)
     z = table.to_numpy(dtype=float)
     fig = go.Figure(
         go.Heatmap(
