@@ -179,6 +179,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
+    for note in sorted({e.metrics_note for e in analysis.entries if e.metrics_note}):
+        err.write(f"note: activation {note} (a seeded sample; the qparams saw every token)\n")
     choices = choose(analysis, args.choose_by)
     if not choices:
         raise CliError(

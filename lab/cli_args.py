@@ -13,7 +13,7 @@ import observers as ob
 from lab.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
 from lab.tools import Tool
-from lab.vocab import DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
+from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
 
 ALL_LAYERS = "all"
 
@@ -190,6 +190,12 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="calibration samples")
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="samples per forward pass: the batches the observers see one by one (llm-compressor's default is 1)",
+    )
 
 
 def _editor_changes(editor: SpecSettings, args: argparse.Namespace) -> None:
@@ -267,6 +273,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     elif args.kv_per_head or args.attention:
         raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
     settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
+    settings.batch_size = args.batch_size
     settings.transform, settings.transform_seed, settings.smooth_alpha = args.transform, args.transform_seed, args.alpha
     settings.tools = _tools(args.as_tools)
     settings.sequential = args.sequential

@@ -65,15 +65,19 @@ def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str
     chosen = entry.result(observer)
     others = [r for r in rank(entry, metric) if r.name != observer]
     tools = {"tools": [_tool_record(run) for run in entry.tool_results]} if entry.tool_results else {}
-    return {
-        "layer": entry.layer,
-        "tensor": entry.tensor,
-        "tensor_shape": list(entry.shape),
-        "spec": entry.spec.to_dict(),
-        "chosen": _observer_record(chosen),
-        "runner_up": _observer_record(others[0]) if others else None,
-        "qparams": chosen.qparams.to_dict(),
-    } | tools
+    return (
+        {
+            "layer": entry.layer,
+            "tensor": entry.tensor,
+            "tensor_shape": list(entry.shape),
+            "spec": entry.spec.to_dict(),
+            "chosen": _observer_record(chosen),
+            "runner_up": _observer_record(others[0]) if others else None,
+            "qparams": chosen.qparams.to_dict(),
+        }
+        | tools
+        | ({} if entry.metrics_tokens is None else {"metrics_tokens": entry.metrics_tokens})
+    )
 
 
 def uncalibrated_record(entry: TensorAnalysis) -> dict[str, Any]:

@@ -23,10 +23,23 @@ import torch
 
 import observers as ob
 from lab import observed
+from lab.activations import Calibrated, activation_keys, calibrate
+from lab.activations import tensor_id as activations_tensor_id
 from lab.distributed import SINGLE, Ranks, owner
 from lab.model_facts import ModelFacts
+from lab.result_cache import ResultCache
 from lab.tools import Tool, profile
-from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, KV_TENSORS, LAYER_TENSORS, SPEC_KEYS, spec_key
+from lab.vocab import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    KV,
+    KV_TENSORS,
+    LAYER_TENSORS,
+    SAMPLE_BYTES,
+    SPEC_KEYS,
+    spec_key,
+)
 from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
 
@@ -58,6 +71,10 @@ class RunConfig:
     seq_len: int = DEFAULT_SEQ_LEN
     texts: tuple[str, ...] | None = None
     actorder: bool = False
+    batch_size: int = DEFAULT_BATCH_SIZE
+    """Samples per forward pass: the batches the observers see one by one (a moving average's steps,
+    a memoryless observer's last batch). Ranks that split the batches each run this many samples,
+    so ``N`` ranks observe what one process with ``N`` times the batch size observes."""
     sequential: bool | None = None
     max_memory: int | None = None
     transform: ob.TransformSpec | None = None
@@ -106,6 +123,7 @@ class RunConfig:
             "seq_len": self.seq_len,
             "texts": None if self.texts is None else list(self.texts),
             "actorder": self.actorder,
+            "batch_size": self.batch_size,
             "transform": None if self.transform is None else self.transform.to_dict(),
             "tools": list(self.tools),
         }
@@ -117,6 +135,8 @@ class RunConfig:
             "texts": None if self.texts is None else list(self.texts),
             "samples": self.samples,
             "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "max_bytes": SAMPLE_BYTES,
         }
         how = {"sequential": self.sequential, "max_memory": self.max_memory}
         return options | {k: v for k, v in how.items() if v is not None}
@@ -124,6 +144,7 @@ class RunConfig:
     def calibration_key(self) -> str:
         """Changes exactly when the captured activations would change."""
         payload = {"samples": self.samples, "seq_len": self.seq_len, "texts": self.texts}
+        payload |= {"batch_size": self.batch_size, "sample_bytes": SAMPLE_BYTES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -157,6 +178,17 @@ class TensorAnalysis:
     tool_results: list[ToolResult] = field(default_factory=list)
     """What each of ``RunConfig.tools`` produces by default (``lab.tools``): shown beside the
     observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
+    metrics_tokens: int | None = None
+    """Of an activation: the calibration tokens its error metrics were computed on (the kept
+    sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
+
+    @property
+    def metrics_note(self) -> str | None:
+        """ "metrics on 4,096 of 1,048,576 tokens" when the metrics saw a sample; None for a weight,
+        or when they saw every token."""
+        if self.metrics_tokens is None or self.metrics_tokens >= self.num_tokens:
+            return None
+        return f"metrics on {self.metrics_tokens:,} of {self.num_tokens:,} tokens"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -218,68 +250,6 @@ class Analysis:
         return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
 
-class ResultCache:
-    """SuiteResults keyed by everything that determines them; lives as long as its owner
-    (the app keeps one per browser session, the CLI one per run)."""
-
-    def __init__(self) -> None:
-        self._store: dict[str, SuiteResult] = {}
-        self.hits = 0
-        self.misses = 0
-
-    @staticmethod
-    def key(tensor_id: str, spec: ob.QuantSpec, observer: str, knobs: dict[str, Any], extra: str = "") -> str:
-        payload = json.dumps([tensor_id, spec.to_dict(), observer, knobs, extra], sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode()).hexdigest()
-
-    def get_or_run(self, key: str, run: Callable[[], SuiteResult]) -> SuiteResult:
-        if key in self._store:
-            self.hits += 1
-            return self._store[key]
-        self.misses += 1
-        result = run()
-        self._store[key] = result
-        return result
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-
-def _captured(model, layers: Sequence[str], config: RunConfig, ranks: Ranks) -> dict[tuple[str, str], torch.Tensor]:
-    """Captured activations as ``{(layer, "input"|"output"): (tokens, hidden)}``."""
-    wants_input = "input" in config.specs or config.actorder or observed.smooths(config)
-    wants_output = "output" in config.specs
-    if not (wants_input or wants_output):
-        return {}
-    captured = model.capture(list(layers), outputs=wants_output, **_capture_options(config, ranks))
-    found: dict[tuple[str, str], torch.Tensor] = {}
-    for layer, value in captured.items():
-        if isinstance(value, dict):
-            for tensor, data in value.items():
-                found[(layer, tensor)] = data
-        else:
-            found[(layer, "input")] = value
-    for layer, data in getattr(captured, "outputs", {}).items():
-        found[(layer, "output")] = data
-    return found
-
-
-def _captured_kv(
-    model, attention: Sequence[str], config: RunConfig, ranks: Ranks
-) -> dict[tuple[str, str], torch.Tensor]:
-    """Key and value states as ``{(block, "k"|"v"): (1, kv_heads, tokens, head_dim)}``."""
-    if not attention:
-        return {}
-    states = model.capture_kv(list(attention), **_capture_options(config, ranks))
-    return {(block, which): data for block, pair in states.items() for which, data in pair.items()}
-
-
-def _capture_options(config: RunConfig, ranks: Ranks) -> dict[str, Any]:
-    """``config.capture_options()``, and this rank's share of the batches when ranks split them."""
-    split = {"share": (ranks.rank, ranks.world_size)} if ranks.world_size > 1 else {}
-    return config.capture_options() | split
-
-
 def analyse(
     model,
     layers: Sequence[str],
@@ -293,8 +263,12 @@ def analyse(
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
     ``(block, "v")``, observed as ``kind="attention"``).
 
+    Activations are observed in one calibration pass (``lab.activations``): every batch goes
+    through the observers inside the capture hooks, so ranges are over every token, and only a
+    bounded sample of tokens is kept (``TensorAnalysis.data``) for plots and error metrics.
+
     With several ``ranks`` (torchrun) the ranks split the calibration batches: every rank calls
-    ``analyse`` with the same arguments, captures its share, and the activation observers merge
+    ``analyse`` with the same arguments, streams its share, and the activation observers merge
     their statistics across ranks (``observers.shared``), so every rank ends with the same
     activation results; the weights are split instead, layer ``i`` analysed by rank
     ``i % world_size`` only (``lab.distributed.owner``).
@@ -315,87 +289,88 @@ def analyse(
     cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
     facts = ModelFacts.of(model, with_kv=bool(attention))
-    source_id = json.dumps(
-        [getattr(model, "name", ""), str(getattr(model, "source", "")), str(getattr(model, "dtype", ""))]
-    )
     split = ranks.world_size > 1
     mine = [layer for i, layer in enumerate(layers) if not split or owner(i, ranks.world_size) == ranks.rank]
     read = layers if observed.smooths(config) else mine if "weight" in config.specs else []
-    weights, activations, failed, notes = {}, {}, None, []
-    try:
-        weights = {layer: model.weight(layer) for layer in read}
-        activations = _captured(model, layers, config, ranks) if layers else {}
-        activations |= _captured_kv(model, attention, config, ranks)
-    except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
-        failed = err
-    ranks.agree(failed)
-    if config.transform is not None:
-        weights, activations, notes = observed.transformed(config, layers, weights, activations, ranks)
-    weights = {layer: weights[layer] for layer in mine if layer in weights} if "weight" in config.specs else {}
-    statistics = observed.input_statistics(layers, activations, config, ranks)
-    same = observed.identical_activations(activations, ranks)
+    extra = config.calibration_key()
+    extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
+    extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
     jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
     jobs += [(block, which) for block in attention for which in KV_TENSORS]
     names_for = {key: config.observers_for(key) for key in config.specs}
     total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
+    if progress is not None:
+        progress(0, total, "calibrating")
+    weights, calibrated, failed = {}, Calibrated(), None
+    try:
+        weights = {layer: model.weight(layer) for layer in read}
+    except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
+        failed = err
+    ranks.agree(failed)
+    streams = activation_keys(layers, attention, config) or config.actorder or observed.smooths(config)
+    try:
+        if streams:
+            calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, weights)
+    except (ValueError, OSError, RuntimeError) as err:
+        failed = err
+    ranks.agree(failed)
     entries: list[TensorAnalysis] = []
-    warnings: list[str] = list(notes)
+    warnings: list[str] = list(calibrated.notes)
     step = 0
     for layer, tensor in jobs:
-        data = weights.get(layer) if tensor == "weight" else activations.get((layer, tensor))
-        if data is None:
-            if tensor != "weight":
-                warnings.append(f"{layer}: no {tensor} activations were captured")
-            step += len(names_for[spec_key(tensor)])
-            continue
-        spec = config.specs[spec_key(tensor)]
         names = names_for[spec_key(tensor)]
-        weight_job = tensor == "weight"
-        given = statistics.get(layer, {}) if weight_job else {}
-        g_idx = observed.g_idx_for(config, spec, given.get("importance")) if weight_job else None
-        extra = config.calibration_key() if not weight_job or g_idx is not None else ""
-        extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
-        extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
-        across = ranks.reduce if split and not weight_job else None
-        first_layer, first_tensor = same.get((layer, tensor), (layer, tensor))
-        tensor_id = f"{source_id}|{first_layer}|{first_tensor}"  # identical tensors share their results
+        spec = config.specs[spec_key(tensor)]
+        if tensor != "weight":
+            slots = calibrated.results[(layer, tensor)]
+            results = [slot.known for slot in slots if slot.tool is None]
+            tools = [ToolResult(slot.tool, slot.profile, slot.known) for slot in slots if slot.tool is not None]
+            data, whole = calibrated.samples[(layer, tensor)], calibrated.shapes[(layer, tensor)]
+            entry = TensorAnalysis(layer, tensor, spec, data, results, None, whole, None if split else ranks.rank)
+            entry.tool_results = tools
+            entry.metrics_tokens = calibrated.sampled[(layer, tensor)]
+            entries.append(entry)
+            step += len(names)
+            continue
+        if layer not in mine:
+            step += len(names)
+            continue
+        data = observed.weight_view(config, weights[layer], calibrated.smoothing.get(layer))
+        given = calibrated.statistics.get(layer, {})
+        g_idx = observed.g_idx_for(config, spec, given.get("importance"))
+        weight_extra = extra if g_idx is not None else extra.removeprefix(config.calibration_key())
+        tensor_id = activations_tensor_id(model, (layer, tensor))
         results = []
         for name in names:
             if progress is not None:
                 progress(step, total, f"{layer} · {tensor} · {name}")
             step += 1
             knobs = dict(config.knobs.get(name, {}))
-            key = cache.key(tensor_id, spec, name, knobs, extra + str(config.actorder))
+            key = cache.key(tensor_id, spec, name, knobs, weight_extra + str(config.actorder))
             filled = sorted(knob for knob in given if knob in ob.knobs(name) and knob not in knobs)
             if filled:
                 inputs_key = f"{'+'.join(filled)}|{config.calibration_key()}"
-                key = cache.key(tensor_id, spec, name, knobs, inputs_key + extra)
+                key = cache.key(tensor_id, spec, name, knobs, inputs_key + weight_extra)
                 knobs |= {knob: given[knob] for knob in filled}
-            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, across=across, **knobs)
+            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, **knobs)
             results.append(cache.get_or_run(key, run))
-        shared = across is not None
-        whole = observed.total_shape(tensor, data, ranks) if shared else None
-        entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, whole, None if shared else ranks.rank)
-        entry.tool_results = [_as_tool(tool, entry, across, cache, tensor_id, extra) for tool in config.tools]
+        entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, None, ranks.rank)
+        entry.tool_results = [_as_tool(tool, entry, cache, tensor_id, weight_extra) for tool in config.tools]
         entries.append(entry)
     if progress is not None:
         progress(total, total, "done")
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
 
 
-def _as_tool(
-    tool: str, entry: TensorAnalysis, across: Any, cache: ResultCache, tensor_id: str, extra: str
-) -> ToolResult:
-    """``entry``'s tensor observed as ``tool`` would by default: its observer, knobs and conventions,
-    through the result cache like the observers (a re-run after a knob change reuses it)."""
+def _as_tool(tool: str, entry: TensorAnalysis, cache: ResultCache, tensor_id: str, extra: str) -> ToolResult:
+    """A weight observed as ``tool`` would by default: its observer, knobs and conventions, through
+    the result cache like the observers (a re-run after a knob change reuses it). Activations get
+    theirs in the calibration pass (``lab.activations``)."""
     try:
         found = profile(tool, entry.tensor, entry.spec)
     except ValueError as err:
         return ToolResult(tool, None, SuiteResult(tool, None, {}, 0.0, {}, 0, str(err)))
     kind = _observer_kind(entry.tensor)
-    run = partial(
-        ob.run_one, found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, across=across, **found.knobs
-    )
+    run = partial(ob.run_one, found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, **found.knobs)
     result = cache.get_or_run(cache.key(tensor_id, found.spec, found.observer, found.knobs, extra), run)
     return ToolResult(tool, found, replace(result, name=f"{tool}: {found.observer}"))
 
@@ -419,10 +394,13 @@ class CapturingModel:
         return self._memo("capture_kv", blocks, kwargs)
 
     def _memo(self, method: str, names: list[str], kwargs: dict[str, Any]):
+        """The memoized result; a call with a ``stream`` always runs (its observers must see the
+        batches) and leaves its sample of tokens as the memo."""
+        stream = kwargs.pop("stream", None)
         key = repr((getattr(self._model, "source", ""), str(getattr(self._model, "dtype", "")), names, kwargs))
         slot = self._store.setdefault(method, {})
-        if slot.get("key") != key:
+        if slot.get("key") != key or stream is not None:
             slot.clear()
-            slot["value"] = getattr(self._model, method)(names, **kwargs)
+            slot["value"] = getattr(self._model, method)(names, stream=stream, **kwargs)
             slot["key"] = key
         return slot["value"]

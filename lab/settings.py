@@ -19,7 +19,7 @@ import pandas as pd
 
 import observers as ob
 from lab.pipeline import RunConfig, default_observers
-from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
+from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
 from observers.formats import FAMILIES
 
 ROLE_OF_KIND = {TensorKind.WEIGHT: "weight", TensorKind.INPUT: "act", TensorKind.OUTPUT: "act", KV: "kv"}
@@ -196,6 +196,7 @@ class RunSettings:
     seq_len: int = DEFAULT_SEQ_LEN
     texts: tuple[str, ...] | None = None
     actorder: bool = False
+    batch_size: int = DEFAULT_BATCH_SIZE
     preset: str = "custom"
     sequential: bool | None = None
     max_memory: int | None = None
@@ -273,6 +274,7 @@ class RunSettings:
             samples=int(self.samples),
             seq_len=int(self.seq_len),
             texts=self.texts,
+            batch_size=int(self.batch_size),
             actorder=bool(self.actorder and self.actorder_applies and can_capture),
             sequential=self.sequential,
             max_memory=self.max_memory,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from observers.base import available, create
+from observers.base import Observer, available, create
 from observers.metrics import quantization_metrics
 from observers.qparams import QParams
 from observers.shared import Reduce, agree, gather_tokens
@@ -72,23 +72,50 @@ def run_one(
         start = time.perf_counter()
         for batch in batches:
             observer.observe(batch, g_idx=g_idx, across=across)
-        qp, error = observer.qparams(), None
         _synchronize(batches[0].device)
         seconds = time.perf_counter() - start
+    except ValueError as exc:
+        if across is not None:  # every rank, failed or not, learns whether any rank failed
+            try:
+                agree(exc, across, batches[0].device)
+            except ValueError as agreed:
+                exc = agreed
+        return SuiteResult(name, None, {}, 0.0, dict(knobs), 0, str(exc))
+    reference = batches[-1] if spec.strategy == "token" else _concat(batches, kind)
+    return finish(observer, reference, across, seconds, knobs)
+
+
+def finish(
+    observer: Observer,
+    reference: torch.Tensor,
+    across: Reduce | None = None,
+    seconds: float = 0.0,
+    knobs: dict[str, Any] | None = None,
+) -> SuiteResult:
+    """The result of an observer that has seen its batches: its qparams (``seconds`` is the time
+    it took to observe; computing the qparams is added) and the error metrics of those qparams on
+    ``reference`` (the tensor, or a sample of the tokens that were streamed through it; an empty
+    reference gives no metrics). With ``across`` every rank calls it in lockstep."""
+    device = reference.device
+    try:
+        start = time.perf_counter()
+        qp, error = observer.qparams(), None
+        _synchronize(device)
+        seconds += time.perf_counter() - start
     except ValueError as exc:
         qp, error = None, exc
     if across is not None:  # every rank, failed or not, learns whether any rank failed
         try:
-            agree(error, across, batches[0].device)
+            agree(error, across, device)
         except ValueError as exc:
             error = exc
     if error is not None:
-        return SuiteResult(name, None, {}, 0.0, dict(knobs), 0, str(error))
-    reference = batches[-1] if spec.strategy == "token" else _concat(batches, kind)
-    metrics = quantization_metrics(reference, qp, spec, across)
+        return SuiteResult(observer.name, None, {}, 0.0, dict(knobs or {}), 0, str(error))
+    spec = observer.spec
+    metrics = quantization_metrics(reference, qp, spec, across) if across or reference.numel() else {}
     if across is not None and spec.strategy == "token":
         qp = gather_tokens(qp, across)
-    return SuiteResult(name, qp, metrics, seconds, observer.config, observer.num_observed_tokens)
+    return SuiteResult(observer.name, qp, metrics, seconds, observer.config, observer.num_observed_tokens)
 
 
 def _concat(batches: list[torch.Tensor], kind: str) -> torch.Tensor:

@@ -122,11 +122,13 @@ def _random_keep(valid: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 
 def share_of(batches: list[Batch], part: int, parts: int) -> list[Batch]:
-    """Part ``part`` of ``parts`` consecutive runs of whole batches, as even as whole batches allow.
+    """Part ``part`` of ``parts``: batches ``part``, ``part + parts``, ``part + 2·parts``, … .
 
     Whole batches, planned before the split, keep every token's activations bit for bit those of
-    an unsplit run (a batch's padding, and so its kernels' shapes, do not change) and the
-    subsampled tokens the same; consecutive runs keep token order when the parts are joined."""
+    an unsplit run (a batch's padding, and so its kernels' shapes, do not change) and the sampled
+    tokens the same. Dealt out in turn, round ``r`` of the ranks holds batches ``r·parts`` to
+    ``r·parts + parts - 1``: the ranks together observe what one process with ``parts`` times the
+    batch size observes in its batch ``r`` (``rounds`` says how many rounds there are)."""
     if not (isinstance(parts, int) and isinstance(part, int) and 0 <= part < parts):
         raise ValueError(f"share must be (part, parts) with 0 <= part < parts, got ({part!r}, {parts!r})")
     if len(batches) < parts:
@@ -134,4 +136,9 @@ def share_of(batches: list[Batch], part: int, parts: int) -> list[Batch]:
             f"the calibration set makes {len(batches)} batch(es), fewer than the {parts} ranks that split it: "
             "use more samples (or a smaller batch size) or fewer ranks"
         )
-    return batches[part * len(batches) // parts : (part + 1) * len(batches) // parts]
+    return batches[part::parts]
+
+
+def rounds(batches: int, parts: int) -> int:
+    """Calls of the capture stream on each of ``parts`` ranks that share ``batches`` batches."""
+    return -(-batches // parts)

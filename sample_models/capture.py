@@ -7,6 +7,11 @@ module replays the routing for the requested experts; an expert that received no
 a (0, features) tensor and a token count of 0. Hooks are removed in ``finally`` blocks, so an
 exception never leaves a hook behind on the shared model, and they record only calls made from
 the capturing thread, so another thread running the same model is never recorded.
+
+With a ``stream`` the hooks also hand every real token of each batch on, once the batch has run
+(``Stream``): the lab's observers see all tokens, batch by batch, while only the planned sample of
+tokens (``Batch.keep``) is kept. Memory is then one batch of activations plus the sample, whatever
+the number of calibration tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +30,17 @@ from torch.utils.hooks import RemovableHandle
 from .calibration import Batch
 from .layers import LayerRef
 from .sequential import SequentialRunner
+
+Key = tuple[str, str]
+"""``(layer, "input"|"output")`` for layer activations, ``(attention block, "k"|"v")`` for KV states."""
+
+Stream = Callable[[list[Key], dict[Key, torch.Tensor]], None]
+"""Called once per calibration batch (per block and batch in a sequential run) with the keys whose
+hooks ran in that pass, in a fixed order, and the batch's rows of every real token for each key
+(absent when the layer saw no token: an unrouted expert). Layer activations are ``(tokens,
+features)``, KV states ``(1, heads, tokens, head_dim)``. Keys fed the very same tensor (the query,
+key and value projections read one hidden state) get the same tensor object. Ranks that split the
+batches all make the same number of calls: a rank out of batches is called with no rows."""
 
 
 class Activations(dict):
@@ -98,19 +114,60 @@ class _Rows:
 class _Recorder:
     """Collects the hooked layers' rows for the batch that is running."""
 
-    def __init__(self, want_outputs: bool, capacity: int) -> None:
+    def __init__(self, want_outputs: bool, capacity: int, stream: Stream | None = None) -> None:
         self.want_outputs = want_outputs
         self.rows: dict[tuple[str, str], _Rows] = defaultdict(lambda: _Rows(capacity))
         self.counts: dict[str, int] = defaultdict(int)
         self.batch: Batch | None = None
         self.kept_index: torch.Tensor | None = None
+        self.valid_index: torch.Tensor | None = None
         self.valid_count = 0
         self.thread = threading.get_ident()
+        self.stream = stream
+        self.keys: list[Key] = []
+        self.pending: dict[Key, list[torch.Tensor]] = {}
+        self._fed: dict[int, tuple[torch.Tensor, Key]] = {}
+
+    def group(self, names: list[str]) -> None:
+        """The layers whose hooks run in the next passes (their keys, in a fixed order, for ``Stream``)."""
+        self.flush()
+        sides = ("input", "output") if self.want_outputs else ("input",)
+        self.keys = [(name, side) for name in names for side in sides]
 
     def start(self, batch: Batch) -> None:
+        self.flush()
         self.batch = batch
         self.kept_index = batch.keep.reshape(-1).nonzero().squeeze(1)
+        self.valid_index = batch.valid.reshape(-1).nonzero().squeeze(1)
         self.valid_count = int(batch.valid.sum())
+
+    def flush(self) -> None:
+        """Hand the batch that ran to the stream (nothing without one, or before the first batch)."""
+        if self.stream is None or self.batch is None or not self.keys:
+            self.pending, self._fed, self.batch = {}, {}, None
+            return
+        rows = {key: chunks[0] if len(chunks) == 1 else torch.cat(chunks) for key, chunks in self.pending.items()}
+        self.pending, self._fed, self.batch = {}, {}, None
+        self.stream(self.keys, rows)
+
+    def pad(self, rounds: int) -> None:
+        """``rounds`` calls with no rows: this rank has fewer batches than the rank with the most."""
+        self.flush()
+        for _ in range(rounds if self.stream is not None and self.keys else 0):
+            self.stream(self.keys, {})
+
+    def _feed(self, key: Key, source: torch.Tensor, rows: Callable[[], torch.Tensor]) -> None:
+        """Queue ``rows()`` for the stream; a key fed the very tensor an earlier key was fed in this
+        batch gets that key's rows (one copy, and the observers can tell them apart by identity).
+        ``_fed`` holds the source tensors until the flush, so no id is reused within a batch."""
+        if self.stream is None:
+            return
+        earlier = self._fed.get(id(source))
+        if earlier is not None and earlier[0] is source and len(self.pending.get(earlier[1], ())) == 1:
+            self.pending.setdefault(key, []).append(self.pending[earlier[1]][0])
+            return
+        self._fed.setdefault(id(source), (source, key))
+        self.pending.setdefault(key, []).append(rows())
 
     def active(self) -> bool:
         """Only the thread that installed the hooks is recorded."""
@@ -131,18 +188,27 @@ class _Recorder:
         if self.token_major(x):
             self.counts[name] += self.valid_count
             for side, tensor in sides:
-                self.rows[(name, side)].gather(tensor.reshape(self.batch.valid.numel(), -1), self.kept_index)
+                flat = tensor.reshape(self.batch.valid.numel(), -1)
+                self.rows[(name, side)].gather(flat, self.kept_index)
+                self._feed((name, side), tensor, lambda flat=flat: flat.index_select(0, self.valid_index))
             return
         self.counts[name] += x.shape[0]
         for side, tensor in sides:
-            self.rows[(name, side)].append(tensor.reshape(-1, tensor.shape[-1]).clone())
+            rows = tensor.reshape(-1, tensor.shape[-1]).clone()
+            self.rows[(name, side)].append(rows)
+            self._feed((name, side), tensor, lambda rows=rows: rows)
 
-    def record_rows(self, name: str, count: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Record rows already selected by the caller (one expert's tokens)."""
+    def record_rows(
+        self, name: str, count: int, x: torch.Tensor, y: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor
+    ) -> None:
+        """Record rows already selected by the caller (one expert's tokens): ``x``/``y`` the kept
+        ones, ``x_all``/``y_all`` every real one (for the stream)."""
         self.counts[name] += count
         self.rows[(name, "input")].append(x)
+        self._feed((name, "input"), x_all, lambda: x_all)
         if self.want_outputs:
             self.rows[(name, "output")].append(y)
+            self._feed((name, "output"), y_all, lambda: y_all)
 
     def result(self, name: str, side: str) -> torch.Tensor | None:
         rows = self.rows.get((name, side))
@@ -178,10 +244,15 @@ def _experts_hook(recorder: _Recorder, wanted: dict[int, dict[str, str]]):
         for expert, projections in wanted.items():
             routed = (top_k_index == expert).any(dim=-1)
             count = int((routed & valid).sum())
-            per_projection = _expert_io(module, expert, hidden[routed & keep])
+            if recorder.stream is None:
+                per_projection = every = _expert_io(module, expert, hidden[routed & keep])
+            else:  # one expert pass over every real token; the kept ones are among them
+                every = _expert_io(module, expert, hidden[routed & valid])
+                kept = keep[routed & valid]
+                per_projection = {p: (x[kept], y[kept]) for p, (x, y) in every.items()}
             for projection, name in projections.items():
                 x, y = per_projection[projection]
-                recorder.record_rows(name, count, x, y)
+                recorder.record_rows(name, count, x, y, *every[projection])
 
     return hook
 
@@ -225,38 +296,60 @@ def forward_kwargs(model: nn.Module, batch: Batch) -> dict:
 
 
 def capture_activations(
-    model: nn.Module, refs: dict[str, LayerRef], batches: list[Batch], outputs: bool, kept_fraction: float
+    model: nn.Module,
+    refs: dict[str, LayerRef],
+    batches: list[Batch],
+    outputs: bool,
+    kept_fraction: float,
+    stream: Stream | None = None,
+    rounds: int = 0,
 ) -> Activations:
-    """Run ``batches`` through ``model`` and return the hooked layers' activations."""
-    recorder = _Recorder(outputs, _kept(batches))
+    """Run ``batches`` through ``model`` and return the hooked layers' activations (the kept
+    tokens); ``stream`` gets every real token of each batch, ``rounds`` calls in all."""
+    recorder = _Recorder(outputs, _kept(batches), stream)
+    recorder.group(list(refs))
     with hooks_installed(recorder, refs), torch.no_grad():
         for batch in batches:
             recorder.start(batch)
             model(**forward_kwargs(model, batch))
+        recorder.pad(rounds - len(batches))
     return _activations(recorder, refs, batches, kept_fraction, _device_of(model))
 
 
 def capture_sequential(
-    runner: SequentialRunner, refs: dict[str, LayerRef], batches: list[Batch], outputs: bool, kept_fraction: float
+    runner: SequentialRunner,
+    refs: dict[str, LayerRef],
+    batches: list[Batch],
+    outputs: bool,
+    kept_fraction: float,
+    stream: Stream | None = None,
+    rounds: int = 0,
 ) -> Activations:
     """The same activations as ``capture_activations``, one block in memory at a time: the hooks of
     the layers inside a block are installed while that block runs its batches, those of the layers
     before the blocks (embeddings) during the recording pass, and those after the blocks (head,
-    pooler) during a last pass that runs only when one of them is asked for."""
-    recorder = _Recorder(outputs, _kept(batches))
+    pooler) during a last pass that runs only when one of them is asked for. ``stream`` gets
+    each block's batches in turn: one pass over the model, whatever the number of layers."""
+    recorder = _Recorder(outputs, _kept(batches), stream)
     outer = {name: ref for name, ref in refs.items() if runner.block_of(name) is None}
+    recorder.group(list(outer))
     with hooks_installed(recorder, outer):
         runner.head(forward_kwargs, recorder.start)
+        recorder.pad(rounds - len(batches))
     for index in runner.blocks():
         inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
+        recorder.group(list(inside))
         with hooks_installed(recorder, inside):
             for batch_index, batch in enumerate(batches):
                 recorder.start(batch)
                 runner.run(index, batch_index)
+            recorder.pad(rounds - len(batches))
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
+        recorder.group(list(after))
         with hooks_installed(recorder, after):
             runner.tail(forward_kwargs, recorder.start)
+            recorder.pad(rounds - len(batches))
     return _activations(recorder, refs, batches, kept_fraction, runner.device)
 
 

@@ -39,7 +39,7 @@ import observers as ob
 
 from .calibration import Batch, make_batches
 from .capture import forward_kwargs
-from .kv import attention_kind
+from .kv import CACHE_ARGUMENTS, attention_kind, cache_argument
 from .model import Model
 from .sequential import _Call, _find_blocks, _LastBlockReached, _Loader, _split_call, _StandIn
 
@@ -383,8 +383,8 @@ class EffectRunner:
             with self._backend.block(index) as block, self._hooks(inside, owner), torch.inference_mode():
                 overrides = self._kv_overrides(inside)
                 hidden = [
-                    call.invoke(block, h, overrides(b))
-                    for b, (call, h) in enumerate(zip(self._calls[index], hidden, strict=True))
+                    call.invoke(block, h, overrides(call.kwargs))
+                    for call, h in zip(self._calls[index], hidden, strict=True)
                 ]
             if keep:
                 self._boundaries.append(hidden)
@@ -445,14 +445,21 @@ class EffectRunner:
 
     # ------------------------------------------------------------ hooks
 
-    def _kv_overrides(self, inside: Quantization) -> Callable[[int], dict]:
+    def _kv_overrides(self, inside: Quantization) -> Callable[[dict], dict]:
+        """Keyword arguments that replace a block call's KV cache (found in the call's recorded
+        arguments under either of its names) with one that fake-quantizes the chosen states."""
         per_layer: dict[int, dict[str, TensorQuant]] = {}
         for (name, tensor), quant in inside.items():
             if tensor in ("k", "v") and attention_kind(self._module(name)) == "cache":
                 per_layer.setdefault(self._module(name).layer_idx, {})[tensor] = quant
         if not per_layer:
-            return lambda b: {}
-        return lambda b: {"past_key_values": _QuantizingCache(per_layer)}
+            return lambda recorded: {}
+
+        def overrides(recorded: dict) -> dict:
+            name = next((key for key in CACHE_ARGUMENTS if key in recorded), cache_argument(self._module("")))
+            return {name: _QuantizingCache(per_layer)}
+
+        return overrides
 
     @contextmanager
     def _hooks(self, quantization: Quantization, owner: int) -> Iterator[None]:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from .calibration import Batch, check_knobs, make_batches, plan_batches, share_of, token_windows
-from .capture import Activations, capture_activations, capture_sequential
+from .calibration import Batch, check_knobs, make_batches, plan_batches, rounds, share_of, token_windows
+from .capture import Activations, Stream, capture_activations, capture_sequential
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
 from .kv import attention_blocks, attention_kind, capture_kv_sequential, capture_kv_states, head_dim_of, split_heads
 from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer
@@ -179,6 +179,7 @@ class Model:
         max_memory: int | None = None,
         progress: Progress | None = None,
         share: tuple[int, int] = (0, 1),
+        stream: Stream | None = None,
     ) -> Activations:
         """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
         as ``{name: (tokens, features)}`` without padding tokens.
@@ -194,9 +195,12 @@ class Model:
         memory of the device) and the whole model is not loaded already. The result is the same
         either way. ``progress(done, total, block)`` is called after each block of a sequential run.
 
-        ``share=(part, parts)``: capture only part ``part`` of ``parts`` consecutive runs of whole
-        calibration batches (ranks that split the calibration); the parts' tokens, in part order,
-        are exactly those of the whole capture, subsampling included.
+        ``share=(part, parts)``: capture only part ``part`` of the whole calibration batches, dealt
+        out in turn (ranks that split the calibration; ``calibration.share_of``); the parts'
+        tokens together are exactly those of the whole capture, subsampling included.
+
+        ``stream``: also hand every real token of each batch to ``stream`` once the batch has run
+        (``capture.Stream``), so observers see all tokens while only the kept ones are returned.
         """
         names = [names] if isinstance(names, str) else list(names)
         if not names:
@@ -207,11 +211,11 @@ class Model:
             refs = {name: self._layer_ref(module, name) for name in names}
             widths = [io_widths(ref.info(name)) for name, ref in refs.items()]
             per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
-            batches, fraction = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
+            batches, fraction, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
-                return capture_activations(module, refs, batches, outputs, fraction)
+                return capture_activations(module, refs, batches, outputs, fraction, stream, calls)
             with self._runner(batches, budget, progress) as runner:
-                return capture_sequential(runner, refs, batches, outputs, fraction)
+                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls)
 
     def calibration_batches(
         self,
@@ -244,6 +248,7 @@ class Model:
         max_memory: int | None = None,
         progress: Progress | None = None,
         share: tuple[int, int] = (0, 1),
+        stream: Stream | None = None,
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Key and value states of attention blocks, per head:
         ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``. Keys are taken as the KV
@@ -257,11 +262,11 @@ class Model:
             module = self.module() if budget is None else self._sequential.get().module
             found = {name: self._attention_block(module, name) for name in blocks}
             per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
-            batches, _ = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
+            batches, _, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
-                return capture_kv_states(module, self.config, found, batches)
+                return capture_kv_states(module, self.config, found, batches, stream, calls)
             with self._runner(batches, budget, progress) as runner:
-                return capture_kv_sequential(runner, self.config, found, batches)
+                return capture_kv_sequential(runner, self.config, found, batches, stream, calls)
 
     def kv_shape(self, block: str) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of an attention block's keys and values (``kv_heads`` <
@@ -284,7 +289,7 @@ class Model:
         windows = token_windows(tokenizer, texts, samples, seq_len)
         padded = make_batches(tokenizer, windows, batch_size, self.device)
         batches, fraction = plan_batches(padded, per_token, max_bytes)
-        return share_of(batches, *share), fraction
+        return share_of(batches, *share), fraction, rounds(len(batches), share[1])
 
     def _structure(self) -> nn.Module:
         """The model's skeleton: module names and shapes without weights. Never run or loaded."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sample_models import Activations
 from sample_models.builtin import VOCAB_SIZE, minilm_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
@@ -108,3 +109,24 @@ class ThreadRanks:
         for thread in threads:
             thread.join()
         return results
+
+
+def streamed_capture(
+    inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None, stream, batches: int
+) -> Activations:
+    """What ``Model.capture`` does, for stand-in models: ``batches`` batches of rows through
+    ``stream`` as the capture hooks hand them (layers fed the same tensor get the same rows
+    object), then the ``Activations`` of every token."""
+    names = list(inputs)
+    tokens = {len(x) for x in inputs.values()}.pop()
+    sides = {"input": inputs} | ({"output": outputs} if outputs is not None else {})
+    keys = [(name, side) for name in names for side in sides]
+    step = -(-tokens // batches)
+    for start in range(0, tokens, step):
+        fed, batch = {}, {}
+        for name, side in keys:
+            source = sides[side][name]
+            batch[(name, side)] = fed.setdefault(id(source), source[start : start + step])
+        if stream is not None:
+            stream(keys, batch)
+    return Activations(inputs, outputs or {}, {name: tokens for name in names}, tokens, 1.0)

@@ -59,11 +59,17 @@ def _by_hand(args_of_rank: list[list[str]]) -> list[subprocess.CompletedProcess]
     return done
 
 
-def _one_and_two_ranks(tmp_path: Path, args: list[str]) -> tuple[dict, dict, subprocess.CompletedProcess]:
-    """The documents one process and two torchrun ranks write for ``args``."""
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
+def _one_and_two_ranks(
+    tmp_path: Path, args: list[str], one: tuple[str, ...] = ()
+) -> tuple[dict, dict, subprocess.CompletedProcess]:
+    """The documents one process (with ``args`` and ``one``) and two torchrun ranks write for ``args``."""
+    one_file, two = tmp_path / "one.json", tmp_path / "two.json"
     single = subprocess.run(
-        [sys.executable, "-m", "observers", *args, "--out", str(one)], cwd=ROOT, env=ENV, capture_output=True, text=True
+        [sys.executable, "-m", "observers", *args, *one, "--out", str(one_file)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
     )
     assert single.returncode == 0, single.stderr
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "observers"]
@@ -73,7 +79,7 @@ def _one_and_two_ranks(tmp_path: Path, args: list[str]) -> tuple[dict, dict, sub
     assert ranks.returncode == 0, ranks.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json", "two.json"]  # rank 1 wrote nothing
     assert ranks.stdout.count("wrote ") == 1
-    return json.loads(one.read_text()), json.loads(two.read_text()), ranks
+    return json.loads(one_file.read_text()), json.loads(two.read_text()), ranks
 
 
 @pytest.mark.slow
@@ -91,9 +97,11 @@ def test_two_ranks_splitting_layers_write_one_file_with_the_qparams_of_one_proce
 
 @pytest.mark.slow
 def test_two_ranks_splitting_batches_merge_to_the_qparams_of_one_process(tmp_path):
-    """16 samples make two batches, one per rank; min-max and the histogram merge exactly."""
+    """16 samples make two batches, one per rank: together they observe what one process with
+    twice the batch size observes (the memoryless mse_grid included); min-max and the histogram
+    merge exactly."""
     args = [*RUN, "--samples", "16", "--observers", "minmax,percentile,mse_grid"]
-    first, second, _ = _one_and_two_ranks(tmp_path, args)
+    first, second, _ = _one_and_two_ranks(tmp_path, args, one=["--batch-size", "16"])
     layers = list(dict.fromkeys(e["layer"] for e in first["entries"]))
     for a, b in zip(first["entries"], second["entries"], strict=True):
         assert (a["layer"], a["tensor"], a["tensor_shape"]) == (b["layer"], b["tensor"], b["tensor_shape"])

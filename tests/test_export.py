@@ -13,6 +13,7 @@ from compressed_tensors.compressors.mx_utils import compress_mx_scale
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
 from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+from helpers import streamed_capture
 from safetensors import safe_open
 
 import observers as ob
@@ -54,9 +55,10 @@ class FakeModel:
     def weight(self, name):
         return self.weights[name].clone()
 
-    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False):
+    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False, stream=None, **_):
         x = torch.cat(self.inputs)
-        return {n: {"input": x, "output": x @ self.weights[n].T} if outputs else x for n in names}
+        produced = {n: x @ self.weights[n].T for n in names} if outputs else None
+        return streamed_capture(dict.fromkeys(names, x), produced, stream, batches=len(self.inputs))
 
 
 def _analysis(specs=None, observers=OBSERVERS, model=None) -> tuple[FakeModel, Analysis]:

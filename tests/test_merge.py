@@ -14,7 +14,7 @@ from helpers import ThreadRanks
 import observers as ob
 from observers.minmax import MinMaxObserver
 from observers.shared import EXACT_HISTOGRAM, EXACT_MIN_MAX, Op, local_reduce
-from sample_models.calibration import Batch, share_of
+from sample_models.calibration import Batch, rounds, share_of
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SPECS = {
@@ -162,11 +162,13 @@ def test_local_reduce_defines_each_operation():
     assert local_reduce([torch.zeros(1, 2), torch.ones(2, 2)], Op.CAT).shape == (3, 2)
 
 
-def test_ranks_take_consecutive_whole_batches():
+def test_ranks_take_whole_batches_in_turn():
+    """Round ``r`` of two ranks holds batches 2r and 2r+1: what one process with twice the batch
+    size sees in its batch ``r``; the rank with fewer batches is padded to the same rounds."""
     batches = [Batch(torch.full((1, 2), i), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool)) for i in range(5)]
     shares = [share_of(batches, part, 2) for part in range(2)]
-    assert [int(b.input_ids[0, 0]) for share in shares for b in share] == [0, 1, 2, 3, 4]
-    assert [len(share) for share in shares] == [2, 3]
+    assert [[int(b.input_ids[0, 0]) for b in share] for share in shares] == [[0, 2, 4], [1, 3]]
+    assert rounds(5, 2) == 3 and rounds(4, 2) == 2 and rounds(5, 1) == 5
     with pytest.raises(ValueError, match="fewer than the 8 ranks"):
         share_of(batches, 0, 8)
 
