@@ -20,7 +20,8 @@ import torch
 
 import observers as ob
 from bench.common import case, median_seconds, synchronize
-from lab.pipeline import CapturingModel, ResultCache, RunConfig, analyse
+from lab.capture_memo import CapturingModel
+from lab.pipeline import ResultCache, RunConfig, analyse
 from lab.settings import default_layer_names
 from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 

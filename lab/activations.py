@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from observers.shared import Op
 from observers.suite import SuiteResult
 from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
-from sample_models.capture import Key
+from sample_models.capture import Done, Key
 from sample_models.layers import io_widths
 
 if TYPE_CHECKING:
@@ -82,6 +82,12 @@ def activation_keys(layers: Sequence[str], attention: Sequence[str], config: Run
     return [(layer, side) for layer in layers for side in sides] + [(b, w) for b in attention for w in KV_TENSORS]
 
 
+Settled = Callable[[list[str], "Calibrated"], None]
+"""Told the layers and attention blocks whose activation results are final (a block at a time in a
+sequential capture), with the ``Calibrated`` that holds them, so the caller can finish and hand on
+those layers before the pass ends."""
+
+
 def calibrate(
     model: Any,
     layers: Sequence[str],
@@ -90,11 +96,11 @@ def calibrate(
     cache: Any,
     ranks: Ranks,
     extra: str,
-    weights: dict[str, torch.Tensor],
+    settled: Settled | None = None,
 ) -> Calibrated:
-    """Stream the calibration batches through the observers of every activation tensor of the run.
-    ``extra`` completes the cache keys (calibration, share, transform); ``weights`` are the layers'
-    weights, read for SmoothQuant's scales only."""
+    """Stream the calibration batches through the observers of every activation tensor of the run
+    (and gather the input statistics its weight observers take). ``extra`` completes the cache keys
+    (calibration, share, transform)."""
     across = ranks.reduce if ranks.world_size > 1 else None
     keys = activation_keys(layers, attention, config)
     out = Calibrated(results={key: _plan(model, key, config, cache, extra) for key in keys})
@@ -104,35 +110,41 @@ def calibrate(
     }
     statistics = _statistics(layers, config)
     if observed.smooths(config):
-        out.smoothing = _smoothing_scales(model, layers, config, ranks, weights) if layers else {}
+        out.smoothing = _smoothing_scales(model, layers, config, ranks) if layers else {}
         note = "SmoothQuant does not apply to key/value states; they are shown as captured"
         out.notes = [f"{block}: {note}" for block in attention]
     view = _view(config, out.smoothing)
     flat_statistics: dict[Key, list[Statistic]] = {key: list(found.values()) for key, found in statistics.items()}
     stream = ObserverStream(observations, flat_statistics, _empty_shapes(model, keys), view, across)
-    samples, counts = _capture(model, layers, attention, config, ranks, stream)
-    for key in sorted(keys, key=lambda k: k in stream.same):  # a key another stands in for comes first
-        sample = samples[key] if view is None else view(key, samples[key])
-        out.samples[key] = sample
-        out.shapes[key] = _whole_shape(key, sample, counts.get(key), across)
-        out.sampled[key] = _whole_shape(key, sample, None, across)[token_axis(key)]
-        stand_in = {slot.name: slot for slot in out.results.get(stream.same.get(key), ())}
-        for slot in out.results[key]:
-            if slot.known is None:
+    device = torch.device(str(getattr(model, "device", "cpu")))
+
+    def settle(done: list[Key], kept: dict[Key, torch.Tensor], counts: dict[Key, int]) -> None:
+        for key in sorted((k for k in done if k in out.results), key=lambda k: k in stream.same):
+            sample = kept[key] if view is None else view(key, kept[key])
+            out.samples[key] = sample
+            out.shapes[key] = _whole_shape(key, sample, counts[key], across)
+            out.sampled[key] = _whole_shape(key, sample, None, across)[token_axis(key)]
+            stand_in = {slot.name: slot for slot in out.results.get(stream.same.get(key), ())}
+            for slot in out.results[key]:
                 found = stand_in.get(slot.name)
+                if slot.known is not None:
+                    continue
                 if found is not None and found.observation is not None:
                     slot.known = cache.store(slot.observation.cache_key, found.known)
                 else:
                     slot.known = _result(cache, slot.observation, sample, across)
-    device = torch.device(str(getattr(model, "device", "cpu")))
-    for (layer, _), found in statistics.items():
-        for knob, statistic in found.items():
-            try:
-                value = statistic.value(across, device)
-            except ValueError:  # the same on every rank: it depends on the layer's shape only
-                continue
-            if value is not None:
-                out.statistics.setdefault(layer, {})[knob] = value
+        for key in (k for k in done if k in statistics):
+            for knob, statistic in statistics[key].items():
+                try:
+                    value = statistic.value(across, device)
+                except ValueError:  # the same on every rank: it depends on the layer's shape only
+                    continue
+                if value is not None:
+                    out.statistics.setdefault(key[0], {})[knob] = value
+        if settled is not None:
+            settled(list(dict.fromkeys(key[0] for key in done)), out)
+
+    _capture(model, layers, attention, config, ranks, stream, settle)
     return out
 
 
@@ -202,9 +214,7 @@ def _view(config: RunConfig, smoothing: dict[str, torch.Tensor]) -> View | None:
     return smoothed
 
 
-def _smoothing_scales(
-    model: Any, layers: Sequence[str], config: RunConfig, ranks: Ranks, weights: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def _smoothing_scales(model: Any, layers: Sequence[str], config: RunConfig, ranks: Ranks) -> dict[str, torch.Tensor]:
     """SmoothQuant's scales per layer, from a first pass that finds each input channel's ``max |x|``
     over every token (merged across ranks) and the layer's weight."""
     across = ranks.reduce if ranks.world_size > 1 else None
@@ -213,7 +223,7 @@ def _smoothing_scales(
     model.capture(list(layers), stream=stream, **_options(config, ranks))
     scales = {}
     for (layer, _), (found,) in maxima.items():
-        weight = weights[layer]
+        weight = model.weight(layer)
         value = found.value if found.value is not None else torch.zeros(weight.shape[-1], device=weight.device)
         if across is not None:
             value = across(value, Op.MAX)
@@ -234,30 +244,21 @@ def _capture(
     config: RunConfig,
     ranks: Ranks,
     stream: ObserverStream,
-) -> tuple[dict[Key, torch.Tensor], dict[Key, int]]:
-    """Run the calibration pass(es): the kept tokens of every key, and the real tokens each key saw.
-    The sample is meant to be a sample (the observers see every token), so the capture's
-    subsampling warning is not passed on; ``TensorAnalysis.metrics_note`` says it instead."""
-    samples: dict[Key, torch.Tensor] = {}
-    counts: dict[Key, int] = {}
+    done: Done,
+) -> None:
+    """Run the calibration pass(es); ``done`` gets each group of keys with their kept tokens and the
+    real tokens each saw. The sample is meant to be a sample (the observers see every token), so
+    the capture's subsampling warning is not passed on; ``TensorAnalysis.metrics_note`` says it."""
     options = _options(config, ranks)
     wants_input = "input" in config.specs or config.actorder or observed.smooths(config)
     wants_output = "output" in config.specs
+    busy = stream if any(stream.observations.values()) or stream.statistics else None  # else: a memo will do
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureSubsampledWarning)
         if layers and (wants_input or wants_output):
-            captured = model.capture(list(layers), outputs=wants_output, stream=stream, **options)
-            for side, found in (("input", captured), ("output", captured.outputs)):
-                for layer, data in found.items():
-                    samples[(layer, side)] = data
-                    counts[(layer, side)] = captured.token_counts[layer]
+            model.capture(list(layers), outputs=wants_output, stream=busy, done=done, **options)
         if attention:
-            states = model.capture_kv(list(attention), stream=stream, **options)
-            for block, pair in states.items():
-                for which, data in pair.items():
-                    samples[(block, which)] = data
-                    counts[(block, which)] = states.tokens
-    return samples, counts
+            model.capture_kv(list(attention), stream=busy, done=done, **options)
 
 
 def _whole_shape(key: Key, sample: torch.Tensor, count: int | None, across: Any) -> tuple[int, ...]:

@@ -1,12 +1,13 @@
 """Run the observer suite over chosen layers of a model: the one code path of the app and CLI.
 
-``analyse(model, layers, config, attention=blocks)`` reads each layer's weight, captures the
-layer's input (and optionally output) activations on calibration text, captures the key and value
-states of the chosen attention blocks (the tensors a KV cache holds), and runs every requested
-observer on each tensor. Results are cached per (tensor, spec, observer, knobs), so a re-run after one knob
-changes recomputes only that observer; ``CapturingModel`` memoizes the capture itself. The
-``Analysis`` records the facts of its model (``lab.model_facts``), so its results stay tied to
-that model. Ranking and choosing observers live in ``lab.results``.
+``analyse(model, layers, config, attention=blocks)`` streams the calibration batches once through
+the observers of the chosen activations (layer inputs and outputs, the key and value states of
+attention blocks: ``lab.activations``), then reads each layer's weight when its layer is finished
+and runs the weight observers on it. Results are cached per (tensor, spec, observer, knobs,
+calibration) in a ``ResultCache``, so a re-run after one knob changes recomputes only that
+observer; ``lab.capture_memo`` keeps the app's sample of tokens. The ``Analysis`` records the
+facts of its model (``lab.model_facts``), so its results stay tied to that model. Ranking and
+choosing observers live in ``lab.results``.
 """
 
 from __future__ import annotations
@@ -258,6 +259,7 @@ def analyse(
     cache: ResultCache | None = None,
     attention: Sequence[str] = (),
     ranks: Ranks = SINGLE,
+    on_done: Callable[[Analysis], None] | None = None,
 ) -> Analysis:
     """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model), and its ``kv`` spec
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
@@ -272,6 +274,10 @@ def analyse(
     their statistics across ranks (``observers.shared``), so every rank ends with the same
     activation results; the weights are split instead, layer ``i`` analysed by rank
     ``i % world_size`` only (``lab.distributed.owner``).
+
+    ``on_done``: hand on each group of finished entries (a block's layers, in a sequential pass) as
+    an ``Analysis`` of its own instead of keeping them: a sweep writes them and forgets them, so a
+    whole model is analysed in one calibration pass. The returned ``Analysis`` then has no entries.
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
@@ -291,7 +297,6 @@ def analyse(
     facts = ModelFacts.of(model, with_kv=bool(attention))
     split = ranks.world_size > 1
     mine = [layer for i, layer in enumerate(layers) if not split or owner(i, ranks.world_size) == ranks.rank]
-    read = layers if observed.smooths(config) else mine if "weight" in config.specs else []
     extra = config.calibration_key()
     extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
     extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
@@ -301,64 +306,99 @@ def analyse(
     total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
     if progress is not None:
         progress(0, total, "calibrating")
-    weights, calibrated, failed = {}, Calibrated(), None
+    entries: list[TensorAnalysis] = []
+    warnings: list[str] = []
+    steps = iter(range(total))
+
+    def tick(label: str) -> None:
+        step = next(steps)
+        if progress is not None:
+            progress(step, total, label)
+
+    def finish(units: list[str], calibrated: Calibrated) -> None:
+        """The entries of ``units`` (layers, attention blocks), now that their activations are final:
+        their weights are read and observed now, one layer at a time."""
+        found = []
+        for layer, tensor in (job for job in jobs if job[0] in units):
+            spec, names = config.specs[spec_key(tensor)], names_for[spec_key(tensor)]
+            if tensor != "weight":
+                found.append(_activation_entry(layer, tensor, spec, calibrated, None if split else ranks.rank))
+            elif layer in mine:
+                data = observed.weight_view(config, model.weight(layer), calibrated.smoothing.get(layer))
+                found.append(_weight_entry(model, layer, data, config, cache, calibrated, extra, tick, ranks.rank))
+                continue
+            for name in names:
+                tick(f"{layer} · {tensor} · {name}")
+        warnings.extend(note for note in calibrated.notes if note not in warnings)
+        if on_done is None:
+            entries.extend(found)
+        else:
+            on_done(Analysis(facts, config, found, time.perf_counter() - start, list(warnings)))
+
+    failed = None
     try:
-        weights = {layer: model.weight(layer) for layer in read}
+        streams = activation_keys(layers, attention, config) or config.actorder or observed.smooths(config)
+        calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish) if streams else None
+        finished = set() if calibrated is None else {key[0] for key in calibrated.samples} | set(calibrated.statistics)
+        rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
+        if rest:
+            finish(rest, calibrated or Calibrated())
     except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
         failed = err
     ranks.agree(failed)
-    streams = activation_keys(layers, attention, config) or config.actorder or observed.smooths(config)
-    try:
-        if streams:
-            calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, weights)
-    except (ValueError, OSError, RuntimeError) as err:
-        failed = err
-    ranks.agree(failed)
-    entries: list[TensorAnalysis] = []
-    warnings: list[str] = list(calibrated.notes)
-    step = 0
-    for layer, tensor in jobs:
-        names = names_for[spec_key(tensor)]
-        spec = config.specs[spec_key(tensor)]
-        if tensor != "weight":
-            slots = calibrated.results[(layer, tensor)]
-            results = [slot.known for slot in slots if slot.tool is None]
-            tools = [ToolResult(slot.tool, slot.profile, slot.known) for slot in slots if slot.tool is not None]
-            data, whole = calibrated.samples[(layer, tensor)], calibrated.shapes[(layer, tensor)]
-            entry = TensorAnalysis(layer, tensor, spec, data, results, None, whole, None if split else ranks.rank)
-            entry.tool_results = tools
-            entry.metrics_tokens = calibrated.sampled[(layer, tensor)]
-            entries.append(entry)
-            step += len(names)
-            continue
-        if layer not in mine:
-            step += len(names)
-            continue
-        data = observed.weight_view(config, weights[layer], calibrated.smoothing.get(layer))
-        given = calibrated.statistics.get(layer, {})
-        g_idx = observed.g_idx_for(config, spec, given.get("importance"))
-        weight_extra = extra if g_idx is not None else extra.removeprefix(config.calibration_key())
-        tensor_id = activations_tensor_id(model, (layer, tensor))
-        results = []
-        for name in names:
-            if progress is not None:
-                progress(step, total, f"{layer} · {tensor} · {name}")
-            step += 1
-            knobs = dict(config.knobs.get(name, {}))
-            key = cache.key(tensor_id, spec, name, knobs, weight_extra + str(config.actorder))
-            filled = sorted(knob for knob in given if knob in ob.knobs(name) and knob not in knobs)
-            if filled:
-                inputs_key = f"{'+'.join(filled)}|{config.calibration_key()}"
-                key = cache.key(tensor_id, spec, name, knobs, inputs_key + weight_extra)
-                knobs |= {knob: given[knob] for knob in filled}
-            run = partial(ob.run_one, name, data, spec, _observer_kind(tensor), g_idx=g_idx, **knobs)
-            results.append(cache.get_or_run(key, run))
-        entry = TensorAnalysis(layer, tensor, spec, data, results, g_idx, None, ranks.rank)
-        entry.tool_results = [_as_tool(tool, entry, cache, tensor_id, weight_extra) for tool in config.tools]
-        entries.append(entry)
+    order = {job: index for index, job in enumerate(jobs)}
+    entries.sort(key=lambda e: order[(e.layer, e.tensor)])
     if progress is not None:
         progress(total, total, "done")
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
+
+
+def _activation_entry(
+    layer: str, tensor: str, spec: ob.QuantSpec, calibrated: Calibrated, rank: int | None
+) -> TensorAnalysis:
+    """An activation's entry from the calibration pass: results, tools, sample, whole shape."""
+    key = (layer, tensor)
+    slots = calibrated.results[key]
+    results = [slot.known for slot in slots if slot.tool is None]
+    entry = TensorAnalysis(layer, tensor, spec, calibrated.samples[key], results, None, calibrated.shapes[key], rank)
+    entry.tool_results = [ToolResult(slot.tool, slot.profile, slot.known) for slot in slots if slot.tool is not None]
+    entry.metrics_tokens = calibrated.sampled[key]
+    return entry
+
+
+def _weight_entry(
+    model,
+    layer: str,
+    data: torch.Tensor,
+    config: RunConfig,
+    cache: ResultCache,
+    calibrated: Calibrated,
+    extra: str,
+    tick: Callable[[str], None],
+    rank: int,
+) -> TensorAnalysis:
+    """A weight observed by each of the run's weight observers (through the cache), with the
+    statistics of its layer's inputs where an observer takes them, and as each tool would."""
+    spec, names = config.specs["weight"], config.observers_for("weight")
+    given = calibrated.statistics.get(layer, {})
+    g_idx = observed.g_idx_for(config, spec, given.get("importance"))
+    weight_extra = extra if g_idx is not None else extra.removeprefix(config.calibration_key())
+    tensor_id = activations_tensor_id(model, (layer, "weight"))
+    results = []
+    for name in names:
+        tick(f"{layer} · weight · {name}")
+        knobs = dict(config.knobs.get(name, {}))
+        key = cache.key(tensor_id, spec, name, knobs, weight_extra + str(config.actorder))
+        filled = sorted(knob for knob in given if knob in ob.knobs(name) and knob not in knobs)
+        if filled:
+            inputs_key = f"{'+'.join(filled)}|{config.calibration_key()}"
+            key = cache.key(tensor_id, spec, name, knobs, inputs_key + weight_extra)
+            knobs |= {knob: given[knob] for knob in filled}
+        run = partial(ob.run_one, name, data, spec, "weight", g_idx=g_idx, **knobs)
+        results.append(cache.get_or_run(key, run))
+    entry = TensorAnalysis(layer, "weight", spec, data, results, g_idx, None, rank)
+    entry.tool_results = [_as_tool(tool, entry, cache, tensor_id, weight_extra) for tool in config.tools]
+    return entry
 
 
 def _as_tool(tool: str, entry: TensorAnalysis, cache: ResultCache, tensor_id: str, extra: str) -> ToolResult:
@@ -373,34 +413,3 @@ def _as_tool(tool: str, entry: TensorAnalysis, cache: ResultCache, tensor_id: st
     run = partial(ob.run_one, found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, **found.knobs)
     result = cache.get_or_run(cache.key(tensor_id, found.spec, found.observer, found.knobs, extra), run)
     return ToolResult(tool, found, replace(result, name=f"{tool}: {found.observer}"))
-
-
-class CapturingModel:
-    """A model whose ``capture`` / ``capture_kv`` are memoized in ``store`` (the app keeps one
-    per browser session): re-running after changing only a knob or a format reuses the
-    activations captured for the same layers and texts."""
-
-    def __init__(self, model, store: dict[str, Any]) -> None:
-        self._model = model
-        self._store = store
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def capture(self, names: list[str], **kwargs: Any):
-        return self._memo("capture", names, kwargs)
-
-    def capture_kv(self, blocks: list[str], **kwargs: Any):
-        return self._memo("capture_kv", blocks, kwargs)
-
-    def _memo(self, method: str, names: list[str], kwargs: dict[str, Any]):
-        """The memoized result; a call with a ``stream`` always runs (its observers must see the
-        batches) and leaves its sample of tokens as the memo."""
-        stream = kwargs.pop("stream", None)
-        key = repr((getattr(self._model, "source", ""), str(getattr(self._model, "dtype", "")), names, kwargs))
-        slot = self._store.setdefault(method, {})
-        if slot.get("key") != key or stream is not None:
-            slot.clear()
-            slot["value"] = getattr(self._model, method)(names, stream=stream, **kwargs)
-            slot["key"] = key
-        return slot["value"]

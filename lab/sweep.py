@@ -40,8 +40,9 @@ from lab.vocab import DEFAULT_METRIC, KV, TensorKind
 ALL_RANKS = "all"
 """The ``rank`` of an entry that every rank computed together (split calibration batches)."""
 LAYERS_PER_CHUNK = 8
-"""Layers per chunk when activations are captured: each chunk costs one calibration pass and holds
-its layers' activations until written. Weight-only sweeps go one layer at a time (no pass to save)."""
+"""Layers per chunk when ranks split the layers and activations are captured: each chunk costs one
+calibration pass. One process, or ranks that split the batches, analyse every layer in one pass
+(its finished blocks written as they come); weight-only sweeps go one layer at a time."""
 
 Unit = tuple[int, str, bool]
 """``(index, name, is_attention_block)``: layers first in model order, then attention blocks."""
@@ -79,11 +80,14 @@ class Plan:
         """Whether the sweep runs calibration passes (activations, or inputs for activation order)."""
         return self.config.actorder or any(kind != TensorKind.WEIGHT for kind in self.config.specs)
 
-    @property
-    def chunk_size(self) -> int:
+    def chunk_size(self, world_size: int = 1) -> int | None:
+        """Units per chunk; None: all of them in one calibration pass (the default when the sweep
+        captures and the batches are not split by layer), each block written as it finishes."""
         if self.chunk is not None:
             return self.chunk
-        return LAYERS_PER_CHUNK if self.captures else 1
+        if not self.captures:
+            return 1
+        return None if self.split_for(world_size) == RankSplit.BATCHES or world_size == 1 else LAYERS_PER_CHUNK
 
     def split_for(self, world_size: int) -> RankSplit:
         """What the ranks divide: the calibration batches when the sweep captures (each rank then
@@ -163,20 +167,41 @@ def _records(analysis: Analysis, metric: str, allow: bool) -> tuple[list[dict], 
     return [], [lab_json.uncalibrated_record(e) for e in missing], None
 
 
-def _analyse_chunk(plan: Plan, units: list[Unit], ranks: Ranks, progress: ProgressFn | None) -> dict[str, Any]:
-    """One chunk analysed and reduced to its unit lines (the tensors are dropped on return), plus
-    the document header the final file takes its top-level fields from.
+Payload = dict[str, Any]
+"""What a rank sends rank 0 for some finished units: their lines, the document header, an error."""
+
+
+def _analyse_chunk(
+    plan: Plan,
+    units: list[Unit],
+    ranks: Ranks,
+    progress: ProgressFn | None,
+    write: Callable[[Payload], None],
+) -> None:
+    """One chunk analysed in one calibration pass, each group of finished units (a block's layers
+    in a sequential pass) reduced to its unit lines and handed to ``write`` at once: the tensors
+    are dropped as soon as they are written. Ranks that split the batches hand over the same
+    groups in the same order."""
+    names = [name for _, name, _ in units]
+    block = units[0][2]
+    config = _config_for(plan.config, block)
+    by_name = {name: (index, name, attention) for index, name, attention in units}
+
+    def hand_on(part: Analysis) -> None:
+        finished = [by_name[name] for name in dict.fromkeys(e.layer for e in part.entries) if name in by_name]
+        write(_payload(plan, part, finished, ranks))
+
+    scope = {"attention": names} if block else {}
+    analyse(plan.model, [] if block else names, config, progress=progress, ranks=ranks, on_done=hand_on, **scope)
+
+
+def _payload(plan: Plan, analysis: Analysis, units: list[Unit], ranks: Ranks) -> Payload:
+    """Finished units reduced to their lines, plus the document header the final file takes its
+    top-level fields from.
 
     Ranks that split the batches (``ranks.group`` set) analyse the same chunk together: each
     line then carries its entries' ranks, rank 0 sends the entries every rank computed together
     (``rank`` "all") and each rank its own weights; ``_merge_units`` joins them."""
-    names = [name for _, name, _ in units]
-    block = units[0][2]
-    config = _config_for(plan.config, block)
-    if block:
-        analysis = analyse(plan.model, [], config, progress=progress, attention=names, ranks=ranks)
-    else:
-        analysis = analyse(plan.model, names, config, progress=progress, ranks=ranks)
     entries, missing, document = _records(analysis, plan.metric, plan.allow_uncalibrated)
     shared = ranks.group is not None
     if shared:
@@ -200,11 +225,12 @@ def _analyse_chunk(plan: Plan, units: list[Unit], ranks: Ranks, progress: Progre
     return {"units": lines, "header": header, "error": None}
 
 
-def _chunks(units: list[Unit], size: int) -> list[list[Unit]]:
-    """Consecutive runs of at most ``size`` units, never mixing layers and attention blocks."""
+def _chunks(units: list[Unit], size: int | None) -> list[list[Unit]]:
+    """Consecutive runs of at most ``size`` units (None: no limit), never mixing layers and
+    attention blocks."""
     chunks: list[list[Unit]] = []
     for unit in units:
-        if chunks and len(chunks[-1]) < size and chunks[-1][0][2] == unit[2]:
+        if chunks and (size is None or len(chunks[-1]) < size) and chunks[-1][0][2] == unit[2]:
             chunks[-1].append(unit)
         else:
             chunks.append([unit])
@@ -257,15 +283,24 @@ def _on_main(ranks: Ranks, work: Callable[[], Any]) -> Any:
     return result
 
 
-def _guarded(ranks: Ranks, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A chunk's payload; with several ranks an error becomes the payload's, so this rank still
-    joins the gather and rank 0 can stop every rank."""
+def _guarded(ranks: Ranks, work: Callable[[], None]) -> Payload | None:
+    """Run a chunk; with several ranks its error becomes a payload (None when it went well), so
+    this rank still joins the gather and rank 0 can stop every rank."""
     if ranks.group is None:
-        return work()
+        work()
+        return None
     try:
-        return work()
+        work()
     except STOPS_EVERY_RANK as err:
         return {"units": [], "header": None, "error": f"rank {ranks.rank}: {err}"}
+    return None
+
+
+def _joined(payloads: list[Payload], error: Payload | None) -> Payload:
+    """One payload of a round's finished groups (and its error)."""
+    header = next((p["header"] for p in payloads if p["header"] is not None), None)
+    units = [line for p in payloads for line in p["units"]]
+    return {"units": units, "header": header, "error": None if error is None else error["error"]}
 
 
 def _scaled(progress: ProgressFn | None, start: int, size: int, total: int) -> ProgressFn | None:
@@ -305,30 +340,45 @@ def run_sweep(
     units = plan.units()
     done, writer = _start(plan, pending, resume, ranks)
     todo = [unit for unit in units if unit[0] not in done]
-    split = plan.split_for(ranks.world_size)
+    split, size = plan.split_for(ranks.world_size), plan.chunk_size(ranks.world_size)
     if split == RankSplit.BATCHES:  # every rank takes part in every chunk
-        plans = [_chunks(todo, plan.chunk_size)] * ranks.world_size
+        plans = [_chunks(todo, size)] * ranks.world_size
         together = ranks
     else:
         world = range(ranks.world_size)
-        plans = [_chunks([u for u in todo if owner(u[0], ranks.world_size) == r], plan.chunk_size) for r in world]
+        plans = [_chunks([u for u in todo if owner(u[0], ranks.world_size) == r], size) for r in world]
         together = replace(ranks, group=None, world_size=1)  # analyse alone; ranks.rank still names it
-    count = len(done)
+    written = set(done)
     if progress is not None:
-        progress(count, len(units), "resuming" if done else "starting")
-    for round_no in range(max(map(len, plans))):
-        chunks = [mine[round_no] if round_no < len(mine) else [] for mine in plans]
-        size = len(chunks[0]) if split == RankSplit.BATCHES else sum(map(len, chunks))
-        inner = _scaled(progress, count, size, len(units))
-        mine = chunks[ranks.rank]
-        payload = {"units": [], "header": None, "error": None}
-        if mine:
-            payload = _guarded(ranks, partial(_analyse_chunk, plan, mine, together, inner))
+        progress(len(written), len(units), "resuming" if done else "starting")
+
+    def write(payload: Payload, collected: list[Payload] | None = None) -> None:
+        """Rank 0 appends what every rank finished (a collective: every rank calls it in step)."""
+        if collected is not None:  # ranks that split the layers write once per round
+            collected.append(payload)
+            return
         gathered = ranks.gather(payload)
         _on_main(ranks, partial(writer.write_round, gathered) if writer else lambda: None)
-        count += size
+        written.update(line["index"] for each in gathered or () for line in each["units"])  # rank 0's count
         if progress is not None:
-            progress(count, len(units), f"{count} of {len(units)} written")
+            progress(len(written), len(units), f"{len(written)} of {len(units)} written")
+
+    for round_no in range(max(map(len, plans))):
+        chunks = [mine[round_no] if round_no < len(mine) else [] for mine in plans]
+        count = len(chunks[0]) if split == RankSplit.BATCHES else sum(map(len, chunks))
+        inner = _scaled(progress, len(written), count, len(units))
+        mine = chunks[ranks.rank]
+        alone = split == RankSplit.LAYERS and ranks.world_size > 1  # each rank's own pass, written per round
+        collected: list[Payload] | None = [] if alone else None
+        error = None
+        if mine:
+            error = _guarded(
+                ranks, partial(_analyse_chunk, plan, mine, together, inner, partial(write, collected=collected))
+            )
+        if collected is not None:
+            write(_joined(collected, error))
+        elif error is not None:
+            write(error)
 
     def finish() -> Outcome:
         document, warnings = _assemble(sweep_file.complete_lines(pending)[0], ranks.world_size, plan.config)

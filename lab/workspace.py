@@ -21,7 +21,8 @@ from typing import Any
 
 import pandas as pd
 
-from lab.pipeline import Analysis, CapturingModel, ResultCache, RunConfig, TensorAnalysis, analyse
+from lab.capture_memo import CapturingModel
+from lab.pipeline import Analysis, ResultCache, RunConfig, TensorAnalysis, analyse
 from lab.results import Choices, valid_choices
 from lab.settings import RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC

@@ -43,6 +43,12 @@ key and value projections read one hidden state) get the same tensor object. Ran
 batches all make the same number of calls: a rank out of batches is called with no rows."""
 
 
+Done = Callable[[list[Key], dict[Key, torch.Tensor], dict[Key, int]], None]
+"""Called once the stream has had every batch of some keys (one block's layers in a sequential
+capture, every layer at the end of a whole-model one): the keys, their kept tokens and the real
+tokens each saw. A sweep writes those layers' results then, and forgets them."""
+
+
 class Activations(dict):
     """Captured layer inputs, ``{name: (tokens, features)}``, plus what is needed to judge them.
     Treat the tensors as read-only: layers fed the same tensor (an expert's gate and up
@@ -73,6 +79,14 @@ class Activations(dict):
     @property
     def subsampled(self) -> bool:
         return self.kept_fraction < 1.0
+
+    def report(self, done: Done | None) -> None:
+        """Tell ``done`` about every layer at once (a memoized capture replayed)."""
+        if done is None:
+            return
+        sides = {"input": self} | ({"output": self.outputs} if self.outputs else {})
+        keys = [(name, side) for name in self for side in sides]
+        done(keys, {(n, side): sides[side][n] for n, side in keys}, {(n, s): self.token_counts[n] for n, s in keys})
 
 
 class _Rows:
@@ -127,6 +141,7 @@ class _Recorder:
         self.keys: list[Key] = []
         self.pending: dict[Key, list[torch.Tensor]] = {}
         self._fed: dict[int, tuple[torch.Tensor, Key]] = {}
+        self.reported: set[str] = set()
 
     def group(self, names: list[str]) -> None:
         """The layers whose hooks run in the next passes (their keys, in a fixed order, for ``Stream``)."""
@@ -155,6 +170,17 @@ class _Recorder:
         self.flush()
         for _ in range(rounds if self.stream is not None and self.keys else 0):
             self.stream(self.keys, {})
+
+    def report(self, names: list[str], done: Done | None, refs: dict[str, LayerRef], device: torch.device) -> None:
+        """Tell ``done`` that ``names`` have had every batch (each name once)."""
+        names = [name for name in names if name not in self.reported]
+        self.reported.update(names)
+        if done is None or not names:
+            return
+        sides = ("input", "output") if self.want_outputs else ("input",)
+        keys = [(name, side) for name in names for side in sides]
+        kept = {(n, side): _or_empty(self.result(n, side), refs[n], side, device) for n, side in keys}
+        done(keys, kept, {(n, side): self.counts.get(n, 0) for n, side in keys})
 
     def _feed(self, key: Key, source: torch.Tensor, rows: Callable[[], torch.Tensor]) -> None:
         """Queue ``rows()`` for the stream; a key fed the very tensor an earlier key was fed in this
@@ -303,9 +329,11 @@ def capture_activations(
     kept_fraction: float,
     stream: Stream | None = None,
     rounds: int = 0,
+    done: Done | None = None,
 ) -> Activations:
     """Run ``batches`` through ``model`` and return the hooked layers' activations (the kept
-    tokens); ``stream`` gets every real token of each batch, ``rounds`` calls in all."""
+    tokens); ``stream`` gets every real token of each batch, ``rounds`` calls in all, and ``done``
+    every layer at the end."""
     recorder = _Recorder(outputs, _kept(batches), stream)
     recorder.group(list(refs))
     with hooks_installed(recorder, refs), torch.no_grad():
@@ -313,7 +341,9 @@ def capture_activations(
             recorder.start(batch)
             model(**forward_kwargs(model, batch))
         recorder.pad(rounds - len(batches))
-    return _activations(recorder, refs, batches, kept_fraction, _device_of(model))
+    device = _device_of(model)
+    recorder.report(list(refs), done, refs, device)
+    return _activations(recorder, refs, batches, kept_fraction, device)
 
 
 def capture_sequential(
@@ -324,18 +354,22 @@ def capture_sequential(
     kept_fraction: float,
     stream: Stream | None = None,
     rounds: int = 0,
+    done: Done | None = None,
 ) -> Activations:
     """The same activations as ``capture_activations``, one block in memory at a time: the hooks of
     the layers inside a block are installed while that block runs its batches, those of the layers
     before the blocks (embeddings) during the recording pass, and those after the blocks (head,
     pooler) during a last pass that runs only when one of them is asked for. ``stream`` gets
-    each block's batches in turn: one pass over the model, whatever the number of layers."""
+    each block's batches in turn, and ``done`` each block's layers once they have had them all:
+    one pass over the model, whatever the number of layers."""
     recorder = _Recorder(outputs, _kept(batches), stream)
+    device = runner.device
     outer = {name: ref for name, ref in refs.items() if runner.block_of(name) is None}
     recorder.group(list(outer))
     with hooks_installed(recorder, outer):
         runner.head(forward_kwargs, recorder.start)
         recorder.pad(rounds - len(batches))
+    recorder.report([name for name in outer if name in recorder.counts], done, refs, device)
     for index in runner.blocks():
         inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
         recorder.group(list(inside))
@@ -344,13 +378,15 @@ def capture_sequential(
                 recorder.start(batch)
                 runner.run(index, batch_index)
             recorder.pad(rounds - len(batches))
+        recorder.report(list(inside), done, refs, device)
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))
         with hooks_installed(recorder, after):
             runner.tail(forward_kwargs, recorder.start)
             recorder.pad(rounds - len(batches))
-    return _activations(recorder, refs, batches, kept_fraction, runner.device)
+    recorder.report(list(refs), done, refs, device)
+    return _activations(recorder, refs, batches, kept_fraction, device)
 
 
 def _kept(batches: list[Batch]) -> int:

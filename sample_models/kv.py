@@ -20,7 +20,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from .calibration import Batch
-from .capture import Key, Stream, forward_kwargs
+from .capture import Done, Key, Stream, forward_kwargs
 from .sequential import SequentialRunner
 
 DECODER_KV = ("k_proj", "v_proj")
@@ -112,9 +112,11 @@ def capture_kv_states(
     batches: list[Batch],
     stream: Stream | None = None,
     rounds: int = 0,
+    done: Done | None = None,
 ) -> KVStates:
     """Keys and values of ``blocks`` as ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``
-    (the kept tokens; ``stream`` gets every real token of each batch, ``rounds`` calls in all).
+    (the kept tokens; ``stream`` gets every real token of each batch, ``rounds`` calls in all, and
+    ``done`` every block at the end).
     Decoder blocks are read from a DynamicCache after each forward pass, so keys include RoPE
     and grouped-query attention yields ``num_key_value_heads`` heads. Encoder blocks (BERT) have
     no cache; their key/value projection outputs are hooked and split into heads.
@@ -131,7 +133,9 @@ def capture_kv_states(
             sink.flush(list(blocks))
     for _ in range(rounds - len(batches)):
         sink.flush(list(blocks))
-    return _result(sink, blocks, batches)
+    result = _result(sink, blocks, batches)
+    result.report(list(blocks), done)
+    return result
 
 
 def capture_kv_sequential(
@@ -141,10 +145,11 @@ def capture_kv_sequential(
     batches: list[Batch],
     stream: Stream | None = None,
     rounds: int = 0,
+    done: Done | None = None,
 ) -> KVStates:
     """The same states as ``capture_kv_states``, one block in memory at a time. Every block call
     gets a fresh cache, read right after it when the block holds a requested attention module, so
-    caches never accumulate the keys of every layer."""
+    caches never accumulate the keys of every layer; ``done`` hears of each block after its run."""
     sink = _Sink(stream)
     cached, projected = _split_by_kind(blocks)
     current: list[Batch] = []
@@ -164,6 +169,7 @@ def capture_kv_sequential(
                 sink.flush(here)
         for _ in range(rounds - len(batches)):
             sink.flush(here)
+        _result(sink, {name: blocks[name] for name in here}, batches).report(here, done)
     return _result(sink, blocks, batches)
 
 
@@ -212,6 +218,13 @@ class KVStates(dict):
     def __init__(self, states: dict[str, dict[str, torch.Tensor]], tokens: int) -> None:
         super().__init__(states)
         self.tokens = tokens
+
+    def report(self, blocks: list[str], done: Done | None) -> None:
+        """Tell ``done`` about ``blocks``: their keys, kept states and token counts."""
+        if done is None or not blocks:
+            return
+        keys = [(block, which) for block in blocks for which in "kv"]
+        done(keys, {(b, w): self[b][w] for b, w in keys}, dict.fromkeys(keys, self.tokens))
 
 
 def _result(sink: _Sink, blocks: dict[str, nn.Module], batches: list[Batch]) -> KVStates:

@@ -20,9 +20,17 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .calibration import Batch, check_knobs, make_batches, plan_batches, rounds, share_of, token_windows
-from .capture import Activations, Stream, capture_activations, capture_sequential
+from .capture import Activations, Done, Stream, capture_activations, capture_sequential
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
-from .kv import attention_blocks, attention_kind, capture_kv_sequential, capture_kv_states, head_dim_of, split_heads
+from .kv import (
+    KVStates,
+    attention_blocks,
+    attention_kind,
+    capture_kv_sequential,
+    capture_kv_states,
+    head_dim_of,
+    split_heads,
+)
 from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer
 from .sequential import Progress, SequentialModel, SequentialRunner, SequentialStats, default_max_memory
 from .stores import WeightStore
@@ -180,6 +188,7 @@ class Model:
         progress: Progress | None = None,
         share: tuple[int, int] = (0, 1),
         stream: Stream | None = None,
+        done: Done | None = None,
     ) -> Activations:
         """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
         as ``{name: (tokens, features)}`` without padding tokens.
@@ -200,7 +209,8 @@ class Model:
         tokens together are exactly those of the whole capture, subsampling included.
 
         ``stream``: also hand every real token of each batch to ``stream`` once the batch has run
-        (``capture.Stream``), so observers see all tokens while only the kept ones are returned.
+        (``capture.Stream``), so observers see all tokens while only the kept ones are returned;
+        ``done`` hears of each block's layers once they have had every batch (``capture.Done``).
         """
         names = [names] if isinstance(names, str) else list(names)
         if not names:
@@ -213,9 +223,9 @@ class Model:
             per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
             batches, fraction, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
-                return capture_activations(module, refs, batches, outputs, fraction, stream, calls)
+                return capture_activations(module, refs, batches, outputs, fraction, stream, calls, done)
             with self._runner(batches, budget, progress) as runner:
-                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls)
+                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done)
 
     def calibration_batches(
         self,
@@ -249,7 +259,8 @@ class Model:
         progress: Progress | None = None,
         share: tuple[int, int] = (0, 1),
         stream: Stream | None = None,
-    ) -> dict[str, dict[str, torch.Tensor]]:
+        done: Done | None = None,
+    ) -> KVStates:
         """Key and value states of attention blocks, per head:
         ``{block: {"k": (1, kv_heads, tokens, head_dim), "v": ...}}``. Keys are taken as the KV
         cache holds them (after RoPE), with ``num_key_value_heads`` heads under grouped-query
@@ -264,9 +275,9 @@ class Model:
             per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
             batches, _, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
             if budget is None:
-                return capture_kv_states(module, self.config, found, batches, stream, calls)
+                return capture_kv_states(module, self.config, found, batches, stream, calls, done)
             with self._runner(batches, budget, progress) as runner:
-                return capture_kv_sequential(runner, self.config, found, batches, stream, calls)
+                return capture_kv_sequential(runner, self.config, found, batches, stream, calls, done)
 
     def kv_shape(self, block: str) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of an attention block's keys and values (``kv_heads`` <

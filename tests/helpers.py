@@ -112,11 +112,11 @@ class ThreadRanks:
 
 
 def streamed_capture(
-    inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None, stream, batches: int
+    inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None, stream, batches: int, done=None
 ) -> Activations:
     """What ``Model.capture`` does, for stand-in models: ``batches`` batches of rows through
     ``stream`` as the capture hooks hand them (layers fed the same tensor get the same rows
-    object), then the ``Activations`` of every token."""
+    object), ``done`` told of every layer, then the ``Activations`` of every token."""
     names = list(inputs)
     tokens = {len(x) for x in inputs.values()}.pop()
     sides = {"input": inputs} | ({"output": outputs} if outputs is not None else {})
@@ -129,4 +129,6 @@ def streamed_capture(
             batch[(name, side)] = fed.setdefault(id(source), source[start : start + step])
         if stream is not None:
             stream(keys, batch)
-    return Activations(inputs, outputs or {}, {name: tokens for name in names}, tokens, 1.0)
+    captured = Activations(inputs, outputs or {}, {name: tokens for name in names}, tokens, 1.0)
+    captured.report(done)
+    return captured

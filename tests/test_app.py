@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 import observers as ob
 from lab import lab_json, results, settings, ui
-from lab.pipeline import CapturingModel
+from lab.capture_memo import CapturingModel
 from lab.results import choose
 from observers.formats import FAMILIES
 
@@ -361,12 +361,16 @@ def test_best_mask_follows_metric_direction():
 def test_capturing_model_memoizes_one_capture():
     calls = []
 
+    class Captured(dict):
+        def report(self, done):
+            done(list(self), dict(self), {})
+
     class Model:
         source = "m"
 
-        def capture(self, names, **kwargs):
+        def capture(self, names, stream=None, done=None, **kwargs):
             calls.append((tuple(names), kwargs))
-            return {"x": len(calls)}
+            return Captured(x=len(calls))
 
     store: dict = {}
     wrapped = CapturingModel(Model(), store)
@@ -374,6 +378,10 @@ def test_capturing_model_memoizes_one_capture():
     assert wrapped.capture(["a"], samples=4) == {"x": 1}
     assert wrapped.capture(["a"], samples=8) == {"x": 2}
     assert wrapped.source == "m" and len(calls) == 2
+    assert wrapped.capture(["a"], samples=8, stream=print) == {"x": 3}  # observers need the batches: it runs
+    replayed = []
+    assert wrapped.capture(["a"], samples=8, done=lambda *args: replayed.append(args)) == {"x": 3}
+    assert replayed == [(["x"], {"x": 3}, {})] and len(calls) == 3  # a memo hit tells ``done`` at once
 
 
 def test_layer_output_error_toggle_shows_three_modes_per_observer(ran):

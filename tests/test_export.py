@@ -55,10 +55,10 @@ class FakeModel:
     def weight(self, name):
         return self.weights[name].clone()
 
-    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False, stream=None, **_):
+    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False, stream=None, done=None, **_):
         x = torch.cat(self.inputs)
         produced = {n: x @ self.weights[n].T for n in names} if outputs else None
-        return streamed_capture(dict.fromkeys(names, x), produced, stream, batches=len(self.inputs))
+        return streamed_capture(dict.fromkeys(names, x), produced, stream, len(self.inputs), done)
 
 
 def _analysis(specs=None, observers=OBSERVERS, model=None) -> tuple[FakeModel, Analysis]:

@@ -32,9 +32,9 @@ class _Model:
     def weight(self, name):
         return self.weights[name]
 
-    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False, stream=None, **_):
+    def capture(self, names, texts=None, samples=32, seq_len=128, outputs=False, stream=None, done=None, **_):
         self.captures += 1
-        return streamed_capture({n: self.inputs[n] for n in names}, None, stream, batches=4)
+        return streamed_capture({n: self.inputs[n] for n in names}, None, stream, batches=4, done=done)
 
 
 def test_imatrix_gets_importance_from_captured_inputs():

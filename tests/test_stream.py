@@ -93,7 +93,8 @@ def test_the_lab_file_records_the_whole_shape_and_the_metrics_sample(llama, monk
     analysis = analyse(llama, LAYERS[:1], config)
     (record,) = lab_json.build_document(analysis, choose(analysis))["entries"]
     entry = analysis.entries[0]
-    assert record["tensor_shape"] == [entry.num_tokens, entry.data.shape[1]] and record["metrics_tokens"] == entry.metrics_tokens
+    assert record["tensor_shape"] == [entry.num_tokens, entry.data.shape[1]]
+    assert record["metrics_tokens"] == entry.metrics_tokens
     assert 0 < record["metrics_tokens"] < entry.num_tokens
 
 

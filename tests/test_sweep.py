@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import observers as ob
-from lab import lab_json, sweep
+from lab import lab_json, sweep, sweep_file
 from lab.cli import ProgressBar, main
 from lab.pipeline import RunConfig
 from lab.sweep import Plan, partial_path, run_sweep
@@ -144,21 +144,32 @@ def test_bad_sweep_input_exits_2_with_one_line(tmp_path, argv, needle):
     assert not partial_path(tmp_path / "q.json").exists()
 
 
-def test_no_chunk_holds_more_layers_than_its_size(tmp_path, monkeypatch):
-    seen: list[int] = []
-    real = sweep.analyse
+def test_a_sweep_calibrates_in_one_pass_and_writes_each_block_as_it_finishes(tmp_path, monkeypatch):
+    """By default every layer is observed in one calibration pass (the checkpoint read once);
+    sequentially, each block's layers are written as soon as the block has seen every batch."""
+    calls: list[int] = []
+    rounds: list[set[str]] = []
+    real_analyse, real_write = sweep.analyse, sweep_file.Writer.write_round
 
     def counting(model, layers, config, **kwargs):
-        seen.append(len(layers))
-        return real(model, layers, config, **kwargs)
+        calls.append(len(layers))
+        return real_analyse(model, layers, config, **kwargs)
+
+    def recording(self, payloads):
+        rounds.append({line["unit"] for payload in payloads for line in payload["units"]})
+        return real_write(self, payloads)
 
     monkeypatch.setattr(sweep, "analyse", counting)
+    monkeypatch.setattr(sweep_file.Writer, "write_round", recording)
     plan = _plan(chunk=None)
+    plan = Plan(plan.model, plan.layers, RunConfig(**{**vars(plan.config), "sequential": True}))
     run_sweep(plan, tmp_path / "q.json")
-    assert plan.chunk_size == sweep.LAYERS_PER_CHUNK and max(seen) == sweep.LAYERS_PER_CHUNK
-    assert sum(seen) == len(plan.layers)
+    assert plan.chunk_size() is None and calls == [len(plan.layers)]
+    blocks = [{name for name in plan.layers if name.startswith(f"model.layers.{i}.")} for i in range(4)]
+    assert rounds == [{"model.embed_tokens"}, *blocks, {"lm_head"}]
     weights_only = Plan(plan.model, plan.layers, RunConfig(specs={"weight": ob.QuantSpec("int8")}))
-    assert weights_only.chunk_size == 1
+    assert weights_only.chunk_size() == 1
+    assert Plan(plan.model, plan.layers, plan.config, chunk=3).chunk_size() == 3
 
 
 def test_progress_bar_shows_layers_elapsed_and_eta():
