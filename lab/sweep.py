@@ -1,21 +1,22 @@
-"""Whole-model sweeps: every layer streamed through ``lab.pipeline.analyse``, written as it goes,
+"""Whole-model sweeps: every layer through ``lab.pipeline.analyse``, written as it goes,
 resumable, and split between torchrun ranks (``lab.distributed``).
 
-An ``Analysis`` keeps every tensor it observed, so one over all layers of a large model would hold
-the whole model and its activations at once. A sweep analyses a few layers at a time (a *chunk*:
-one calibration pass captures the chunk's activations), turns the chunk into the records
-``lab_json.build_document`` writes (the very records of a single run), appends them to
-``<out>.partial.jsonl`` (flushed and fsynced per chunk, so Ctrl-C or a crash loses only the chunk
-under way) and drops the tensors. At the end the records are assembled into the Observer Lab
-file, equal to what one ``analyse`` over the same layers writes (apart from creation time and
-timings), written atomically, and the partial file is removed.
+A sweep that captures activations runs one calibration pass over all its layers: the observers
+keep only their state, and ``analyse`` hands on each block's layers as soon as the block has seen
+every batch (``on_done``; a block at a time in a sequential capture). Those are turned into the
+records ``lab_json.build_document`` writes (the very records of a single run), appended to
+``<out>.partial.jsonl`` (flushed and fsynced, so Ctrl-C or a crash loses only the block under way)
+and dropped. ``--chunk N`` splits the layers into passes of ``N`` instead; weight-only sweeps go
+one layer at a time. At the end the records are assembled into the Observer Lab file, equal to
+what one ``analyse`` over the same layers writes (apart from creation time and timings), written
+atomically, and the partial file is removed.
 
 The partial file and its format: ``lab.sweep_file``.
 
-Under torchrun (``lab.distributed``) the ranks split the layers (each analyses its own chunks
-alone) or, when the sweep captures activations, the calibration batches: every rank then
-analyses every chunk on its share of the batches, the activation observers merge their
-statistics across ranks (``observers.shared``) and the weights of a chunk are split by layer.
+Under torchrun (``lab.distributed``) the ranks split the calibration batches when the sweep
+captures (each rank streams its share of every batch round; the activation observers merge their
+statistics across ranks, ``observers.shared``, and the weights are split by layer), or else the
+layers (each rank analyses its own chunks alone).
 """
 
 from __future__ import annotations
