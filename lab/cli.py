@@ -218,6 +218,9 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
     note = plan.split_note(ranks.world_size)
     if note and ranks.is_main:
         err.write(f"note: {note}\n")
+    shortfall = plan.calibration_shortfall()
+    if shortfall and ranks.is_main:
+        err.write(f"warning: {shortfall}\n")
     bar = ProgressBar(err, "layers") if ranks.is_main and not args.quiet else None
     outcome = run_sweep(plan, args.out, resume=args.resume, progress=bar, ranks=ranks)
     if outcome is None:

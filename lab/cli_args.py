@@ -14,6 +14,7 @@ from lab.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
 from lab.tools import Tool
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
+from sample_models.calibration_sets import CalibrationSource
 
 ALL_LAYERS = "all"
 
@@ -196,6 +197,16 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BATCH_SIZE,
         help="samples per forward pass: the batches the observers see one by one (llm-compressor's default is 1)",
     )
+    data = parser.add_argument_group("calibration set (default: the built-in paragraphs)")
+    data.add_argument(
+        "--dataset",
+        metavar="PATH_OR_ID",
+        help="the calibration records: a .txt (one record per line), .jsonl/.json/.csv/.parquet file, a "
+        "save_to_disk directory or a hub dataset id; each record is one sample, truncated to --seq-len",
+    )
+    data.add_argument("--text-column", default="text", help="the records' text column (else a chat 'messages' column)")
+    data.add_argument("--dataset-split", default="train", help="the split of a hub id or a saved DatasetDict")
+    data.add_argument("--shuffle-seed", type=int, help="shuffle the records with this seed (default: file order)")
 
 
 def _editor_changes(editor: SpecSettings, args: argparse.Namespace) -> None:
@@ -274,6 +285,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
     settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
     settings.batch_size = args.batch_size
+    if args.dataset is not None:
+        settings.dataset = CalibrationSource(args.dataset, args.text_column, args.dataset_split, args.shuffle_seed)
     settings.transform, settings.transform_seed, settings.smooth_alpha = args.transform, args.transform_seed, args.alpha
     settings.tools = _tools(args.as_tools)
     settings.sequential = args.sequential

@@ -107,6 +107,7 @@ def build_document(
         "source": json_safe(analysis.source),
         "metric": metric,
         "config": json_safe(analysis.config.to_dict()),
+        **({} if analysis.calibration is None else {"calibration": json_safe(analysis.calibration)}),
         "entries": [_entry_record(entry, observer, metric) for entry, observer in selected],
         "uncalibrated": [uncalibrated_record(e) for e in missing],
     }

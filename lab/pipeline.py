@@ -12,7 +12,6 @@ choosing observers live in ``lab.results``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -29,124 +28,19 @@ from lab.activations import tensor_id as activations_tensor_id
 from lab.distributed import SINGLE, Ranks, owner
 from lab.model_facts import ModelFacts
 from lab.result_cache import ResultCache
-from lab.tools import Tool, profile
+from lab.run_config import RunConfig
+from lab.tools import profile
 from lab.vocab import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQ_LEN,
     KV,
     KV_TENSORS,
     LAYER_TENSORS,
-    SAMPLE_BYTES,
-    SPEC_KEYS,
     spec_key,
 )
 from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
+from sample_models.calibration_sets import CalibrationSamples
 
 ProgressFn = Callable[[int, int, str], None]
-
-
-def default_observers(specs: dict[str, ob.QuantSpec]) -> tuple[str, ...]:
-    """Every observer that applies to at least one of ``specs`` (keyed by tensor kind), in
-    registry order: what a run with no observers named compares."""
-    found = {name for key, spec in specs.items() for name in ob.applicable(spec, _observer_kind(key))}
-    return tuple(name for name in ob.available() if name in found)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """What to run: a spec per tensor kind (``weight``/``input``/``output`` of layers, ``kv`` for
-    the key and value states of attention blocks, as one KV-cache scheme covers both; absent =
-    skip), the observers (None = all registered), knob overrides per observer, calibration settings,
-    and whether group weights use activation order (``actorder``).
-
-    ``sequential`` and ``max_memory`` say *how* activations are captured (layer by layer, under a
-    memory budget in bytes; None: the model decides, see ``sample_models.Model.capture``); they
-    do not change a single captured value, so they are not part of ``to_dict`` or any cache key."""
-
-    specs: dict[str, ob.QuantSpec]
-    observers: tuple[str, ...] | None = None
-    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    samples: int = DEFAULT_SAMPLES
-    seq_len: int = DEFAULT_SEQ_LEN
-    texts: tuple[str, ...] | None = None
-    actorder: bool = False
-    batch_size: int = DEFAULT_BATCH_SIZE
-    """Samples per forward pass: the batches the observers see one by one (a moving average's steps,
-    a memoryless observer's last batch). Ranks that split the batches each run this many samples,
-    so ``N`` ranks observe what one process with ``N`` times the batch size observes."""
-    sequential: bool | None = None
-    max_memory: int | None = None
-    transform: ob.TransformSpec | None = None
-    tools: tuple[str, ...] = ()
-    """Also run each tensor as these tools would by default (``lab.tools``), beside the observers."""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.specs) - set(SPEC_KEYS)
-        if unknown:
-            raise ValueError(f"unknown tensor kind(s) {sorted(unknown)}; allowed: {', '.join(SPEC_KEYS)}")
-        if not self.specs:
-            raise ValueError("choose at least one tensor kind to analyse (weight, input, output, kv)")
-        for kind, spec in self.specs.items():
-            if not isinstance(spec, ob.QuantSpec):
-                raise ValueError(f"spec for {kind!r} must be a QuantSpec, got {type(spec).__name__}")
-        for kind, spec in self.specs.items():
-            spec.check_kind(_observer_kind(kind))
-        if self.tools:
-            known = [tool.value for tool in Tool]
-            unknown = [tool for tool in self.tools if tool not in known]
-            if unknown:
-                raise ValueError(f"unknown tool(s) {', '.join(map(str, unknown))}; allowed: {', '.join(known)}")
-        object.__setattr__(self, "tools", tuple(str(tool) for tool in self.tools))
-        if self.transform is not None and not isinstance(self.transform, ob.TransformSpec):
-            raise ValueError(f"transform must be an observers.TransformSpec, got {type(self.transform).__name__}")
-
-    @property
-    def observer_names(self) -> tuple[str, ...]:
-        """The observers named, else (None) every observer that applies to any of the specs,
-        in registry order (``observers_for`` says which run on each tensor)."""
-        return tuple(self.observers) if self.observers is not None else default_observers(self.specs)
-
-    def observers_for(self, key: str) -> tuple[str, ...]:
-        """The observers run on the tensors of spec ``key``: the named ones (an observer that
-        does not apply reports why in its result), else ``observers.applicable`` for the spec."""
-        if self.observers is not None:
-            return tuple(self.observers)
-        return tuple(ob.applicable(self.specs[key], _observer_kind(key)))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "specs": {kind: spec.to_dict() for kind, spec in self.specs.items()},
-            "observers": list(self.observer_names),
-            "knobs": self.knobs,
-            "samples": self.samples,
-            "seq_len": self.seq_len,
-            "texts": None if self.texts is None else list(self.texts),
-            "actorder": self.actorder,
-            "batch_size": self.batch_size,
-            "transform": None if self.transform is None else self.transform.to_dict(),
-            "tools": list(self.tools),
-        }
-
-    def capture_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``capture`` / ``capture_kv`` for this run: the calibration set,
-        and how to capture when one was chosen."""
-        options: dict[str, Any] = {
-            "texts": None if self.texts is None else list(self.texts),
-            "samples": self.samples,
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "max_bytes": SAMPLE_BYTES,
-        }
-        how = {"sequential": self.sequential, "max_memory": self.max_memory}
-        return options | {k: v for k, v in how.items() if v is not None}
-
-    def calibration_key(self) -> str:
-        """Changes exactly when the captured activations would change."""
-        payload = {"samples": self.samples, "seq_len": self.seq_len, "texts": self.texts}
-        payload |= {"batch_size": self.batch_size, "sample_bytes": SAMPLE_BYTES}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -222,6 +116,9 @@ class Analysis:
     entries: list[TensorAnalysis]
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None
+    """The calibration set the activations saw (``CalibrationSamples.to_dict``: source, fingerprint,
+    samples, asked, tokens); None when nothing was calibrated."""
 
     @property
     def source(self) -> dict[str, Any]:
@@ -306,8 +203,11 @@ def analyse(
     total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
     if progress is not None:
         progress(0, total, "calibrating")
+    streams = bool(activation_keys(layers, attention, config) or config.actorder or observed.smooths(config))
+    calibration = _calibration_set(model, config) if streams else None  # a bad dataset stops it here
     entries: list[TensorAnalysis] = []
-    warnings: list[str] = []
+    warnings: list[str] = [calibration.shortfall] if calibration is not None and calibration.shortfall else []
+    recorded = None if calibration is None else calibration.to_dict()
     steps = iter(range(total))
 
     def tick(label: str) -> None:
@@ -333,11 +233,10 @@ def analyse(
         if on_done is None:
             entries.extend(found)
         else:
-            on_done(Analysis(facts, config, found, time.perf_counter() - start, list(warnings)))
+            on_done(Analysis(facts, config, found, time.perf_counter() - start, list(warnings), recorded))
 
     failed = None
     try:
-        streams = activation_keys(layers, attention, config) or config.actorder or observed.smooths(config)
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish) if streams else None
         finished = set() if calibrated is None else {key[0] for key in calibrated.samples} | set(calibrated.statistics)
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
@@ -350,7 +249,16 @@ def analyse(
     entries.sort(key=lambda e: order[(e.layer, e.tensor)])
     if progress is not None:
         progress(total, total, "done")
-    return Analysis(facts, config, entries, time.perf_counter() - start, warnings)
+    return Analysis(facts, config, entries, time.perf_counter() - start, warnings, recorded)
+
+
+def _calibration_set(model, config: RunConfig) -> CalibrationSamples | None:
+    """The calibration set the pass ran on (tokenized once: the model keeps it); None for a model
+    that does not tell (a stand-in)."""
+    if not hasattr(model, "calibration_set"):
+        return None
+    options = config.capture_options()
+    return model.calibration_set(options["texts"], options["samples"], options["seq_len"])
 
 
 def _activation_entry(

@@ -18,9 +18,10 @@ from typing import Any
 import pandas as pd
 
 import observers as ob
-from lab.pipeline import RunConfig, default_observers
+from lab.run_config import RunConfig, default_observers
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
 from observers.formats import FAMILIES
+from sample_models.calibration_sets import CalibrationSource
 
 ROLE_OF_KIND = {TensorKind.WEIGHT: "weight", TensorKind.INPUT: "act", TensorKind.OUTPUT: "act", KV: "kv"}
 OBSERVER_KIND_OF_ROLE = {"weight": "weight", "act": "activation", "kv": "attention"}
@@ -197,6 +198,7 @@ class RunSettings:
     texts: tuple[str, ...] | None = None
     actorder: bool = False
     batch_size: int = DEFAULT_BATCH_SIZE
+    dataset: CalibrationSource | None = None
     preset: str = "custom"
     sequential: bool | None = None
     max_memory: int | None = None
@@ -275,6 +277,7 @@ class RunSettings:
             seq_len=int(self.seq_len),
             texts=self.texts,
             batch_size=int(self.batch_size),
+            dataset=self.dataset,
             actorder=bool(self.actorder and self.actorder_applies and can_capture),
             sequential=self.sequential,
             max_memory=self.max_memory,

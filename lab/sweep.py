@@ -116,6 +116,13 @@ class Plan:
             "the ranks split the layers instead of the batches"
         )
 
+    def calibration_shortfall(self) -> str | None:
+        """One line when the calibration set has fewer samples than asked (the sweep goes on)."""
+        if not self.captures:
+            return None
+        options = self.config.capture_options()
+        return self.model.calibration_set(options["texts"], options["samples"], options["seq_len"]).shortfall
+
     @cached_property
     def _calibration_batches(self) -> int:
         options = self.config.capture_options()
@@ -246,7 +253,8 @@ def _assemble(lines: list[dict[str, Any]], world_size: int, config: RunConfig) -
     if not entries:
         first = next((u["error"] for u in units if u["error"]), "nothing was analysed")
         raise ValueError(f"no observer produced qparams for these settings: {first}")
-    header = next(line["header"] for line in lines if "header" in line)
+    headers = [line["header"] for line in lines if "header" in line]
+    header = headers[0] | next(({"calibration": h["calibration"]} for h in headers if "calibration" in h), {})
     document = {**header, "config": json_safe(config.to_dict()), "entries": entries}
     document["uncalibrated"] = [record for u in units for record in u["uncalibrated"]]
     if world_size > 1:
@@ -321,7 +329,10 @@ def _start(plan: Plan, pending: Path, resume: bool, ranks: Ranks) -> tuple[set[i
 
     lines = _on_main(ranks, open_it)
     done = ranks.broadcast(None if lines is None else [line["index"] for line in lines if "unit" in line])
-    writer = sweep_file.Writer(pending, any("header" in line for line in lines)) if ranks.is_main else None
+    headers = [line["header"] for line in lines if "header" in line] if ranks.is_main else []
+    writer = (
+        sweep_file.Writer(pending, bool(headers), any("calibration" in h for h in headers)) if ranks.is_main else None
+    )
     return set(done), writer
 
 

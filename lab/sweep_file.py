@@ -94,15 +94,22 @@ class Writer:
 
     path: Path
     has_header: bool
+    has_calibration: bool = False
+    """Whether a written header records the calibration set (weight-only units' headers do not)."""
 
     def write_round(self, payloads: list[dict[str, Any]]) -> None:
         """Write what every rank finished, then raise the first rank's error, if any: the units
         that did finish are kept for a resume."""
         records: list[dict[str, Any]] = []
         header = next((p["header"] for p in payloads if p["header"] is not None), None)
+        calibrated = next((p["header"] for p in payloads if p["header"] and "calibration" in p["header"]), None)
         if header is not None and not self.has_header:
             records.append({"header": header})
             self.has_header = True
+            self.has_calibration = "calibration" in header
+        elif calibrated is not None and not self.has_calibration:  # the first units had no activations
+            records.append({"header": calibrated})
+            self.has_calibration = True
         records += _merge_units([line for p in payloads for line in p["units"]])
         if records:
             append(self.path, records)

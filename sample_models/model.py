@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .calibration import Batch, check_knobs, make_batches, plan_batches, rounds, share_of, token_windows
+from .calibration_sets import CalibrationSamples, CalibrationSource, calibration_samples, calibration_stamp
 from .capture import Activations, Done, Stream, capture_activations, capture_sequential
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
 from .kv import (
@@ -128,6 +129,7 @@ class Model:
         self._store = store
         self._runtime = runtime
         self._capture_lock = threading.RLock()
+        self._calibration_memo: dict = {}
         self._sequential = Lazy(self._sequential_model)
         self.last_sequential: SequentialStats | None = None
 
@@ -227,9 +229,27 @@ class Model:
             with self._runner(batches, budget, progress) as runner:
                 return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done)
 
+    def calibration_set(
+        self, texts: list[str] | str | CalibrationSource | None = None, samples: int = 32, seq_len: int = 128
+    ) -> CalibrationSamples:
+        """The tokenized calibration set: the built-in paragraphs (``texts=None``), pasted texts, or
+        the records of a ``CalibrationSource`` (``calibration_sets``). Kept for the last settings
+        asked, so a capture and the lab's record of it tokenize once."""
+        tokenizer = self.tokenizer()
+        key = (calibration_stamp(texts), samples, seq_len)
+        if self._calibration_memo.get("key") != key:
+            if isinstance(texts, CalibrationSource):
+                found = calibration_samples(tokenizer, texts, samples, seq_len)
+            else:
+                windows = token_windows(tokenizer, texts, samples, seq_len)
+                source = {"kind": "builtin" if texts is None else "pasted"}
+                found = CalibrationSamples.of(windows, asked=samples, records=len(windows), source=source)
+            self._calibration_memo = {"key": key, "value": found}
+        return self._calibration_memo["value"]
+
     def calibration_batches(
         self,
-        texts: list[str] | str | None = None,
+        texts: list[str] | str | CalibrationSource | None = None,
         samples: int = 32,
         seq_len: int = 128,
         batch_size: int = DEFAULT_BATCH_SIZE,
@@ -237,8 +257,7 @@ class Model:
         """How many forward batches a capture with these calibration settings runs: ranks that split
         the batches need at least one each. Tokenizes the texts; runs nothing."""
         check_knobs(samples, seq_len, batch_size, getattr(self.config, "max_position_embeddings", None))
-        windows = token_windows(self.tokenizer(), texts, samples, seq_len)
-        return -(-len(windows) // batch_size)
+        return -(-len(self.calibration_set(texts, samples, seq_len).windows) // batch_size)
 
     def attention_blocks(self) -> list[str]:
         """Names of attention blocks ``capture_kv`` accepts (e.g. ``model.layers.0.self_attn``).
@@ -296,9 +315,8 @@ class Model:
 
     def _batches(self, texts, samples, seq_len, batch_size, per_token, max_bytes, share=(0, 1)):
         check_knobs(samples, seq_len, batch_size, getattr(self.config, "max_position_embeddings", None))
-        tokenizer = self.tokenizer()
-        windows = token_windows(tokenizer, texts, samples, seq_len)
-        padded = make_batches(tokenizer, windows, batch_size, self.device)
+        windows = self.calibration_set(texts, samples, seq_len).windows
+        padded = make_batches(self.tokenizer(), windows, batch_size, self.device)
         batches, fraction = plan_batches(padded, per_token, max_bytes)
         return share_of(batches, *share), fraction, rounds(len(batches), share[1])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import observers as ob
-from lab import lab_json, pipeline
+from lab import lab_json, run_config
 from lab.pipeline import RunConfig, analyse
 from lab.results import choose
 from sample_models import open_model
@@ -64,7 +64,7 @@ def test_key_value_states_stream_every_token(llama):
 def test_ranges_are_exact_over_every_token_while_the_sample_is_bounded(llama, monkeypatch):
     """With a sample budget far below the calibration set, min-max and histogram observers still see
     every token: their qparams equal those computed on the whole unsampled capture, batch by batch."""
-    monkeypatch.setattr(pipeline, "SAMPLE_BYTES", 64 << 10)
+    monkeypatch.setattr(run_config, "SAMPLE_BYTES", 64 << 10)
     spec = ob.QuantSpec("int8")
     names = ("minmax", "memoryless_minmax", "moving_average_minmax", "percentile", "histogram")
     config = RunConfig(specs={"input": spec}, observers=names, **CALIBRATION)
@@ -88,7 +88,7 @@ def test_ranges_are_exact_over_every_token_while_the_sample_is_bounded(llama, mo
 
 
 def test_the_lab_file_records_the_whole_shape_and_the_metrics_sample(llama, monkeypatch):
-    monkeypatch.setattr(pipeline, "SAMPLE_BYTES", 64 << 10)
+    monkeypatch.setattr(run_config, "SAMPLE_BYTES", 64 << 10)
     config = RunConfig(specs={"input": ob.QuantSpec("int8")}, observers=("minmax",), **CALIBRATION)
     analysis = analyse(llama, LAYERS[:1], config)
     (record,) = lab_json.build_document(analysis, choose(analysis))["entries"]
