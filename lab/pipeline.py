@@ -58,14 +58,16 @@ class ToolResult:
 class TensorAnalysis:
     """The suite's results on one tensor of one layer.
 
-    When ranks split the calibration batches, ``data`` is this rank's part, ``total_shape`` the
-    shape of the whole (every rank's tokens) and ``rank`` is None (all ranks computed it);
-    ``rank`` is the rank that computed a weight's results."""
+    ``source`` is an activation's kept sample of tokens (``data``), or a function that reads a
+    weight again from its checkpoint when a page asks for it: an analysis holds no whole weight.
+    ``total_shape`` is the shape over every calibration token (of every rank, when ranks split
+    the batches; ``data`` is then this rank's sample), a weight's shape; ``rank`` is None for what
+    all ranks computed together, else the rank that computed a weight's results."""
 
     layer: str
     tensor: str
     spec: ob.QuantSpec
-    data: torch.Tensor
+    source: torch.Tensor | Callable[[], torch.Tensor]
     results: list[SuiteResult]
     g_idx: torch.Tensor | None = None
     total_shape: tuple[int, ...] | None = None
@@ -76,6 +78,11 @@ class TensorAnalysis:
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
     sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The tensor: an activation's sample, or the weight read again (as the run's transform shows it)."""
+        return self.source() if callable(self.source) else self.source
 
     @property
     def metrics_note(self) -> str | None:
@@ -224,8 +231,8 @@ def analyse(
             if tensor != "weight":
                 found.append(_activation_entry(layer, tensor, spec, calibrated, None if split else ranks.rank))
             elif layer in mine:
-                data = observed.weight_view(config, model.weight(layer), calibrated.smoothing.get(layer))
-                found.append(_weight_entry(model, layer, data, config, cache, calibrated, extra, tick, ranks.rank))
+                read = partial(_read_weight, model, layer, config, calibrated.smoothing.get(layer))
+                found.append(_weight_entry(model, layer, read, config, cache, calibrated, extra, tick, ranks.rank))
                 continue
             for name in names:
                 tick(f"{layer} · {tensor} · {name}")
@@ -274,10 +281,15 @@ def _activation_entry(
     return entry
 
 
+def _read_weight(model, layer: str, config: RunConfig, smoothing: torch.Tensor | None) -> torch.Tensor:
+    """A layer's weight read from its model, as the run's transform shows it."""
+    return observed.weight_view(config, model.weight(layer), smoothing)
+
+
 def _weight_entry(
     model,
     layer: str,
-    data: torch.Tensor,
+    read: Callable[[], torch.Tensor],
     config: RunConfig,
     cache: ResultCache,
     calibrated: Calibrated,
@@ -286,7 +298,9 @@ def _weight_entry(
     rank: int,
 ) -> TensorAnalysis:
     """A weight observed by each of the run's weight observers (through the cache), with the
-    statistics of its layer's inputs where an observer takes them, and as each tool would."""
+    statistics of its layer's inputs where an observer takes them, and as each tool would. The
+    weight is read once here and dropped: the entry keeps ``read``."""
+    data = read()
     spec, names = config.specs["weight"], config.observers_for("weight")
     given = calibrated.statistics.get(layer, {})
     g_idx = observed.g_idx_for(config, spec, given.get("importance"))
@@ -304,12 +318,14 @@ def _weight_entry(
             knobs |= {knob: given[knob] for knob in filled}
         run = partial(ob.run_one, name, data, spec, "weight", g_idx=g_idx, **knobs)
         results.append(cache.get_or_run(key, run))
-    entry = TensorAnalysis(layer, "weight", spec, data, results, g_idx, None, rank)
-    entry.tool_results = [_as_tool(tool, entry, cache, tensor_id, weight_extra) for tool in config.tools]
+    entry = TensorAnalysis(layer, "weight", spec, read, results, g_idx, tuple(data.shape), rank)
+    entry.tool_results = [_as_tool(tool, entry, data, cache, tensor_id, weight_extra) for tool in config.tools]
     return entry
 
 
-def _as_tool(tool: str, entry: TensorAnalysis, cache: ResultCache, tensor_id: str, extra: str) -> ToolResult:
+def _as_tool(
+    tool: str, entry: TensorAnalysis, data: torch.Tensor, cache: ResultCache, tensor_id: str, extra: str
+) -> ToolResult:
     """A weight observed as ``tool`` would by default: its observer, knobs and conventions, through
     the result cache like the observers (a re-run after a knob change reuses it). Activations get
     theirs in the calibration pass (``lab.activations``)."""
@@ -318,6 +334,6 @@ def _as_tool(tool: str, entry: TensorAnalysis, cache: ResultCache, tensor_id: st
     except ValueError as err:
         return ToolResult(tool, None, SuiteResult(tool, None, {}, 0.0, {}, 0, str(err)))
     kind = _observer_kind(entry.tensor)
-    run = partial(ob.run_one, found.observer, entry.data, found.spec, kind, g_idx=entry.g_idx, **found.knobs)
+    run = partial(ob.run_one, found.observer, data, found.spec, kind, g_idx=entry.g_idx, **found.knobs)
     result = cache.get_or_run(cache.key(tensor_id, found.spec, found.observer, found.knobs, extra), run)
     return ToolResult(tool, found, replace(result, name=f"{tool}: {found.observer}"))

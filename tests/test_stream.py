@@ -122,3 +122,13 @@ def test_moe_experts_stream_the_tokens_routed_to_them():
             assert torch.equal(entry.result("minmax").qparams.scale, expected)
         else:
             assert entry.result("minmax").error == "saw no calibration tokens"
+
+
+def test_an_analysis_holds_no_whole_weight_and_reads_it_again_when_asked(llama):
+    config = RunConfig(specs={"weight": ob.QuantSpec("int8")}, observers=("minmax",))
+    entry = analyse(llama, LAYERS[:1], config).entries[0]
+    assert not isinstance(entry.source, torch.Tensor) and callable(entry.source)
+    assert torch.equal(entry.data, llama.weight(LAYERS[0])) and entry.shape == tuple(llama.weight(LAYERS[0]).shape)
+    rotated = RunConfig(**{**vars(config), "transform": ob.TransformSpec(kind="hadamard")})
+    seen = analyse(llama, LAYERS[:1], rotated).entries[0]
+    assert torch.equal(seen.data, ob.transform_layer(rotated.transform, llama.weight(LAYERS[0]), None)[0])
