@@ -33,7 +33,7 @@ from observers.shared import Op
 from observers.suite import SuiteResult
 from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
-from sample_models.capture import Done, Key
+from sample_models.capture import Done, Key, Propagation
 from sample_models.layers import io_widths
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def activation_keys(layers: Sequence[str], attention: Sequence[str], config: Run
     return [(layer, side) for layer in layers for side in sides] + [(b, w) for b in attention for w in KV_TENSORS]
 
 
-Settled = Callable[[list[str], "Calibrated"], None]
+Settled = Callable[[list[str], "Calibrated"], "Propagation | None"]
 """Told the layers and attention blocks whose activation results are final (a block at a time in a
 sequential capture), with the ``Calibrated`` that holds them, so the caller can finish and hand on
 those layers before the pass ends."""
@@ -118,7 +118,7 @@ def calibrate(
     stream = ObserverStream(observations, flat_statistics, _empty_shapes(model, keys), view, across)
     device = torch.device(str(getattr(model, "device", "cpu")))
 
-    def settle(done: list[Key], kept: dict[Key, torch.Tensor], counts: dict[Key, int]) -> None:
+    def settle(done: list[Key], kept: dict[Key, torch.Tensor], counts: dict[Key, int]) -> Propagation | None:
         for key in sorted((k for k in done if k in out.results), key=lambda k: k in stream.same):
             sample = kept[key] if view is None else view(key, kept[key])
             out.samples[key] = sample
@@ -141,8 +141,9 @@ def calibrate(
                     continue
                 if value is not None:
                     out.statistics.setdefault(key[0], {})[knob] = value
-        if settled is not None:
-            settled(list(dict.fromkeys(key[0] for key in done)), out)
+        if settled is None:
+            return None
+        return settled(list(dict.fromkeys(key[0] for key in done)), out)
 
     _capture(model, layers, attention, config, ranks, stream, settle)
     return out

@@ -197,6 +197,12 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BATCH_SIZE,
         help="samples per forward pass: the batches the observers see one by one (llm-compressor's default is 1)",
     )
+    parser.add_argument(
+        "--propagate",
+        action="store_true",
+        help="calibrate each block on the outputs of the blocks before it quantized with the choices so far "
+        "(llm-compressor's sequential pipeline default); implies the layer-by-layer capture",
+    )
     data = parser.add_argument_group("calibration set (default: the built-in paragraphs)")
     data.add_argument(
         "--dataset",
@@ -284,7 +290,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     elif args.kv_per_head or args.attention:
         raise CliError("--kv-per-head and --attention need --kv-cache FORMAT")
     settings.samples, settings.seq_len, settings.actorder = args.samples, args.seq_len, args.actorder
-    settings.batch_size = args.batch_size
+    settings.batch_size, settings.propagate = args.batch_size, args.propagate
     if args.dataset is not None:
         settings.dataset = CalibrationSource(args.dataset, args.text_column, args.dataset_split, args.shuffle_seed)
     settings.transform, settings.transform_seed, settings.smooth_alpha = args.transform, args.transform_seed, args.alpha

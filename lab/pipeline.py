@@ -13,6 +13,7 @@ choosing observers live in ``lab.results``.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from lab.result_cache import ResultCache
 from lab.run_config import RunConfig
 from lab.tools import profile
 from lab.vocab import (
+    DEFAULT_METRIC,
     KV,
     KV_TENSORS,
     LAYER_TENSORS,
@@ -39,6 +41,8 @@ from lab.vocab import (
 from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
 from sample_models.calibration_sets import CalibrationSamples
+from sample_models.capture import Propagation
+from sample_models.effect import TensorQuant, quantizing_hooks
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -196,6 +200,8 @@ def analyse(
         raise ValueError("choose at least one layer")
     if not layers and not attention:
         raise ValueError("choose at least one layer or attention block")
+    if config.propagate and ranks.world_size > 1:
+        raise ValueError("propagation runs in one process: every rank would need every weight's choice")
     cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
     facts = ModelFacts.of(model, with_kv=bool(attention))
@@ -222,7 +228,7 @@ def analyse(
         if progress is not None:
             progress(step, total, label)
 
-    def finish(units: list[str], calibrated: Calibrated) -> None:
+    def finish(units: list[str], calibrated: Calibrated) -> Propagation | None:
         """The entries of ``units`` (layers, attention blocks), now that their activations are final:
         their weights are read and observed now, one layer at a time."""
         found = []
@@ -237,10 +243,12 @@ def analyse(
             for name in names:
                 tick(f"{layer} · {tensor} · {name}")
         warnings.extend(note for note in calibrated.notes if note not in warnings)
+        part = Analysis(facts, config, found, time.perf_counter() - start, list(warnings), recorded)
         if on_done is None:
             entries.extend(found)
         else:
-            on_done(Analysis(facts, config, found, time.perf_counter() - start, list(warnings), recorded))
+            on_done(part)
+        return _propagation(model, part) if config.propagate else None
 
     failed = None
     try:
@@ -257,6 +265,24 @@ def analyse(
     if progress is not None:
         progress(total, total, "done")
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings, recorded)
+
+
+def _propagation(model, part: Analysis) -> Propagation | None:
+    """What the next block calibrates behind: ``part``'s layers fake-quantized with the observer
+    each would be exported with (``lab.results.choose`` by the default metric)."""
+    from lab.results import choose  # lab.results reads analyses: it imports this module
+
+    chosen = choose(part, DEFAULT_METRIC)
+    quantization = {
+        (e.layer, e.tensor): TensorQuant(e.spec, None if e.spec.dynamic else e.result(chosen[key]).qparams)
+        for e in part.entries
+        if e.tensor in LAYER_TENSORS and (key := (e.layer, e.tensor)) in chosen
+    }
+    if not quantization:
+        return None
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", 1)
+    owner = threading.get_ident()
+    return lambda module: quantizing_hooks(module, quantization, heads, owner)
 
 
 def _calibration_set(model, config: RunConfig) -> CalibrationSamples | None:

@@ -47,6 +47,11 @@ class RunConfig:
     """Samples per forward pass: the batches the observers see one by one (a moving average's steps,
     a memoryless observer's last batch). Ranks that split the batches each run this many samples,
     so ``N`` ranks observe what one process with ``N`` times the batch size observes."""
+    propagate: bool = False
+    """Calibrate block ``i + 1`` on the outputs of block ``i`` fake-quantized with the choices made so
+    far (by the default metric), as llm-compressor's sequential pipeline does by default
+    (``propagate_error``); False: every block sees the float model's activations. Needs the
+    layer-by-layer capture, which it then uses."""
     sequential: bool | None = None
     max_memory: int | None = None
     transform: ob.TransformSpec | None = None
@@ -76,6 +81,8 @@ class RunConfig:
                 raise ValueError(f"{knob} must be a positive integer, got {value!r}")
         if self.dataset is not None and not isinstance(self.dataset, CalibrationSource):
             raise ValueError(f"dataset must be a CalibrationSource, got {type(self.dataset).__name__}")
+        if self.propagate and self.sequential is False:
+            raise ValueError("propagation runs block by block: it cannot be combined with the whole-model capture")
         if self.dataset is not None and self.texts is not None:
             raise ValueError("calibrate on a dataset or on pasted texts, not both")
         if self.transform is not None and not isinstance(self.transform, ob.TransformSpec):
@@ -105,6 +112,7 @@ class RunConfig:
             "dataset": None if self.dataset is None else self.dataset.to_dict(),
             "actorder": self.actorder,
             "batch_size": self.batch_size,
+            "propagate": self.propagate,
             "transform": None if self.transform is None else self.transform.to_dict(),
             "tools": list(self.tools),
         }
@@ -119,12 +127,12 @@ class RunConfig:
             "batch_size": self.batch_size,
             "max_bytes": SAMPLE_BYTES,
         }
-        how = {"sequential": self.sequential, "max_memory": self.max_memory}
+        how = {"sequential": True if self.propagate else self.sequential, "max_memory": self.max_memory}
         return options | {k: v for k, v in how.items() if v is not None}
 
     def calibration_key(self) -> str:
         """Changes exactly when the captured activations would change."""
         payload = {"samples": self.samples, "seq_len": self.seq_len, "texts": self.texts}
-        payload |= {"batch_size": self.batch_size, "sample_bytes": SAMPLE_BYTES}
+        payload |= {"batch_size": self.batch_size, "sample_bytes": SAMPLE_BYTES, "propagate": self.propagate}
         payload |= {"dataset": None if self.dataset is None else calibration_stamp(self.dataset)}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -199,6 +199,7 @@ class RunSettings:
     actorder: bool = False
     batch_size: int = DEFAULT_BATCH_SIZE
     dataset: CalibrationSource | None = None
+    propagate: bool = False
     preset: str = "custom"
     sequential: bool | None = None
     max_memory: int | None = None
@@ -278,6 +279,7 @@ class RunSettings:
             texts=self.texts,
             batch_size=int(self.batch_size),
             dataset=self.dataset,
+            propagate=bool(self.propagate),
             actorder=bool(self.actorder and self.actorder_applies and can_capture),
             sequential=self.sequential,
             max_memory=self.max_memory,

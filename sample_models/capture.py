@@ -20,7 +20,7 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +43,15 @@ key and value projections read one hidden state) get the same tensor object. Ran
 batches all make the same number of calls: a rank out of batches is called with no rows."""
 
 
-Done = Callable[[list[Key], dict[Key, torch.Tensor], dict[Key, int]], None]
+Done = Callable[[list[Key], dict[Key, torch.Tensor], dict[Key, int]], "Propagation | None"]
 """Called once the stream has had every batch of some keys (one block's layers in a sequential
 capture, every layer at the end of a whole-model one): the keys, their kept tokens and the real
-tokens each saw. A sweep writes those layers' results then, and forgets them."""
+tokens each saw. A sweep writes those layers' results then, and forgets them. In a sequential
+capture it may return a ``Propagation`` for the block that just finished."""
+
+Propagation = Callable[[nn.Module], AbstractContextManager]
+"""Given the model, a context in which the block's chosen tensors are fake-quantized: the capture
+runs the block's batches again inside it and hands the next block those outputs."""
 
 
 class Activations(dict):
@@ -171,16 +176,18 @@ class _Recorder:
         for _ in range(rounds if self.stream is not None and self.keys else 0):
             self.stream(self.keys, {})
 
-    def report(self, names: list[str], done: Done | None, refs: dict[str, LayerRef], device: torch.device) -> None:
-        """Tell ``done`` that ``names`` have had every batch (each name once)."""
+    def report(
+        self, names: list[str], done: Done | None, refs: dict[str, LayerRef], device: torch.device
+    ) -> Propagation | None:
+        """Tell ``done`` that ``names`` have had every batch (each name once); its answer."""
         names = [name for name in names if name not in self.reported]
         self.reported.update(names)
         if done is None or not names:
-            return
+            return None
         sides = ("input", "output") if self.want_outputs else ("input",)
         keys = [(name, side) for name in names for side in sides]
         kept = {(n, side): _or_empty(self.result(n, side), refs[n], side, device) for n, side in keys}
-        done(keys, kept, {(n, side): self.counts.get(n, 0) for n, side in keys})
+        return done(keys, kept, {(n, side): self.counts.get(n, 0) for n, side in keys})
 
     def _feed(self, key: Key, source: torch.Tensor, rows: Callable[[], torch.Tensor]) -> None:
         """Queue ``rows()`` for the stream; a key fed the very tensor an earlier key was fed in this
@@ -361,7 +368,9 @@ def capture_sequential(
     before the blocks (embeddings) during the recording pass, and those after the blocks (head,
     pooler) during a last pass that runs only when one of them is asked for. ``stream`` gets
     each block's batches in turn, and ``done`` each block's layers once they have had them all:
-    one pass over the model, whatever the number of layers."""
+    one pass over the model, whatever the number of layers. When ``done`` answers with a
+    ``Propagation``, the block runs its batches again with its chosen tensors fake-quantized
+    and the next block calibrates on those outputs."""
     recorder = _Recorder(outputs, _kept(batches), stream)
     device = runner.device
     outer = {name: ref for name, ref in refs.items() if runner.block_of(name) is None}
@@ -378,7 +387,9 @@ def capture_sequential(
                 recorder.start(batch)
                 runner.run(index, batch_index)
             recorder.pad(rounds - len(batches))
-        recorder.report(list(inside), done, refs, device)
+        propagation = recorder.report(list(inside), done, refs, device)
+        if propagation is not None:
+            runner.propagate(index, propagation)
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))

@@ -461,55 +461,62 @@ class EffectRunner:
 
         return overrides
 
-    @contextmanager
-    def _hooks(self, quantization: Quantization, owner: int) -> Iterator[None]:
-        """Forward hooks that fake-quantize the chosen tensors of linear layers (weight, input,
-        output) and the key/value projections of encoder attention blocks, for this thread only."""
-        by_module: dict[str, dict[str, TensorQuant]] = {}
-        for (name, tensor), quant in quantization.items():
-            module = self._module(name)
-            if tensor in ("k", "v"):
-                if attention_kind(module) == "projection":
-                    projection = f"{name}.{'key' if tensor == 'k' else 'value'}"
-                    by_module.setdefault(projection, {})[f"heads_{tensor}"] = quant
-                continue
-            by_module.setdefault(name, {})[tensor] = quant
-        handles = []
-        try:
-            for name, chosen in by_module.items():
-                module = self._module(name)
-                handles.append(module.register_forward_hook(self._linear_hook(module, chosen, owner), with_kwargs=True))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _linear_hook(self, module: nn.Module, chosen: dict[str, TensorQuant], owner: int):
-        weights: list[torch.Tensor] = []
+    def _hooks(self, quantization: Quantization, owner: int):
         heads = self.model.config.num_attention_heads if self.model.config is not None else 1
+        return quantizing_hooks(self._backend.module, quantization, heads, owner)
 
-        def hook(mod, args, kwargs, output):
-            if threading.get_ident() != owner:
-                return None
-            x = args[0] if args else next(iter(kwargs.values()))
-            y = output
-            if "weight" in chosen or "input" in chosen:
-                weight = _as_out_in(mod)
-                if "weight" in chosen:
-                    if not weights:
-                        weights.append(chosen["weight"](weight, "weight"))
-                    weight = weights[0]
-                x_in = chosen["input"](x, "activation") if "input" in chosen else x
-                y = F.linear(x_in, weight.to(x_in.dtype), None if mod.bias is None else mod.bias)
-            if "output" in chosen:
-                y = chosen["output"](y, "activation")
-            for which in ("heads_k", "heads_v"):
-                if which in chosen:
-                    per_head = y.reshape(*y.shape[:-1], heads, -1).transpose(-3, -2)
-                    y = chosen[which](per_head, "attention").transpose(-3, -2).reshape(y.shape)
-            return y
 
-        return hook
+@contextmanager
+def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, owner: int) -> Iterator[None]:
+    """Forward hooks on ``root``'s modules that fake-quantize the chosen tensors of linear layers
+    (weight, input, output) and the key/value projections of encoder attention blocks (``heads``
+    per projection), for the thread ``owner`` only; removed on exit, whatever happens. Key/value
+    states read from a decoder's cache are quantized by the cache instead (``_QuantizingCache``)."""
+    by_module: dict[str, dict[str, TensorQuant]] = {}
+    for (name, tensor), quant in quantization.items():
+        module = root.get_submodule(name)
+        if tensor in ("k", "v"):
+            if attention_kind(module) == "projection":
+                projection = f"{name}.{'key' if tensor == 'k' else 'value'}"
+                by_module.setdefault(projection, {})[f"heads_{tensor}"] = quant
+            continue
+        by_module.setdefault(name, {})[tensor] = quant
+    handles = []
+    try:
+        for name, chosen in by_module.items():
+            hook = _linear_hook(chosen, heads, owner)
+            handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _linear_hook(chosen: dict[str, TensorQuant], heads: int, owner: int):
+    weights: list[torch.Tensor] = []
+
+    def hook(mod, args, kwargs, output):
+        if threading.get_ident() != owner:
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        y = output
+        if "weight" in chosen or "input" in chosen:
+            weight = _as_out_in(mod)
+            if "weight" in chosen:
+                if not weights:
+                    weights.append(chosen["weight"](weight, "weight"))
+                weight = weights[0]
+            x_in = chosen["input"](x, "activation") if "input" in chosen else x
+            y = F.linear(x_in, weight.to(x_in.dtype), None if mod.bias is None else mod.bias)
+        if "output" in chosen:
+            y = chosen["output"](y, "activation")
+        for which in ("heads_k", "heads_v"):
+            if which in chosen:
+                per_head = y.reshape(*y.shape[:-1], heads, -1).transpose(-3, -2)
+                y = chosen[which](per_head, "attention").transpose(-3, -2).reshape(y.shape)
+        return y
+
+    return hook
 
 
 def _by_positions(windows: list[list[int]], budget: int) -> list[list[list[int]]]:

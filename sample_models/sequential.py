@@ -26,7 +26,7 @@ import copy
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -413,6 +413,17 @@ class SequentialRunner:
         with torch.no_grad():
             output = self._calls[index][batch_index].invoke(block, self._hidden[batch_index], overrides)
         self._next.append(output)
+
+    def propagate(self, index: int, hooks: Callable[[nn.Module], AbstractContextManager]) -> None:
+        """Run every batch through block ``index`` again with ``hooks(module)`` installed (they
+        fake-quantize the block's chosen tensors) and give the next block these outputs instead:
+        llm-compressor's propagation pass, so later blocks calibrate on what a quantized model feeds
+        them."""
+        self._next.clear()
+        self._next = self._new_hidden(index + 1)
+        with hooks(self._model.module):
+            for batch_index in range(len(self._batches)):
+                self.run(index, batch_index)
 
     def recorded_kwargs(self, index: int, batch_index: int) -> dict:
         return self._calls[index][batch_index].kwargs

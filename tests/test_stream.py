@@ -132,3 +132,57 @@ def test_an_analysis_holds_no_whole_weight_and_reads_it_again_when_asked(llama):
     rotated = RunConfig(**{**vars(config), "transform": ob.TransformSpec(kind="hadamard")})
     seen = analyse(llama, LAYERS[:1], rotated).entries[0]
     assert torch.equal(seen.data, ob.transform_layer(rotated.transform, llama.weight(LAYERS[0]), None)[0])
+
+
+def test_propagation_calibrates_a_block_behind_the_quantized_blocks_before_it(llama):
+    """With ``propagate`` block 1 sees block 0's outputs with block 0's chosen tensors fake-quantized
+    (llm-compressor's propagate_error): the same inputs as a whole-model forward with those tensors
+    fake-quantized by hooks; block 0 itself is calibrated as without propagation."""
+    import threading
+
+    from lab.results import choose
+    from sample_models.effect import TensorQuant, quantizing_hooks
+
+    spec = ob.QuantSpec("int4", strategy="channel")
+    first, second = LAYERS[0], LAYERS[1]
+    config = RunConfig(specs={"weight": spec, "input": spec}, observers=("minmax",), **CALIBRATION)
+    floating = analyse(llama, [first, second], config)
+    propagated = analyse(llama, [first, second], RunConfig(**{**vars(config), "propagate": True}))
+    assert propagated.config.capture_options()["sequential"] is True
+    for tensor in ("weight", "input"):
+        scales = [a.entry(first, tensor).result("minmax").qparams.scale for a in (propagated, floating)]
+        assert torch.equal(*scales)
+    chosen = choose(propagated)
+    quantization = {
+        (first, t): TensorQuant(spec, propagated.entry(first, t).result(chosen[(first, t)]).qparams)
+        for t in ("weight", "input")
+    }
+    with quantizing_hooks(llama.module(), quantization, llama.config.num_attention_heads, threading.get_ident()):
+        behind = llama.capture([second], sequential=False, max_bytes=1 << 30, **CALIBRATION)[second]
+    expected = ob.run_one("minmax", behind, spec, "activation").qparams.scale
+    seen = propagated.entry(second, "input").result("minmax").qparams.scale
+    torch.testing.assert_close(seen, expected, rtol=1e-6, atol=0)
+    assert not torch.allclose(seen, floating.entry(second, "input").result("minmax").qparams.scale)
+    assert propagated.config.to_dict()["propagate"] and propagated.config.calibration_key() != config.calibration_key()
+
+
+def test_propagation_refuses_the_whole_model_capture():
+    with pytest.raises(ValueError, match="block by block"):
+        RunConfig(specs={"input": ob.QuantSpec("int8")}, propagate=True, sequential=False)
+
+
+def test_the_cli_propagates_on_request_and_refuses_it_with_the_whole_model(tmp_path):
+    import io
+    import json
+
+    from lab.cli import main
+
+    argv = ["run", "tiny-llama", "--layers", ",".join(LAYERS[:2]), "--format", "int8", "--kinds", "weight,input"]
+    argv += ["--observers", "minmax", "--samples", "8", "--seq-len", "16", "--quiet"]
+    out, err = io.StringIO(), io.StringIO()
+    assert main([*argv, "--propagate", "--out", str(tmp_path / "q.json")], out=out, err=err) == 0, err.getvalue()
+    assert json.loads((tmp_path / "q.json").read_text())["config"]["propagate"] is True
+    err = io.StringIO()
+    assert main([*argv, "--propagate", "--whole-model", "--out", str(tmp_path / "w.json")], out=out, err=err) == 2
+    assert err.getvalue().count("\n") == 1 and "block by block" in err.getvalue()
+    assert not (tmp_path / "w.json").exists()
