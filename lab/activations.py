@@ -130,11 +130,11 @@ def calibrate(
                 if slot.known is not None:
                     continue
                 if found is not None and found.observation is not None:
-                    slot.known = cache.store(slot.observation.cache_key, found.known)
+                    slot.known = cache.store(slot.observation.cache_key, found.known, computed=False)
                 else:
                     slot.known = _result(cache, slot.observation, sample, across)
         for key in (k for k in done if k in statistics):
-            for knob, statistic in statistics[key].items():
+            for knob, statistic in statistics[stream.stand_in(key)].items():
                 try:
                     value = statistic.value(across, device)
                 except ValueError:  # the same on every rank: it depends on the layer's shape only

@@ -27,18 +27,21 @@ class ResultCache:
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def peek(self, key: str) -> SuiteResult | None:
-        """The result stored under ``key`` (a hit), else None (a miss: the caller computes it and
-        stores it with ``get_or_run``)."""
+        """The result stored under ``key`` (a hit), else None: the caller computes it (or takes it
+        from an identical tensor) and keeps it with ``store``, which counts it."""
         found = self._store.get(key)
-        if found is None:
-            self.misses += 1
-        else:
+        if found is not None:
             self.hits += 1
         return found
 
-    def store(self, key: str, result: SuiteResult) -> SuiteResult:
-        """Keep ``result`` under ``key`` (after a ``peek`` that missed) and return it."""
+    def store(self, key: str, result: SuiteResult, computed: bool = True) -> SuiteResult:
+        """Keep ``result`` under ``key`` after a ``peek`` that found nothing: a miss when it was
+        ``computed``, a hit when it is the result of an identical tensor observed once."""
         self._store[key] = result
+        if computed:
+            self.misses += 1
+        else:
+            self.hits += 1
         return result
 
     def get_or_run(self, key: str, run: Callable[[], SuiteResult]) -> SuiteResult:

@@ -186,9 +186,14 @@ class ObserverStream:
         return False
 
     def _alike(self, key: Key, earlier: Key) -> bool:
-        """``earlier``'s observations can stand for ``key``'s: the same observers, and ``key``
-        gathers no statistic of its own."""
+        """``earlier``'s observations and statistics can stand for ``key``'s: the same observers,
+        and statistics of the same kinds (``statistics_of`` then answers with ``earlier``'s)."""
         names = [(o.name, o.spec, o.kind, o.knobs) for o in self.observations.get(key, ())]
-        return names == [(o.name, o.spec, o.kind, o.knobs) for o in self.observations.get(earlier, ())] and not (
-            self.statistics.get(key)
-        )
+        kinds = [type(s) for s in self.statistics.get(key, ())]
+        return names == [(o.name, o.spec, o.kind, o.knobs) for o in self.observations.get(earlier, ())] and kinds == [
+            type(s) for s in self.statistics.get(earlier, ())
+        ]
+
+    def stand_in(self, key: Key) -> Key:
+        """The key whose observations and statistics stand for ``key``'s (itself, mostly)."""
+        return self.same.get(key, key)

@@ -396,6 +396,30 @@ class MSEGridObserver(_GridBase):
     description = "Per-group shrink grid minimising |err|^2.4 (LC memoryless_mse), every candidate per read"
     knobs = dict(_GRID_KNOBS)
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._last: Flat | None = None
+
+    def _reset_statistics(self) -> None:
+        super()._reset_statistics()
+        self._last = None
+
+    def _observe(self, flat: Flat) -> None:
+        """Only the last batch counts, so its search waits for ``qparams`` (a calibration stream's
+        earlier batches cost nothing); a batch split between ranks is searched at once, since the
+        ranks reduce its candidates' errors in step."""
+        if self._across is None:
+            self._last = flat
+            return
+        self._last = None
+        super()._observe(flat)
+
+    def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last is not None:
+            last, self._last = self._last, None
+            super()._observe(last)
+        return self.min_val, self.max_val
+
 
 @register
 class MovingAverageMSEGridObserver(_GridBase):

@@ -186,3 +186,17 @@ def test_the_cli_propagates_on_request_and_refuses_it_with_the_whole_model(tmp_p
     assert main([*argv, "--propagate", "--whole-model", "--out", str(tmp_path / "w.json")], out=out, err=err) == 2
     assert err.getvalue().count("\n") == 1 and "block by block" in err.getvalue()
     assert not (tmp_path / "w.json").exists()
+
+
+def test_layers_fed_one_tensor_are_observed_once_statistics_included(llama):
+    """q and k read one hidden state: k's input results are q's very results, and the importance
+    k's weight observer takes is the one gathered over q's (the same) inputs, over every token."""
+    q, k = LAYERS[1:]
+    specs = {"weight": ob.QuantSpec("int4", strategy="channel"), "input": ob.QuantSpec("int8")}
+    config = RunConfig(specs=specs, observers=("minmax", "imatrix_mse"), **CALIBRATION)
+    analysis = analyse(llama, [q, k], config)
+    assert analysis.entry(k, "input").results[0] is analysis.entry(q, "input").results[0]
+    importance = [analysis.entry(name, "weight").result("imatrix_mse").knobs["importance"] for name in (q, k)]
+    whole = torch.cat([b[(q, "input")] for b in _batches(llama, [q])])
+    torch.testing.assert_close(importance[0], importance[1], rtol=0, atol=0)
+    torch.testing.assert_close(importance[1], ob.column_importance(whole), rtol=1e-5, atol=0)
