@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -21,8 +22,16 @@ import observers as ob
 from lab.run_config import RunConfig, default_observers
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
 from observers.formats import FAMILIES
-from sample_models.calibration_sets import CalibrationSource
+from sample_models.calibration_sets import CalibrationSource, CalibrationSourceError
 
+CALIBRATION_KINDS = ("built-in", "pasted", "uploaded file", "local path", "hub id")
+DATASET_KINDS = CALIBRATION_KINDS[2:]
+"""The app's calibration sets: the built-in texts, pasted text, or records read with ``datasets``."""
+MISSING_SOURCE = {
+    "uploaded file": "upload a calibration file",
+    "local path": "enter the path of a calibration file or of a directory saved by save_to_disk",
+    "hub id": "enter a hub dataset id",
+}
 ROLE_OF_KIND = {TensorKind.WEIGHT: "weight", TensorKind.INPUT: "act", TensorKind.OUTPUT: "act", KV: "kv"}
 OBSERVER_KIND_OF_ROLE = {"weight": "weight", "act": "activation", "kv": "attention"}
 
@@ -256,6 +265,12 @@ class RunSettings:
                 continue
         return list(default_observers(specs))
 
+    def calibrates(self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True) -> bool:
+        """Whether a run of these settings reads the calibration set: activations or key/value
+        states to observe, or SmoothQuant's scales to find from layer inputs."""
+        smooths = self.transform == ob.TransformKind.SMOOTHQUANT and has_layers and can_capture
+        return smooths or any(kind != TensorKind.WEIGHT for kind in self.kinds(has_layers, has_attention, can_capture))
+
     def config(self, has_layers: bool = True, has_attention: bool = False, can_capture: bool = True) -> RunConfig:
         """The ``RunConfig`` of these settings (``kinds`` says which specs it holds); a bad knob
         value is a ``ValueError`` listing every problem, before anything runs."""
@@ -302,6 +317,53 @@ class RunSettings:
             kv=replace(self.kv),
             wants=dict(self.wants),
             knobs={k: dict(v) for k, v in self.knobs.items()},
+        )
+
+
+# ---------------------------------------------------------------- the app's calibration set
+
+
+@dataclass
+class CalibrationForm:
+    """The Model page's calibration fields: which set (``CALIBRATION_KINDS``), the path, hub id
+    and split typed, the text column, the shuffle seed as typed (empty: file order), the saved
+    upload (its path, the name the person's file had, a digest of its bytes) and ``problem``: why
+    the chosen set cannot be used (set each time the page draws it; the Run page refuses then)."""
+
+    kind: str = "built-in"
+    path: str = ""
+    hub_id: str = ""
+    split: str = "train"
+    text_column: str = "text"
+    shuffle_seed: str = ""
+    upload: str = ""
+    upload_name: str = ""
+    upload_digest: str = ""
+    problem: str | None = None
+
+    @property
+    def reads_dataset(self) -> bool:
+        """An uploaded file, a local path or a hub id (read with ``datasets``)."""
+        return self.kind in DATASET_KINDS
+
+    def location(self) -> str:
+        return {"uploaded file": self.upload, "local path": self.path, "hub id": self.hub_id}.get(self.kind, "").strip()
+
+    def source(self) -> CalibrationSource:
+        """The ``CalibrationSource`` of the fields; what cannot be one (a missing local path, a seed
+        that is not a whole number) is a ``CalibrationSourceError``."""
+        location, seed = self.location(), self.shuffle_seed.strip()
+        if not location:
+            raise CalibrationSourceError(MISSING_SOURCE.get(self.kind, f"choose a calibration set, not {self.kind!r}"))
+        if self.kind == "local path" and not Path(location).expanduser().exists():
+            raise CalibrationSourceError(f"calibration file {location} does not exist")
+        if seed and not (seed.isascii() and seed.isdigit()):
+            raise CalibrationSourceError(f"the shuffle seed must be a whole number (0 or more) or empty, got {seed!r}")
+        return CalibrationSource(
+            location,
+            text_column=self.text_column.strip() or "text",
+            split=self.split.strip() or "train",
+            shuffle_seed=int(seed) if seed else None,
         )
 
 

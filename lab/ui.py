@@ -13,6 +13,7 @@ the widget is drawn after a page without it, and the page writes the widget's va
 from __future__ import annotations
 
 import hashlib
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ import observers as ob
 from lab import plots, results
 from lab.pipeline import Analysis, RunConfig, TensorAnalysis
 from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
-from lab.workspace import ModelRequest, RunOutcome, Timer, Workspace
+from lab.workspace import UPLOAD_SUFFIXES, ModelRequest, RunOutcome, Timer, Workspace
 
 WORKSPACE = "workspace"
 WIDGET_PAGES = "widget_pages"
@@ -166,6 +167,25 @@ def save_upload(name: str, data: bytes) -> Path:
     if not path.exists():
         path.write_bytes(data)
     return path
+
+
+def calibration_upload(ws: Workspace) -> None:
+    """The calibration file uploader: a file is saved in the session's folder
+    (``Workspace.save_calibration_upload``); removing it forgets it; coming back to the page,
+    where the uploader starts empty, keeps the file uploaded before."""
+    form = ws.calibration
+
+    def removed() -> None:
+        if st.session_state.get("calib_upload") is None:
+            form.upload = form.upload_name = ""
+
+    kinds = [suffix.lstrip(".") for suffix in UPLOAD_SUFFIXES]
+    upload = st.file_uploader("Calibration file", type=kinds, key="calib_upload", on_change=removed)
+    if upload is not None:
+        with guard(f"Saving {upload.name}"):
+            ws.save_calibration_upload(upload.name, upload.getvalue())
+    elif form.upload:
+        st.caption(f"Using {form.upload_name}, uploaded earlier.")
 
 
 # ---------------------------------------------------------------- run page
@@ -352,6 +372,21 @@ def reseed_all() -> None:
     wholesale, e.g. by the demo)."""
     for key in [k for k in st.session_state if str(k).startswith("w:")]:
         del st.session_state[key]
+
+
+def plain(text: str) -> str:
+    """``text`` shown as it is where Streamlit reads Markdown (labels, captions)."""
+    return re.sub(r"([\\`*_\[\]|~<>$])", r"\\\1", text)
+
+
+def metrics_note(entry: TensorAnalysis) -> None:
+    """Under an activation's histogram or metrics: a caption when they saw a sample of its tokens."""
+    if entry.metrics_note:
+        note = entry.metrics_note
+        st.caption(
+            f"{note[:1].upper()}{note[1:]}: the histogram and error metrics are computed on a seeded sample; "
+            "the qparams saw every token."
+        )
 
 
 def highlight_best(frame, metric: str):

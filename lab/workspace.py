@@ -12,11 +12,16 @@ came from, so pages can say so instead of exporting one model's qparams under an
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -24,12 +29,18 @@ import pandas as pd
 from lab.capture_memo import CapturingModel
 from lab.pipeline import Analysis, ResultCache, RunConfig, TensorAnalysis, analyse
 from lab.results import Choices, valid_choices
-from lab.settings import RunSettings, SpecSettings
+from lab.settings import CalibrationForm, RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC
+from sample_models.calibration_sets import CalibrationSource, CalibrationSourceError, calibration_stamp, preview
 
 DEMO_MODEL = "minilm"
 DEMO_LAYERS = 6
 """The one-click demo: the default sample and how many of its layers (the default selection)."""
+UPLOAD_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
+UPLOAD_ROOT = Path(tempfile.gettempdir()) / "observer_lab_calibration"
+STALE_UPLOAD_SECONDS = 24 * 3600
+"""Session folders of calibration uploads untouched this long are removed when a session makes one."""
+CHECKS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,20 @@ class ModelForm:
     device: str = "auto"
     dtype: str = "fp32"
     layer_filter: str = ""
+
+
+@dataclass(frozen=True)
+class CalibrationCheck:
+    """What the Model page shows of a calibration set before a run: ``preview`` (``calibration_sets.
+    preview``), the samples and tokens it gives with the page's settings, the shortfall line, or
+    ``error``: one line saying why it cannot be used."""
+
+    source: CalibrationSource | None = None
+    preview: dict[str, Any] | None = None
+    samples: int = 0
+    tokens: int = 0
+    shortfall: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -98,8 +123,10 @@ class Workspace:
 
     Model page: ``form`` (what was typed), ``request`` (the opened model; ``last_request`` the one
     the results came from), ``layers`` and ``attention`` (chosen names; None: the first two
-    blocks), ``pasted_text`` (kept while the built-in texts are chosen). Run page: ``settings``
-    (what to analyse, specs, observers, knobs, calibration). Results: ``analysis``,
+    blocks), ``pasted_text`` (kept while the built-in texts are chosen), ``calibration`` (the
+    calibration set's fields; ``upload_dir``: this session's folder of uploaded calibration files,
+    removed with the session; ``calibration_checks``: previews and token counts already computed).
+    Run page: ``settings`` (what to analyse, specs, observers, knobs, calibration). Results: ``analysis``,
     ``last_run``, ``overrides`` (observer choices a person made or imported, on top of the best by
     ``metric``). Caches: ``result_cache`` (per tensor × spec × observer × knobs),
     ``capture_memo`` (the last capture), ``layer_output`` (layer-output error per analysis and
@@ -113,6 +140,9 @@ class Workspace:
     layers: list[str] = field(default_factory=list)
     attention: list[str] | None = None
     pasted_text: str = ""
+    calibration: CalibrationForm = field(default_factory=CalibrationForm)
+    upload_dir: Path | None = None
+    calibration_checks: dict[tuple, Any] = field(default_factory=dict, repr=False)
     settings: RunSettings = field(default_factory=RunSettings)
     analysis: Analysis | None = None
     transformed: Analysis | None = None
@@ -177,6 +207,7 @@ class Workspace:
         settings, so a person can change one thing and run again."""
         self.request = ModelRequest(DEMO_MODEL)
         self.form = ModelForm()
+        self.calibration = CalibrationForm()
         self.layers = list(layer_names)[:DEMO_LAYERS]
         self.attention = None
         self.settings = RunSettings(
@@ -209,7 +240,7 @@ class Workspace:
             + list(transformed.warnings if transformed else [])
             + sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)})
         )
-        outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, notes)
+        outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, list(dict.fromkeys(notes)))
         self.analysis = analysis
         self.transformed = transformed
         self.last_run = outcome
@@ -227,6 +258,117 @@ class Workspace:
             return self.transformed.entry(entry.layer, entry.tensor)
         except ValueError:
             return None
+
+    # ------------------------------------------------------------ calibration set
+
+    def save_calibration_upload(self, name: str, data: bytes) -> Path:
+        """Store an uploaded calibration file in this session's folder as ``calibration<suffix>``
+        (the uploaded name is never used as a path; only its suffix, one of ``UPLOAD_SUFFIXES``, is
+        kept) and record it as the form's upload. The same bytes again are not written again (the
+        file's time stamp keys the caches); other files of the folder are removed."""
+        suffix = Path(name).suffix.lower()
+        self.calibration.upload = self.calibration.upload_name = ""
+        if suffix not in UPLOAD_SUFFIXES:
+            raise CalibrationSourceError(f"{name!r} is not a calibration file: upload {', '.join(UPLOAD_SUFFIXES)}")
+        if not data:
+            raise CalibrationSourceError(f"{name!r} is empty")
+        folder = self._upload_folder()
+        target = folder / f"calibration{suffix}"
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != self.calibration.upload_digest or not target.is_file():
+            for old in folder.iterdir():
+                old.unlink(missing_ok=True)
+            target.write_bytes(data)
+        self.calibration.upload, self.calibration.upload_name = str(target), Path(name).name
+        self.calibration.upload_digest = digest
+        return target
+
+    def _upload_folder(self) -> Path:
+        """This session's upload folder, made on first use (private, removed when the workspace is
+        dropped; folders of sessions gone for a day are removed on the way)."""
+        if self.upload_dir is not None and self.upload_dir.is_dir():
+            self.upload_dir.touch()
+            return self.upload_dir
+        UPLOAD_ROOT.mkdir(parents=True, exist_ok=True)
+        for old in UPLOAD_ROOT.iterdir():
+            try:
+                if old.is_dir() and time.time() - old.stat().st_mtime > STALE_UPLOAD_SECONDS:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                continue
+        self.upload_dir = Path(tempfile.mkdtemp(prefix="session-", dir=UPLOAD_ROOT))
+        weakref.finalize(self, shutil.rmtree, str(self.upload_dir), True)
+        return self.upload_dir
+
+    def check_calibration(self, model: Any, samples: int, seq_len: int) -> CalibrationCheck:
+        """The chosen calibration set as the Model page shows it: its preview (computed once per
+        source and file state) and the samples and tokens ``model`` makes of it (once per source,
+        model, samples and sequence length); a set that cannot be used has ``error`` (and the
+        preview when only the tokenizing failed). Failures are remembered too, but a hub's."""
+        form, shown, found = self.calibration, None, None
+        try:
+            source = form.source()
+            stamp = calibration_stamp(source)
+            shown = self._checked(("preview", stamp), source, lambda: preview(source))
+            key = ("set", stamp, getattr(model, "source", None), samples, seq_len)
+            found = self._checked(key, source, lambda: model.calibration_set(source, int(samples), int(seq_len)))
+        except (ValueError, OSError) as err:
+            check = CalibrationCheck(preview=shown, error=str(err) or type(err).__name__)
+        else:
+            check = CalibrationCheck(source, shown, len(found.windows), found.tokens, found.shortfall)
+        form.problem = check.error
+        return check
+
+    def _checked(self, key: tuple, source: CalibrationSource, compute: Callable[[], Any]) -> Any:
+        """``compute()``, or what it gave (or raised) before for ``key``."""
+        if key not in self.calibration_checks:
+            if len(self.calibration_checks) >= CHECKS_KEPT:
+                self.calibration_checks.pop(next(iter(self.calibration_checks)))
+            try:
+                self.calibration_checks[key] = compute()
+            except (ValueError, OSError) as err:
+                if source.kind == "hub":  # the network may come back
+                    raise
+                self.calibration_checks[key] = err
+        found = self.calibration_checks[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def calibration_line(self, analysis: Analysis) -> str | None:
+        """One line on the set an analysis was calibrated on: samples, tokens, where from (an upload
+        by the name the person's file had) and the fingerprint; None when nothing was calibrated."""
+        found = analysis.calibration
+        if not found:
+            return None
+        source = found.get("source") or {}
+        kind, location = source.get("kind"), str(source.get("location", ""))
+        if kind == "builtin":
+            where = "the built-in texts"
+        elif kind == "pasted":
+            where = "the pasted text"
+        elif kind == "hub":
+            where = f"hub dataset {location} (split {source.get('split')})"
+        elif location and location == self.calibration.upload:
+            where = f"the uploaded {self.calibration.upload_name}"
+        else:
+            where = Path(location).name or location
+        if source.get("shuffle_seed") is not None:
+            where += f", shuffled with seed {source['shuffle_seed']}"
+        samples, tokens = found.get("samples", 0), found.get("tokens", 0)
+        return (
+            f"Calibrated on {samples:,} sample{'' if samples == 1 else 's'}, {tokens:,} tokens from {where} "
+            f"(fingerprint {str(found.get('fingerprint', ''))[:8]}…)."
+        )
+
+    @staticmethod
+    def calibration_shortfall(analysis: Analysis) -> str | None:
+        """The shortfall line of an analysis calibrated on fewer samples than asked (the first of
+        its warnings), else None."""
+        found = analysis.calibration
+        if not found or found.get("samples", 0) >= found.get("asked", 0) or not analysis.warnings:
+            return None
+        return analysis.warnings[0]
 
     # ------------------------------------------------------------ choices
 

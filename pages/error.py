@@ -21,6 +21,7 @@ st.subheader("Error distribution")
 entry = ui.tensor_picker(ws, analysis)
 with ui.guard("Drawing the error histogram"):
     st.plotly_chart(plots.error_histogram(entry, order=order), theme="streamlit")
+ui.metrics_note(entry)
 
 st.subheader("Layer-output error")
 weights = {e.layer for e in analysis.entries if e.tensor == "weight"}

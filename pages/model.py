@@ -3,7 +3,7 @@
 import streamlit as st
 
 from lab import ui
-from lab.settings import default_layer_names, layer_frame, layer_pattern, parse_bytes
+from lab.settings import CALIBRATION_KINDS, default_layer_names, layer_frame, layer_pattern, parse_bytes
 from lab.workspace import ModelRequest
 
 SOURCES = {
@@ -21,8 +21,14 @@ BELOW_SOURCE = (
     "attention",
     "calib_kind",
     "calib_text",
+    "calib_path",
+    "calib_hub",
+    "calib_split",
+    "calib_column",
+    "calib_seed",
     "samples",
     "seq_len",
+    "batch_size",
     "capture_mode",
     "memory_budget",
 )
@@ -34,6 +40,41 @@ WHAT = {
     "output": "Output activations",
     "kv": "Key/value states (KV cache)",
 }
+
+PREVIEW_CHARS = 2000
+
+
+def sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def show_calibration_set(check) -> None:
+    """What the chosen calibration set holds and what the run will take of it: usable records and
+    rows, the column read, the samples and tokens, the shortfall, and its first records."""
+    found = check.preview
+    st.markdown("**Preview**")
+    cols = st.columns(4)
+    cols[0].metric("Usable records", f"{found['records']:,}")
+    cols[1].metric("Rows", f"{found['rows']:,}")
+    cols[2].metric("Samples used", "–" if check.error else f"{check.samples:,}")
+    cols[3].metric("Tokens", "–" if check.error else f"{check.tokens:,}")
+    read = f"`{found['column']}`"
+    if found["chat"]:
+        read = f"the chat column {read} (rendered with the model's chat template)"
+    order = "in file order" if found["order"] == "file" else found["order"]
+    st.caption(
+        f"Columns: {', '.join(f'`{c}`' for c in found['columns'])} · reading {read}, {order} · "
+        "each record is one sample, truncated to the sequence length."
+    )
+    if check.error:
+        st.error(f"Calibration set: {check.error}")
+    if check.shortfall:
+        st.warning(f"{sentence(check.shortfall)}.")
+    for number, text in enumerate(found["texts"], 1):
+        head = " ".join(text.split())
+        with st.expander(f"Record {number}: {ui.plain(head[:80])}{'…' if len(head) > 80 else ''}"):
+            st.text(text[:PREVIEW_CHARS] + ("…" if len(text) > PREVIEW_CHARS else ""))
+
 
 st.title("Model")
 ws = ui.workspace()
@@ -125,20 +166,82 @@ if wants["kv"]:
 
 if wants["input"] or wants["output"] or wants["kv"]:
     st.subheader("Calibration")
-    texts = "built-in" if run.texts is None else "pasted"
-    pasted = (
-        ui.bound(st.radio, "Text", "calib_kind", texts, options=["built-in", "pasted"], horizontal=True) == "pasted"
+    calib = ws.calibration
+    calib.kind = ui.bound(
+        st.radio, "Calibration set", "calib_kind", calib.kind, options=list(CALIBRATION_KINDS), horizontal=True
     )
-    if pasted:
+    if calib.kind == "pasted":
         ws.pasted_text = ui.bound(st.text_area, "Calibration text", "calib_text", ws.pasted_text, height=150)
-    run.texts = (ws.pasted_text,) if pasted else None
-    c1, c2 = st.columns(2)
+    elif calib.kind == "uploaded file":
+        ui.calibration_upload(ws)
+    elif calib.kind in ("local path", "hub id"):
+        c1, c2 = st.columns([3, 1])
+        with c1:
+            if calib.kind == "local path":
+                label = "File (.txt, .jsonl, .json, .csv, .parquet) or save_to_disk directory"
+                calib.path = ui.bound(st.text_input, label, "calib_path", calib.path)
+            else:
+                calib.hub_id = ui.bound(st.text_input, "Hub dataset id (e.g. org/dataset)", "calib_hub", calib.hub_id)
+        with c2:
+            split_help = "The split to read: of a hub dataset, or of a directory holding several (a DatasetDict)."
+            calib.split = ui.bound(st.text_input, "Split", "calib_split", calib.split, help=split_help)
+        if calib.kind == "hub id":
+            st.caption("Read from the Hugging Face Hub: this needs the network (datasets keeps a copy in its cache).")
+    if calib.reads_dataset:
+        c1, c2 = st.columns(2)
+        with c1:
+            calib.text_column = ui.bound(
+                st.text_input,
+                "Text column",
+                "calib_column",
+                calib.text_column,
+                help="The column holding each record's text. When the data has no such column, a chat "
+                "`messages` column (a list of {role, content}) is rendered with the model's chat template.",
+            )
+        with c2:
+            calib.shuffle_seed = ui.bound(
+                st.text_input,
+                "Shuffle seed (empty: file order)",
+                "calib_seed",
+                calib.shuffle_seed,
+                help="Shuffle the records with this seed before the first samples are taken, as "
+                "llm-compressor's examples do (`dataset.shuffle(seed=...)`).",
+            )
+    run.texts = (ws.pasted_text,) if calib.kind == "pasted" else None
+
+    c1, c2, c3 = st.columns(3)
     with c1:
         run.samples = ui.bound(st.number_input, "Samples", "samples", run.samples, min_value=1, max_value=4096, step=1)
     with c2:
         run.seq_len = ui.bound(
             st.number_input, "Sequence length (tokens)", "seq_len", run.seq_len, min_value=8, max_value=8192, step=8
         )
+    with c3:
+        run.batch_size = ui.bound(
+            st.number_input,
+            "Batch size",
+            "batch_size",
+            run.batch_size,
+            min_value=1,
+            max_value=256,
+            step=1,
+            help="Samples per forward pass: the batches the observers see one by one (a moving average "
+            "updates once per batch). llm-compressor calibrates with batches of 1.",
+        )
+
+    run.dataset = None
+    calib.problem = None
+    if calib.reads_dataset:
+        with st.spinner("Reading the calibration set…"):
+            check = ws.check_calibration(model, int(run.samples), int(run.seq_len))
+        run.dataset = check.source if check.error is None else None
+        if check.preview is not None:
+            with st.container(border=True):
+                show_calibration_set(check)
+        elif calib.location():
+            st.error(f"Calibration set: {check.error}")
+        else:
+            st.info(f"{sentence(check.error)}.")
 
     c3, c4 = st.columns(2)
     with c3:

@@ -37,7 +37,8 @@ metric = ui.metric_select("Metric", ws)
 frame = results.error_table(analysis)
 st.caption(
     f"{analysis.facts.name}: {len(analysis.entries)} tensors × "
-    f"{len(analysis.config.observer_names)} observers, computed in {analysis.seconds:.1f} s"
+    f"{len(analysis.config.observer_names)} observers, computed in {analysis.seconds:.1f} s. "
+    + ui.plain(ws.calibration_line(analysis) or "")
 )
 with ui.guard("Drawing the overview"):
     st.plotly_chart(plots.metric_heatmap(frame, metric), theme="streamlit")

@@ -38,6 +38,7 @@ with ui.guard("Drawing the histogram"):
         entry.data, chosen, entry.spec, f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})"
     )
     st.caption("Each observer's lines mark where its format clips: the ends of the values it can represent.")
+    ui.metrics_note(entry)
     if tail:
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
 st.dataframe(results.range_table(chosen, entry.spec), hide_index=True)

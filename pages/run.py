@@ -120,6 +120,8 @@ blocked = (
 )
 if problems:
     blocked = "fix the knob values above"
+if ws.calibration.problem and run.calibrates(**scope):
+    blocked = f"the calibration set on the Model page cannot be used ({ws.calibration.problem})"
 if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None):
     with ui.guard("The run"):
         config = run.config(**scope)
@@ -134,8 +136,15 @@ if outcome is not None:
         f"Results for {len(analysis.entries)} tensors × {len(analysis.config.observer_names)} observers "
         f"in {analysis.seconds:.1f} s ({outcome.misses} computed, {outcome.hits} reused)."
     )
-    for note in outcome.warnings + results.token_warnings(analysis):
-        st.warning(note)
+    calibrated = ws.calibration_line(analysis)
+    if calibrated:
+        st.caption(ui.plain(calibrated))
+    shortfall = ws.calibration_shortfall(analysis)
+    if shortfall:
+        st.warning(f"{shortfall[:1].upper()}{shortfall[1:]}.")
+    for note in dict.fromkeys(outcome.warnings + results.token_warnings(analysis)):
+        if note != shortfall:
+            st.warning(note)
     failed = results.error_table(analysis).dropna(subset=["error"])
     if not failed.empty:
         st.warning(

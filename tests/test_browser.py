@@ -358,3 +358,37 @@ def test_local_directory_and_knob_errors_in_a_browser(page, tmp_path):
     expect(tab.get_by_role("button", name="Run", exact=True)).to_be_enabled()
     expect(tab.get_by_text("Run is off: fix the knob values above.")).to_have_count(0)
     _no_exception(tab)
+
+
+def test_calibration_set_from_a_local_path_in_a_browser(page, tmp_path):
+    """Issue 24: a directory saved by datasets' save_to_disk as the calibration set (read without
+    writing to datasets' cache): its preview on the Model page, then a run that says in one line
+    what it calibrated on."""
+    import datasets
+
+    texts = [f"calibration record number {i}: the river runs to the sea, and the sea is wide" for i in range(6)]
+    saved = tmp_path / "saved_set"
+    datasets.Dataset.from_dict({"text": texts, "id": list(range(6))}).save_to_disk(str(saved))
+    tab = page
+    _go(tab, "Model")
+    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
+    _pick_layers(tab, LAYER_REGEX, 2)
+    runs = _runs(tab)
+    tab.get_by_text("local path", exact=True).click()
+    _settle(tab, after=runs)
+    _see(tab, "Enter the path of a calibration file")
+    _fill(tab, "File (.txt, .jsonl, .json, .csv, .parquet) or save_to_disk directory", str(saved))
+    _see(tab, "Usable records")
+    _see(tab, "Record 1: calibration record number 0")
+    assert "reading text, in file order" in tab.get_by_text("Columns:").first.inner_text()
+    _no_exception(tab)
+    tab.get_by_text("Usable records").scroll_into_view_if_needed()
+    _shot(tab, "17_model_calibration_set")
+
+    _go(tab, "Run")
+    tab.get_by_role("button", name="Run", exact=True).click()
+    _see(tab, "Results for 4 tensors")
+    _see(tab, "Calibrated on 4 samples")
+    assert "from saved_set (fingerprint" in tab.get_by_text("Calibrated on 4 samples").first.inner_text()
+    _no_exception(tab)
+    _shot(tab, "18_run_calibration_set")
