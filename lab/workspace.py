@@ -148,6 +148,9 @@ class Workspace:
     transformed: Analysis | None = None
     """The same run through the settings' transform (rotation, smoothing): viewed beside
     ``analysis``, never exported (a checkpoint holds the untransformed tensors)."""
+    unpropagated: Analysis | None = None
+    """With propagation, the same run calibrated on the float model: its activation ranges are
+    shown beside the propagated ones (``analysis``, which exports take)."""
     last_run: RunOutcome | None = None
     metric: str = DEFAULT_METRIC
     overrides: Choices = field(default_factory=dict)
@@ -235,6 +238,7 @@ class Workspace:
             warnings.simplefilter("always")
             analysis = run(replace(config, transform=None))
             transformed = None if config.transform is None else run(config)
+            unpropagated = run(replace(config, transform=None, propagate=False)) if config.propagate else None
         notes = (
             list(analysis.warnings)
             + list(transformed.warnings if transformed else [])
@@ -243,6 +247,7 @@ class Workspace:
         outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, list(dict.fromkeys(notes)))
         self.analysis = analysis
         self.transformed = transformed
+        self.unpropagated = unpropagated
         self.last_run = outcome
         self.last_request = self.request
         self.overrides = {}
@@ -252,12 +257,11 @@ class Workspace:
 
     def transformed_entry(self, entry: TensorAnalysis) -> TensorAnalysis | None:
         """``entry`` as the run through the transform saw it (None without a transform)."""
-        if self.transformed is None:
-            return None
-        try:
-            return self.transformed.entry(entry.layer, entry.tensor)
-        except ValueError:
-            return None
+        return _same_entry(self.transformed, entry)
+
+    def unpropagated_entry(self, entry: TensorAnalysis) -> TensorAnalysis | None:
+        """An activation ``entry`` as the float model's calibration saw it (None without propagation)."""
+        return None if entry.tensor == "weight" else _same_entry(self.unpropagated, entry)
 
     # ------------------------------------------------------------ calibration set
 
@@ -415,3 +419,9 @@ class Timer:
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def _same_entry(analysis: Analysis | None, entry: TensorAnalysis) -> TensorAnalysis | None:
+    """``entry``'s tensor in ``analysis`` (None when there is none)."""
+    key = (entry.layer, entry.tensor)
+    return next((e for e in analysis.entries if (e.layer, e.tensor) == key), None) if analysis else None

@@ -75,6 +75,18 @@ if seen is not None:
         histogram(seen.data, seen_results, seen.spec, f"{entry.layer} · {entry.tensor} through a {label}")
     st.dataframe(results.range_table(seen_results, seen.spec), hide_index=True)
 
+floating = ws.unpropagated_entry(entry)
+if floating is not None:
+    st.subheader("Calibrated on the float model")
+    st.caption(
+        "Above: this tensor as the blocks before it, quantized with their choices, feed it (propagation). "
+        "Here: as the float model feeds it. The difference is what a deployed model's activations add."
+    )
+    float_results = [r for r in floating.results if r.name in shown]
+    with ui.guard("Drawing the float-calibrated histogram"):
+        histogram(floating.data, float_results, floating.spec, f"{entry.layer} · {entry.tensor}, float calibration")
+    st.dataframe(results.range_table(float_results, floating.spec), hide_index=True)
+
 if entry.tensor == "weight":
     st.subheader("Per-channel ranges")
     with ui.guard("Drawing per-channel ranges"):

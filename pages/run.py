@@ -82,6 +82,16 @@ elif run.transform == "smoothquant":
         st.slider, "SmoothQuant alpha", "smooth_alpha", run.smooth_alpha, min_value=0.0, max_value=1.0, step=0.05
     )
 
+run.propagate = ui.bound(
+    st.checkbox,
+    "Calibrate each block behind the quantized blocks before it (propagation)",
+    "propagate",
+    run.propagate,
+    help="llm-compressor's sequential pipeline default: block i+1 sees block i's outputs with its chosen "
+    "tensors fake-quantized, as a deployed model feeds it. Runs layer by layer; the Ranges page shows each "
+    "activation range both ways, and exports take the propagated choice.",
+)
+
 TOOLS = ["llm-compressor", "modelopt", "quark", "torch.ao"]
 run.tools = tuple(
     ui.bound(

@@ -295,3 +295,31 @@ def test_layer_by_layer_capture_from_the_model_page_gives_the_same_qparams():
         if mode == "layer by layer":
             assert stats is not None and stats.peak_weight_bytes <= 200_000_000
     assert torch.equal(scales["whole model"], scales["layer by layer"])
+
+
+def test_propagation_shows_each_activation_range_both_ways():
+    """Issue 24: with propagation on, the analysis (what exports take) is calibrated behind the
+    quantized blocks, and the Ranges page shows a later block's input as the float model feeds it."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    _page(at, "model")
+    at.radio(key="w:source_kind").set_value("tiny-llama").run()
+    layers = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
+    at.multiselect(key="w:layers").set_value(layers)
+    at.number_input(key="w:samples").set_value(8)
+    at.number_input(key="w:seq_len").set_value(16).run()
+    _page(at, "run")
+    at.multiselect(key="w:observers").set_value(["minmax"])
+    at.checkbox(key="w:propagate").check().run()
+    _run(at)
+    ws = at.session_state[ui.WORKSPACE]
+    assert ws.analysis.config.propagate and not ws.unpropagated.config.propagate
+    later = ws.analysis.entry(layers[1], "input")
+    floating = ws.unpropagated_entry(later)
+    assert floating is not None and ws.unpropagated_entry(ws.analysis.entry(layers[1], "weight")) is None
+    assert not torch.equal(later.result("minmax").qparams.scale, floating.result("minmax").qparams.scale)
+    _page(at, "ranges")
+    at.selectbox(key="w:tensor").set_value((layers[1], "input")).run()
+    _ok(at)
+    assert any(h.value == "Calibrated on the float model" for h in at.subheader)
+    at.selectbox(key="w:tensor").set_value((layers[1], "weight")).run()
+    assert not any(h.value == "Calibrated on the float model" for h in at.subheader)  # weights see no calibration
