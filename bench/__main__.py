@@ -34,6 +34,7 @@ MODULES = [
     "bench_app",
     "bench_sweep",
     "bench_effect",
+    "bench_calibration",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 
