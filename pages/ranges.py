@@ -62,30 +62,36 @@ if entry.tool_results:
             histogram(entry.data, by_tool, entry.spec, title, specs=tool_specs)
         st.dataframe(results.range_table(by_tool, entry.spec, tool_specs), hide_index=True)
 
+
+def another_view(other, heading: str, note: str, title: str) -> None:
+    """The same tensor as another run saw it: its histogram with the shown observers' ranges."""
+    st.subheader(heading)
+    st.caption(note)
+    other_results = [r for r in other.results if r.name in shown]
+    with ui.guard(f"Drawing the histogram ({heading.lower()})"):
+        histogram(other.data, other_results, other.spec, f"{entry.layer} · {entry.tensor} {title}")
+    st.dataframe(results.range_table(other_results, other.spec), hide_index=True)
+
+
 seen = ws.transformed_entry(entry)
 if seen is not None:
     label = ws.transformed.config.transform.label()
-    st.subheader(f"Through a {label}")
-    st.caption(
+    another_view(
+        seen,
+        f"Through a {label}",
         "The same tensor as the transformed model's layer sees it (its float output is unchanged): "
-        "where the outliers and every observer's range move."
+        "where the outliers and every observer's range move.",
+        f"through a {label}",
     )
-    seen_results = [r for r in seen.results if r.name in shown]
-    with ui.guard("Drawing the transformed histogram"):
-        histogram(seen.data, seen_results, seen.spec, f"{entry.layer} · {entry.tensor} through a {label}")
-    st.dataframe(results.range_table(seen_results, seen.spec), hide_index=True)
-
 floating = ws.unpropagated_entry(entry)
 if floating is not None:
-    st.subheader("Calibrated on the float model")
-    st.caption(
+    another_view(
+        floating,
+        "Calibrated on the float model",
         "Above: this tensor as the blocks before it, quantized with their choices, feed it (propagation). "
-        "Here: as the float model feeds it. The difference is what a deployed model's activations add."
+        "Here: as the float model feeds it. The difference is what a deployed model's activations add.",
+        "with float calibration",
     )
-    float_results = [r for r in floating.results if r.name in shown]
-    with ui.guard("Drawing the float-calibrated histogram"):
-        histogram(floating.data, float_results, floating.spec, f"{entry.layer} · {entry.tensor}, float calibration")
-    st.dataframe(results.range_table(float_results, floating.spec), hide_index=True)
 
 if entry.tensor == "weight":
     st.subheader("Per-channel ranges")
