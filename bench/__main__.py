@@ -35,6 +35,7 @@ MODULES = [
     "bench_sweep",
     "bench_effect",
     "bench_calibration",
+    "bench_recipe",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

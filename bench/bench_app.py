@@ -1,6 +1,6 @@
 """Time to results after pressing Run in the app, with the default sample.
 
-The cases are what the Run page does: ``lab.pipeline.analyse`` end to end (activation capture
+The cases are what the Run page does: ``lab.analyse.pipeline.analyse`` end to end (activation capture
 included, a fresh result cache each time), weights and input activations, every observer that
 applies to each tensor's format (the Run page's default, ``observers.applicable``), built-in
 calibration (32 samples x 128 tokens):
@@ -20,8 +20,8 @@ import torch
 
 import observers as ob
 from bench.common import case, median_seconds, synchronize
-from lab.capture_memo import CapturingModel
-from lab.pipeline import ResultCache, RunConfig, analyse
+from lab.analyse.pipeline import ResultCache, RunConfig, analyse
+from lab.calibrate.capture_memo import CapturingModel
 from lab.settings import default_layer_names
 from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 

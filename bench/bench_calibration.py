@@ -28,7 +28,7 @@ import torch
 
 import observers as ob
 from bench.common import SETTINGS, case, interleaved_medians
-from lab.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches
 from sample_models.calibration_sets import CalibrationSource
@@ -40,7 +40,7 @@ MiB = 2**20
 PEAK = """
 import json, sys, time
 import observers as ob
-from lab.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import open_model
 from sample_models.calibration_sets import CalibrationSource
 
@@ -206,9 +206,9 @@ def _llama_rows(folder: Path, device: str) -> list[dict]:
                 sys.executable,
                 "-c",
                 PEAK_CLI,
-                SWEEP[0],
+                "run",
                 str(directory),
-                *SWEEP[1:],
+                *SWEEP,
                 *how,
                 "--device",
                 device,
@@ -293,6 +293,9 @@ def _agreement(folder: Path, label: str) -> dict:
     windows = model.calibration_set(source, AGREEMENT_RECORDS, 64).windows
     dataset = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
     theirs_model = model.module()
+    # oneshot reads the model's config again by its name_or_path, which a model built in memory lacks
+    theirs_model.config.save_pretrained(folder / "tiny-llama")
+    theirs_model.config._name_or_path = str(folder / "tiny-llama")
     scheme = {
         "targets": ["Linear"],
         "input_activations": {
@@ -310,6 +313,7 @@ def _agreement(folder: Path, label: str) -> dict:
         model=theirs_model,
         dataset=dataset,
         recipe=recipe,
+        processor=model.tokenizer(),
         num_calibration_samples=AGREEMENT_RECORDS,
         max_seq_length=64,
         shuffle_calibration_samples=False,

@@ -23,9 +23,9 @@ import pandas as pd
 
 import observers as ob
 from bench.common import SETTINGS, case, synchronize
-from lab.evaluate import Evaluator
-from lab.pipeline import RunConfig, analyse
-from lab.sensitivity import sensitivity
+from lab.analyse.pipeline import RunConfig, analyse
+from lab.effect.evaluate import Evaluator
+from lab.effect.sensitivity import sensitivity
 from sample_models import open_model
 
 SPEC = ob.QuantSpec("int4", strategy="group", group_size=128)

@@ -1,4 +1,4 @@
-"""Whole-model sweeps (``lab.sweep``): what streaming every layer costs, and what a second rank buys.
+"""Whole-model sweeps (``lab.scale.sweep``): what streaming every layer costs, and what a second rank buys.
 
 Throughput: every Linear weight of all-MiniLM-L6-v2 (37 tensors, 10.8M parameters; the first 6
 with ``--quick``) swept as ``python -m observers run minilm --layers all --kinds weight --format
@@ -32,8 +32,8 @@ import torch
 
 import observers as ob
 from bench.common import SETTINGS, case, median_seconds
-from lab.pipeline import RunConfig
-from lab.sweep import Plan, run_sweep
+from lab.analyse.pipeline import RunConfig
+from lab.scale.sweep import Plan, run_sweep
 from sample_models import open_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,17 +1,17 @@
 """``python -m observers``: the lab without a browser.
 
 Subcommands: ``list`` (observers, formats, presets), ``layers MODEL``, ``run MODEL ...``, and the
-model-level ones: ``evaluate MODEL --choices FILE`` and ``sensitivity MODEL ...`` (``lab.evaluate``,
-``lab.sensitivity``: what a choice does to the model's output on held-out text).
+model-level ones: ``evaluate MODEL --choices FILE`` and ``sensitivity MODEL ...`` (``lab.effect.evaluate``,
+``lab.effect.sensitivity``: what a choice does to the model's output on held-out text).
 ``run`` fills the same ``lab.settings.RunSettings`` the app's Run page fills (formats, presets,
-knobs, activation order, calibration), then calls ``lab.pipeline.analyse`` and
+knobs, activation order, calibration), then calls ``lab.analyse.pipeline.analyse`` and
 ``lab.results.choose`` as the app does, and writes the Observer Lab JSON, optionally an HTML
 report and a compressed-tensors export: the same settings give the same file. Bad input ends
 with exit code 2 and one line on stderr, never a traceback.
 
 ``run --layers all`` (or ``--chunk N``, ``--resume``, or several torchrun ranks) is a sweep
-(``lab.sweep``): layers are streamed in chunks, written as they finish and resumable; under
-``torchrun`` the ranks split the layers (``lab.distributed``) and rank 0 writes the file.
+(``lab.scale.sweep``): layers are streamed in chunks, written as they finish and resumable; under
+``torchrun`` the ranks split the layers (``lab.scale.distributed``) and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from types import SimpleNamespace
 from typing import IO, Any
 
 import observers as ob
-from lab import distributed
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
 from lab.results import first_error, spec_text
+from lab.scale import distributed
 from lab.settings import parse_bytes
 from observers.formats import formats_table
 
@@ -136,7 +136,7 @@ def _cmd_layers(args: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _is_sweep(args: argparse.Namespace) -> bool:
-    """Whether ``run`` streams its layers (``lab.sweep``) rather than analysing them in one go."""
+    """Whether ``run`` streams its layers (``lab.scale.sweep``) rather than analysing them in one go."""
     streamed = args.layers.strip() == ALL_LAYERS or args.chunk is not None or args.resume
     return streamed or distributed.world_size() > 1
 
@@ -146,9 +146,9 @@ def _choice_line(layer: str, tensor: str, observer: str, metric: str, value: Any
 
 
 def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
-    from lab import compressed_tensors, lab_json
-    from lab.pipeline import analyse
-    from lab.results import check_metric, choose
+    from lab.analyse.pipeline import analyse
+    from lab.export import compressed_tensors, lab_json
+    from lab.results import check_metric, choose, override
 
     check_metric(args.choose_by)
     settings = settings_from_args(args)
@@ -159,10 +159,16 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
             "--compressed-tensors writes qparams for the model as it is; with --transform they are the qparams of the "
             "rotated or smoothed tensors, which the checkpoint does not hold: leave out one of the two"
         )
-    if sweep and (args.report or args.ct_dir):
+    if sweep and (args.report or args.ct_dir or args.choose):
         raise CliError(
-            "--report and --compressed-tensors need every analysed tensor in memory, which a sweep (--layers all, "
-            "--chunk, --resume or torchrun) does not keep: run them on a --layers list"
+            "--report, --compressed-tensors and --choose need every analysed tensor in memory, which a sweep "
+            "(--layers all, --chunk, --resume or torchrun) does not keep: run them on a --layers list, or change "
+            "choices with `export` on the sweep's file"
+        )
+    if args.transform and (args.checkpoint or args.recipe):
+        raise CliError(
+            "--checkpoint and --recipe apply qparams to the model as it is; with --transform they are the qparams of "
+            "the rotated or smoothed tensors: leave out one of the two"
         )
     from sample_models import open_model  # after the cheap checks: importing transformers takes seconds
 
@@ -170,7 +176,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     layers = select_layers(model, args.layers)
     attention = select_attention(model, args.attention) if settings.wants["kv"] else []
     if sweep:
-        from lab.sweep import Plan
+        from lab.scale.sweep import Plan
 
         scope = (tuple(layers), config, tuple(attention))
         plan = Plan(model, *scope, args.choose_by, args.allow_uncalibrated, args.chunk, args.split)
@@ -181,7 +187,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         err.write(f"warning: {warning}\n")
     for note in sorted({e.metrics_note for e in analysis.entries if e.metrics_note}):
         err.write(f"note: activation {note} (a seeded sample; the qparams saw every token)\n")
-    choices = choose(analysis, args.choose_by)
+    choices = override(analysis, choose(analysis, args.choose_by), args.choose)
     if not choices:
         raise CliError(
             "no observer produced qparams for these settings: " + (first_error(analysis) or "nothing was analysed")
@@ -189,7 +195,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
     written = [args.out]
     if args.report:
-        from lab.report import write_report
+        from lab.results.report import write_report
 
         written.append(str(write_report(analysis, choices, args.report, metric=args.choose_by)))
     if args.ct_dir:
@@ -197,6 +203,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         written.append(args.ct_dir)
         for note in built.notes:
             err.write(f"note: {note}\n")
+    written += _deploy(args, lab_json.load_file(args.out), model, err)
     for (layer, tensor), observer in choices.items():
         entry = analysis.entry(layer, tensor)
         out.write(
@@ -212,8 +219,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
 
 
 def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
-    """``run`` as a sweep of ``plan`` (a ``lab.sweep.Plan``); only rank 0 draws progress and reports."""
-    from lab.sweep import run_sweep
+    """``run`` as a sweep of ``plan`` (a ``lab.scale.sweep.Plan``); only rank 0 draws progress and reports."""
+    from lab.scale.sweep import run_sweep
 
     note = plan.split_note(ranks.world_size)
     if note and ranks.is_main:
@@ -229,10 +236,47 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
         err.write(f"warning: {warning}\n")
     if outcome.resumed:
         err.write(f"note: {outcome.resumed} of {len(plan.units())} layers came from the interrupted sweep\n")
+    from lab.export import lab_json
+
+    deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err)
     for entry in outcome.document["entries"]:
         value = entry["chosen"]["metrics"][args.choose_by]
         out.write(_choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value))
-    out.write(f"wrote {args.out}\n")
+    out.write(f"wrote {', '.join([args.out, *deployed])}\n")
+
+
+def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str]) -> list[str]:
+    """``--checkpoint`` and ``--recipe`` from a choices file: what ``run`` and ``export`` write."""
+    from lab.export import checkpoint, recipe
+    from lab.export.chosen import of_lab_file
+
+    written = []
+    if args.recipe:
+        built = recipe.of_chosen(of_lab_file(lab_file.entries), checkpoint.check_fits(lab_file, model))
+        built.write(args.recipe)
+        written.append(args.recipe)
+        for note in built.notes:
+            err.write(f"note: recipe: {note}\n")
+    if args.checkpoint:
+        bar = None if getattr(args, "quiet", False) else ProgressBar(err, "files")
+        result = checkpoint.write(lab_file, model, args.checkpoint, overwrite=args.overwrite, progress=bar)
+        written.append(args.checkpoint)
+        for note in result.notes:
+            err.write(f"note: checkpoint: {note}\n")
+    return written
+
+
+def _cmd_export(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    """``export CHOICES --model MODEL``: a saved choices file as a checkpoint and/or a recipe."""
+    from lab.export import lab_json
+
+    if not (args.checkpoint or args.recipe):
+        raise CliError("export writes --checkpoint DIR and/or --recipe FILE: name at least one")
+    lab_file = lab_json.load_file(args.choices)
+    from sample_models import open_model
+
+    model = open_model(args.model, device=args.device)
+    out.write(f"wrote {', '.join(_deploy(args, lab_file, model, err))}\n")
 
 
 def _held_out(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,8 +303,8 @@ def _evaluation_lines(evaluations: Sequence[Any], out: IO[str]) -> None:
 
 def _cmd_evaluate(args: argparse.Namespace, out: IO[str]) -> None:
     """``evaluate MODEL --choices FILE --out FILE``: the file's choices against the float model."""
-    from lab import lab_json
-    from lab.evaluate import Evaluator, document, float_set, from_lab_file
+    from lab.effect.evaluate import Evaluator, document, float_set, from_lab_file
+    from lab.export import lab_json
 
     lab_file = lab_json.load_file(args.choices)
     memory = None if args.max_memory is None else parse_bytes(args.max_memory)
@@ -277,10 +321,10 @@ def _cmd_evaluate(args: argparse.Namespace, out: IO[str]) -> None:
 
 def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     """``sensitivity MODEL --layers ... <run's scheme flags> --out FILE``: one tensor at a time."""
-    from lab.evaluate import Evaluator, document
-    from lab.pipeline import analyse
+    from lab.analyse.pipeline import analyse
+    from lab.effect.evaluate import Evaluator, document
+    from lab.effect.sensitivity import compare, sensitivity
     from lab.results import check_metric
-    from lab.sensitivity import compare, sensitivity
     from lab.vocab import MODEL_METRICS
 
     if args.metric is not None and args.metric not in MODEL_METRICS:
@@ -308,7 +352,7 @@ def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> No
     _write_json(args.out, document(evaluator, evaluations, **extra))
     written = [args.out]
     if args.report:
-        from lab.report import write_report
+        from lab.results.report import write_report
 
         effect = (table, evaluations)
         written.append(str(write_report(analysis, table.choices(analysis), args.report, args.local_metric, effect)))
@@ -327,7 +371,7 @@ def _interrupted(args: argparse.Namespace | None) -> str:
     """The line Ctrl-C leaves: for a sweep, where its finished layers are and how to go on."""
     if args is None or args.command != "run" or not _is_sweep(args):
         return "interrupted\n"
-    from lab.sweep import partial_path
+    from lab.scale.sweep import partial_path
 
     kept = partial_path(args.out)
     return f"interrupted: finished layers are kept in {kept}; run the same command with --resume to go on\n"
@@ -348,6 +392,8 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
             _cmd_evaluate(args, out)
         elif args.command == "sensitivity":
             _cmd_sensitivity(args, out, err)
+        elif args.command == "export":
+            _cmd_export(args, out, err)
         else:
             with distributed.ranks_for(args.device) as ranks:
                 ranks.check_same(json.dumps(vars(args), sort_keys=True))

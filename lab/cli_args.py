@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import observers as ob
-from lab.distributed import RankSplit
+from lab.analyse.tools import Tool
+from lab.scale.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
-from lab.tools import Tool
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
 from sample_models.calibration_sets import CalibrationSource
 
@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="export even when some activation tensors saw no calibration tokens (recorded as uncalibrated)",
     )
     run.add_argument("--compressed-tensors", dest="ct_dir", help="directory for the compressed-tensors export")
+    run.add_argument(
+        "--choose",
+        action="append",
+        default=[],
+        metavar="GLOB=OBSERVER",
+        type=_choice_rule,
+        help="every tensor of the layers GLOB matches takes OBSERVER instead of the best by --choose-by "
+        "(repeatable; later rules win)",
+    )
+    _add_deployment_flags(run)
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(
         "--chunk",
@@ -71,7 +81,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep: go on from OUT.partial.jsonl of an interrupted sweep with the same settings, skipping its layers",
     )
     _add_effect_commands(commands)
+    export = commands.add_parser(
+        "export", help="a saved choices file (Observer Lab JSON) as a compressed checkpoint and/or recipe"
+    )
+    export.add_argument("choices", help="the Observer Lab JSON file (from run, or saved by the app)")
+    export.add_argument("--model", required=True, help="the model the choices were made for")
+    export.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    _add_deployment_flags(export)
     return parser
+
+
+def _choice_rule(text: str) -> tuple[str, str]:
+    """``GLOB=OBSERVER`` as ``(glob, observer)``."""
+    glob, sep, observer = text.partition("=")
+    if not sep or not glob.strip() or not observer.strip():
+        raise argparse.ArgumentTypeError(f"expected GLOB=OBSERVER, got {text!r}")
+    return glob.strip(), observer.strip()
+
+
+def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
+    """What a choice becomes for serving: a compressed checkpoint and an llm-compressor recipe."""
+    parser.add_argument(
+        "--checkpoint",
+        help="directory for a compressed checkpoint (compressed-tensors packed) that transformers and vLLM load",
+    )
+    parser.add_argument("--recipe", help="llm-compressor recipe (YAML) that reproduces each layer's observer")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --checkpoint directory")
 
 
 def _add_held_out_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +122,8 @@ def _add_held_out_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_effect_commands(commands) -> None:
     """``evaluate`` (a choices file, end to end) and ``sensitivity`` (one tensor at a time, with
-    ``run``'s scheme flags): model-level effect on held-out text (``lab.evaluate``, ``lab.sensitivity``)."""
+    ``run``'s scheme flags): model-level effect on held-out text (``lab.effect.evaluate``,
+    ``lab.effect.sensitivity``)."""
     evaluate = commands.add_parser("evaluate", help="what a choices file does to the model's output on held-out text")
     evaluate.add_argument("model", help="the model the choices file was made for")
     evaluate.add_argument("--choices", required=True, help="Observer Lab JSON file (from 'run' or the app)")

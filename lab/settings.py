@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 import observers as ob
-from lab.run_config import RunConfig, default_observers
+from lab.analyse.run_config import RunConfig, default_observers
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, KV, LINEAR_TYPES, SPEC_KEYS, TensorKind
 from observers.formats import FAMILIES
 from sample_models.calibration_sets import CalibrationSource, CalibrationSourceError
@@ -217,7 +217,7 @@ class RunSettings:
     transform_seed: int = 0
     smooth_alpha: float = 0.5
     tools: tuple[str, ...] = ()
-    """Also run each tensor as these tools would by default (``lab.tools``)."""
+    """Also run each tensor as these tools would by default (``lab.analyse.tools``)."""
 
     def editor(self, role: str) -> SpecSettings:
         """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""

@@ -1,7 +1,7 @@
 """The app's widgets, bound to the session's ``Workspace``: the only lab module that imports streamlit.
 
 Pages read like a description of the UI and call these helpers; everything they compute comes
-from the floors below (``lab.settings``, ``lab.results``, ``lab.workspace``, ``lab.plots``).
+from the floors below (``lab.settings``, ``lab.results``, ``lab.workspace``, ``lab.results.plots``).
 
 State rules: models are opened once per process with ``st.cache_resource`` and shared read-only;
 everything that belongs to one user lives in that session's ``Workspace`` (created once in
@@ -24,8 +24,9 @@ import streamlit as st
 import torch
 
 import observers as ob
-from lab import plots, results
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab import results
+from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.results import plots
 from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
 from lab.workspace import UPLOAD_SUFFIXES, ModelRequest, RunOutcome, Timer, Workspace
 

@@ -57,7 +57,8 @@ DEFAULT_SEQ_LEN = 128
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_BYTES = 256 << 20
 """Bytes of activation tokens an analysis keeps, across all its tensors, for plots and error
-metrics (the same seeded tokens for every tensor); the observers see every token regardless."""
+metrics (the same seeded tokens for every tensor); the observers see every token regardless.
+A run under a ``max_memory`` budget keeps at most a quarter of it (``RunConfig.sample_bytes``)."""
 """Calibration defaults: 32 windows of 128 tokens (about 4k tokens) for app, CLI and bench."""
 
 FEW_TOKENS = 16

@@ -26,8 +26,8 @@ from typing import Any
 
 import pandas as pd
 
-from lab.capture_memo import CapturingModel
-from lab.pipeline import Analysis, ResultCache, RunConfig, TensorAnalysis, analyse
+from lab.analyse.pipeline import Analysis, ResultCache, RunConfig, TensorAnalysis, analyse
+from lab.calibrate.capture_memo import CapturingModel
 from lab.results import Choices, valid_choices
 from lab.settings import CalibrationForm, RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC
@@ -396,9 +396,9 @@ class Workspace:
         return self.effect
 
     def effect_evaluator(self, model: Any) -> Any:
-        """The ``lab.evaluate.Evaluator`` of ``model`` on the state's held-out settings, built once
+        """The ``lab.effect.evaluate.Evaluator`` of ``model`` on the state's held-out settings, built once
         per model and settings (its float run is what every later evaluation compares with)."""
-        from lab.evaluate import Evaluator
+        from lab.effect.evaluate import Evaluator
 
         state = self.effect
         key = (self.last_request, state.samples, state.seq_len)

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .calibration import Batch
 from .layers import LayerRef
-from .sequential import SequentialRunner
+from .sequential import SequentialRunner, StopPass
 
 Key = tuple[str, str]
 """``(layer, "input"|"output")`` for layer activations, ``(attention block, "k"|"v")`` for KV states."""
@@ -215,7 +215,7 @@ class _Recorder:
         """(valid, keep) masks over the batch's flattened tokens."""
         return self.batch.valid.reshape(-1), self.batch.keep.reshape(-1)
 
-    def record(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def record(self, name: str, x: torch.Tensor, y: torch.Tensor | None) -> None:
         """Record a module call: real, kept tokens only when positions are known, else every row."""
         sides = [("input", x), ("output", y)] if self.want_outputs else [("input", x)]
         if self.token_major(x):
@@ -320,6 +320,36 @@ def hooks_installed(recorder: _Recorder, refs: dict[str, LayerRef]) -> Iterator[
             handle.remove()
 
 
+@contextmanager
+def _inputs_then_stop(recorder: _Recorder, refs: dict[str, LayerRef]) -> Iterator[None]:
+    """Pre-hooks that record each layer's input and stop the pass once every one of them has it,
+    before the layer runs: the pass after the blocks, asked for a head's input, neither loads the
+    head nor computes its logits."""
+    seen: set[str] = set()
+
+    def hook_for(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not recorder.active():
+                return
+            recorder.record(name, _first_tensor(args, kwargs), None)
+            seen.add(name)
+            if len(seen) == len(refs):
+                seen.clear()
+                raise StopPass
+
+        return hook
+
+    handles = [
+        ref.module.register_forward_pre_hook(hook_for(name), with_kwargs=True, prepend=True)
+        for name, ref in refs.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def forward_kwargs(model: nn.Module, batch: Batch) -> dict:
     """Arguments for one calibration forward pass; the KV cache is off unless asked for."""
     kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
@@ -393,7 +423,8 @@ def capture_sequential(
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))
-        with hooks_installed(recorder, after):
+        inputs_only = not outputs and all(ref.expert is None for ref in after.values())
+        with _inputs_then_stop(recorder, after) if inputs_only else hooks_installed(recorder, after):
             runner.tail(forward_kwargs, recorder.start)
             recorder.pad(rounds - len(batches))
     recorder.report(list(refs), done, refs, device)

@@ -167,6 +167,12 @@ class Model:
         self.layer(name)
         return self._store.bias(name)
 
+    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+        """The weight files, ``(file name, load)``; ``load()`` reads one file's tensors as stored
+        (dtype kept, on the CPU), so a checkpoint is rewritten one file in memory at a time. A
+        model built in memory is one file, its state dict."""
+        return self._store.stored_shards()
+
     def module(self) -> nn.Module:
         """The executable model (built or loaded on first call). Treat it as read-only."""
         return self._require_runtime().module.get()

@@ -23,6 +23,7 @@ files, or copied from the module built in memory for the built-ins, so both take
 from __future__ import annotations
 
 import copy
+import ctypes
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -84,6 +85,29 @@ def from_config(model_class: type[nn.Module], config, dtype: torch.dtype) -> Cal
 
 def human_bytes(count: int) -> str:
     return f"{count / 2**20:.1f} MiB"
+
+
+def return_freed_memory() -> None:
+    """Give the memory of freed tensors back to the operating system (glibc only; elsewhere a no-op).
+
+    glibc serves allocations below a threshold from its heap and keeps freed heap memory for reuse,
+    and it raises that threshold (up to 32 MB) each time a large block is freed: after a few blocks'
+    weights and activations come and go, the process holds hundreds of MB it no longer uses, and
+    the memory budget of a layer-by-layer run would be a promise on paper only."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _glibc()
 
 
 @dataclass
@@ -298,6 +322,11 @@ class _LastBlockReached(Exception):
     """Stops the recording pass: nothing after the blocks is needed to feed them."""
 
 
+class StopPass(Exception):
+    """Raised by a capture hook of the last pass once it has recorded everything asked of it: the
+    rest of the forward pass (a head's logits, far larger than its input) is not run."""
+
+
 class _StandIn(nn.Module):
     """Takes a block's place for one pass: hands its call to ``on_call`` and returns what that gives."""
 
@@ -402,6 +431,7 @@ class SequentialRunner:
             self._loader.free(block)
             self._hidden.clear()
             self._hidden = self._next
+            return_freed_memory()
             self._calls[index] = []
             if self._progress is not None:
                 self._progress(index + 1, total, name)
@@ -437,7 +467,10 @@ class SequentialRunner:
             for batch_index, batch in enumerate(self._batches):
                 start(batch)
                 current[:] = [self._hidden[batch_index]]
-                module(**kwargs_for(module, batch))
+                try:
+                    module(**kwargs_for(module, batch))
+                except StopPass:
+                    continue
 
     @contextmanager
     def _stand_ins(self, on_call: Callable[[int, tuple, dict], torch.Tensor]) -> Iterator[None]:

@@ -15,7 +15,7 @@ import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Protocol
 
@@ -46,6 +46,8 @@ class WeightStore(Protocol):
     def tensor(self, key: str) -> torch.Tensor: ...
 
     def total_bytes(self) -> int: ...
+
+    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]: ...
 
 
 class ModuleWeights:
@@ -94,6 +96,16 @@ class ModuleWeights:
 
     def total_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._get_module().parameters())
+
+    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+        """One shard, ``model.safetensors``: the module's state dict (what ``save_pretrained``
+        saves: parameters and persistent buffers), copied."""
+
+        def load() -> dict[str, torch.Tensor]:
+            state = self._get_module().state_dict()
+            return {key: tensor.detach().to("cpu", copy=True) for key, tensor in state.items()}
+
+        return [("model.safetensors", load)]
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,29 @@ class CheckpointWeights:
         """Bytes of every stored tensor once read in the model dtype: what loading it all would take."""
         size = torch.empty((), dtype=self._dtype).element_size()
         return size * sum(_numel(entry.shape) for entry in self._entries.values())
+
+    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+        """The checkpoint file by file: ``(name, load)``, where ``load()`` reads that file's tensors
+        as stored (their own dtype, on the CPU), so a rewrite holds one file in memory at a time. A
+        ``.bin`` file is named as the ``.safetensors`` file it becomes."""
+        files = list(dict.fromkeys(entry.file for entry in self._entries.values()))
+        return [(self._shard_name(file), partial(self._load_file, file)) for file in files]
+
+    @staticmethod
+    def _shard_name(file: Path) -> str:
+        if file.suffix == ".safetensors":
+            return file.name
+        return "model.safetensors" if file.name == "pytorch_model.bin" else f"{file.stem}.safetensors"
+
+    def _load_file(self, file: Path) -> dict[str, torch.Tensor]:
+        keys = [key for key, entry in self._entries.items() if entry.file == file]
+        if file.suffix != ".safetensors":
+            return {key: self._bin[key].to("cpu", copy=True) for key in keys}
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                return {key: handle.get_tensor(key) for key in keys}
+        except (SafetensorError, OSError) as err:
+            raise ModelSourceError(f"cannot read {file}: {err}") from err
 
     def _read(self, key: str) -> torch.Tensor:
         entry = self._entries[key]

@@ -11,8 +11,9 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import lab_json, results, settings, ui
-from lab.capture_memo import CapturingModel
+from lab import results, settings, ui
+from lab.calibrate.capture_memo import CapturingModel
+from lab.export import lab_json
 from lab.results import choose
 from observers.formats import FAMILIES
 
@@ -325,8 +326,8 @@ def test_explain_says_what_to_do():
 
 
 def test_token_warnings_flag_empty_and_tiny_activations():
-    from lab.model_facts import ModelFacts
-    from lab.pipeline import Analysis, RunConfig, TensorAnalysis
+    from lab.analyse.model_facts import ModelFacts
+    from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
 
     spec = ob.QuantSpec()
     entries = [

@@ -17,7 +17,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from lab import ui, workspace
-from lab.pipeline import Analysis
+from lab.analyse.pipeline import Analysis
 from lab.settings import CalibrationForm, RunSettings
 from lab.workspace import Workspace
 from sample_models.calibration_sets import CalibrationSourceError

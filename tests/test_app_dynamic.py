@@ -9,7 +9,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import dynamic, ui
+from lab import ui
+from lab.results import dynamic
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 LAYER = "encoder.layer.0.attention.self.query"

@@ -12,7 +12,8 @@ from helpers import save_checkpoint, tiny_llama
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import lab_json, ui
+from lab import ui
+from lab.export import lab_json
 from lab.results import choose
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")

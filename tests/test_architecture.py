@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from lab import lab_json, ui
+from lab import ui
 from lab.cli import main
+from lab.export import lab_json
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMLIT_ALLOWED = {"app.py", "lab/ui.py"}

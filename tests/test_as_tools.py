@@ -1,4 +1,4 @@
-"""``--as`` / "what each tool would produce": the tools' defaults (``lab.tools``) run beside the
+"""``--as`` / "what each tool would produce": the tools' defaults (``lab.analyse.tools``) run beside the
 observers, recorded in the JSON and drawn on the Ranges page, never chosen or exported."""
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import lab_json, ui
+from lab import ui
+from lab.analyse.pipeline import RunConfig, analyse
 from lab.cli import main
-from lab.pipeline import RunConfig, analyse
+from lab.export import lab_json
 from lab.results import choose
 from sample_models import open_model
 
 LAYER = "model.layers.0.mlp.down_proj"
 TOOLS = ("llm-compressor", "modelopt", "quark", "torch.ao")
-SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "lab/schema/observer_lab.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "lab/export/schema/observer_lab.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_the_ranges_page_draws_each_tool():
 
 
 def test_a_rerun_reuses_the_tools_results_from_the_cache():
-    from lab.pipeline import ResultCache
+    from lab.analyse.pipeline import ResultCache
 
     model, cache = open_model("tiny-llama"), ResultCache()
     config = RunConfig(specs={"weight": ob.QuantSpec(dtype="int8")}, observers=("minmax",), tools=("modelopt",))

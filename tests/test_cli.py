@@ -13,9 +13,9 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 
 import observers as ob
-from lab import lab_json
+from lab.analyse.pipeline import RunConfig, analyse
 from lab.cli import main
-from lab.pipeline import RunConfig, analyse
+from lab.export import lab_json
 from lab.results import choose
 from sample_models import open_model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import observers as ob
-from lab.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import open_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Sweeps on several ranks (``torchrun ... -m observers run``, ``lab.distributed``): ranks that split
+"""Sweeps on several ranks (``torchrun ... -m observers run``, ``lab.scale.distributed``): ranks that split
 the layers give bit-identical qparams to one process, ranks that split the calibration batches
 merge to them (exactly for min-max and histograms), rank 0 writes the one file, and ranks that
 disagree or fail stop together with one error line each instead of hanging."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.distributed import MISMATCH, SINGLE, owner, rank_device
-from lab.sweep import partial_path
+from lab.scale.distributed import MISMATCH, SINGLE, owner, rank_device
+from lab.scale.sweep import partial_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -176,7 +176,7 @@ def test_layers_go_round_robin_and_one_process_needs_no_group():
 
 COLLECTIVES = """
 import json, torch
-from lab.distributed import ranks_for
+from lab.scale.distributed import ranks_for
 from observers.shared import Op
 with ranks_for("cpu") as ranks:
     mine = torch.tensor([1.0, 5.0]) if ranks.rank == 0 else torch.tensor([3.0, 2.0])

@@ -1,5 +1,5 @@
 """Dynamic (run-time) quantization: observers.dynamic against naive per-token loops, its error and
-error paths; lab.dynamic's summary table and lab.plots' dynamic scale figure checked on their data."""
+error paths; lab.results.dynamic's summary table and lab.results.plots' dynamic scale figure checked on their data."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import observers as ob
-from lab import dynamic, plots
-from lab.pipeline import TensorAnalysis
+from lab.analyse.pipeline import TensorAnalysis
+from lab.results import dynamic, plots
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 INT_DTYPES = ["int2", "int3", "int4", "int8", "uint4", "uint8"]
@@ -215,7 +215,7 @@ def test_view_spec_maps_token_to_output_channels_only():
     assert ob.dynamic_view_spec(group) is group
 
 
-# ---------------------------------------------------------------- lab.dynamic
+# ---------------------------------------------------------------- lab.results.dynamic
 
 
 def test_dynamic_applies_only_to_dynamic_activations_that_saw_tokens():
@@ -278,7 +278,7 @@ def test_static_on_runtime_grid_broadcasts_or_says_none():
     assert dynamic.static_on_runtime_grid(torch.ones(5, 1), torch.ones(6, 1)) is None
 
 
-# ---------------------------------------------------------------- lab.plots.dynamic_scale_figure
+# ---------------------------------------------------------------- lab.results.plots.dynamic_scale_figure
 
 
 def _hist(fig: go.Figure) -> go.Scatter:

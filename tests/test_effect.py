@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import observers as ob
-from lab import lab_json
+from lab.analyse.pipeline import RunConfig, analyse
 from lab.cli import main
-from lab.evaluate import (
+from lab.effect.evaluate import (
     ChoiceSet,
     Evaluator,
     check_applies,
@@ -26,9 +26,9 @@ from lab.evaluate import (
     from_lab_file,
     spearman,
 )
-from lab.pipeline import RunConfig, analyse
+from lab.effect.sensitivity import Sensitivity, compare, sensitivity
+from lab.export import lab_json
 from lab.results import check_metric, choose
-from lab.sensitivity import Sensitivity, compare, sensitivity
 from sample_models import builtin_texts, open_model
 from sample_models.effect import EffectRunner, TensorQuant, held_out_texts, sentences
 

@@ -13,7 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from lab import ui
-from lab.plots import effect as effect_plots
+from lab.results.plots import effect as effect_plots
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 LAYERS = ["encoder.layer.4.output.dense", "encoder.layer.5.output.dense"]

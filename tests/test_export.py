@@ -17,9 +17,9 @@ from helpers import streamed_capture
 from safetensors import safe_open
 
 import observers as ob
-from lab import compressed_tensors, lab_json
-from lab.model_facts import ModelFacts, describe_source
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis, analyse
+from lab.analyse.model_facts import ModelFacts, describe_source
+from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis, analyse
+from lab.export import compressed_tensors, lab_json
 from lab.results import choose
 from observers.suite import SuiteResult
 

@@ -18,10 +18,11 @@ from safetensors import safe_open
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import cli, compressed_tensors, lab_json, plots, results, ui
-from lab.model_facts import ModelFacts
-from lab.pipeline import RunConfig, analyse
-from lab.results import choose
+from lab import cli, results, ui
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.pipeline import RunConfig, analyse
+from lab.export import compressed_tensors, lab_json
+from lab.results import choose, plots
 from sample_models import open_model
 
 OBSERVERS = ("minmax", "mse_grid", "percentile")

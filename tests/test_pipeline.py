@@ -1,4 +1,4 @@
-"""lab.pipeline: the analysis path of the app and CLI, on a small stand-in model."""
+"""lab.analyse.pipeline: the analysis path of the app and CLI, on a small stand-in model."""
 
 import warnings
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import torch
 from helpers import streamed_capture
 
 import observers as ob
-from lab.pipeline import ResultCache, RunConfig, analyse
+from lab.analyse.pipeline import ResultCache, RunConfig, analyse
 from lab.results import choose
 
 
@@ -95,7 +95,7 @@ def test_weight_observers_get_their_input_statistics_from_the_captured_inputs():
     """``imatrix_mse`` gets the column importance and ``local_hessian`` the block Hessian of the
     layer's own captured inputs, unless the person set them."""
     import observers as ob
-    from lab.pipeline import RunConfig, analyse
+    from lab.analyse.pipeline import RunConfig, analyse
     from sample_models import open_model
 
     model = open_model("tiny-llama")

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import observers as ob
-from lab import plots
-from lab.model_facts import ModelFacts
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis
-from lab.report import report_figures
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.results import plots
+from lab.results.report import report_figures
 from observers.suite import SuiteResult
 
 MINMAX = ["minmax", "memoryless_minmax", "moving_average_minmax"]

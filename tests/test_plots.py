@@ -1,4 +1,4 @@
-"""lab.plots: figures checked on their data (traces, line positions, heatmap values, colors)."""
+"""lab.results.plots: figures checked on their data (traces, line positions, heatmap values, colors)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import observers as ob
-from lab import plots, results
-from lab.pipeline import ResultCache, RunConfig, TensorAnalysis, analyse
+from lab import results
+from lab.analyse.pipeline import ResultCache, RunConfig, TensorAnalysis, analyse
+from lab.results import plots
 
 MINMAX_FAMILY = ["minmax", "memoryless_minmax", "moving_average_minmax"]
 
@@ -206,8 +207,8 @@ def test_token_channel_figure_per_token_and_per_channel_absmax():
 
 
 def _analysis(model_entries: list[TensorAnalysis]):
-    from lab.model_facts import ModelFacts
-    from lab.pipeline import Analysis
+    from lab.analyse.model_facts import ModelFacts
+    from lab.analyse.pipeline import Analysis
 
     config = RunConfig(specs={"weight": ob.QuantSpec()}, observers=tuple(MINMAX_FAMILY))
     return Analysis(ModelFacts({"name": "t"}), config, model_entries)

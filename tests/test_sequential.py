@@ -78,6 +78,21 @@ def test_sequential_capture_equals_whole_model_capture(source):
     assert 0 < stats.peak_weight_bytes < 2.1 * stats.largest_unit[1]  # last pass: embedding, norm and head
 
 
+@pytest.mark.parametrize(("source", "after"), [("minilm", ["pooler.dense"]), ("tiny-llama", ["lm_head"])])
+def test_inputs_after_the_blocks_stop_the_last_pass_before_the_head_runs(source, after, monkeypatch):
+    from sample_models import sequential
+
+    model = open_model(source)
+    stops = []
+    monkeypatch.setattr(sequential.StopPass, "__init__", lambda self, *args: stops.append(1))
+    whole = model.capture(after, sequential=False, **CALIBRATION)
+    sequential_run = model.capture(after, sequential=True, **CALIBRATION)
+    assert len(stops) == 2  # one per batch: 6 samples in batches of 4, each stopped before the head
+    for name in after:
+        torch.testing.assert_close(sequential_run[name], whole[name])
+        assert sequential_run.token_counts[name] == whole.token_counts[name]
+
+
 @pytest.mark.parametrize("source", ["minilm", "tiny-llama", "tiny-moe"])
 def test_sequential_kv_states_equal_whole_model_kv_states(source):
     model = open_model(source)

@@ -1,7 +1,7 @@
-"""The calibration stream (``lab.stream``, ``lab.activations``): every calibration batch goes through
-the observers inside the capture hooks, so ranges are exact over every token while only a bounded
-sample of tokens is kept; moving averages see the batches as they come; the capture hands over
-every real token, in order, whole-model or block by block."""
+"""The calibration stream (``lab.calibrate.stream``, ``lab.calibrate.activations``): every
+calibration batch goes through the observers inside the capture hooks, so ranges are exact over
+every token while only a bounded sample of tokens is kept; moving averages see the batches as they
+come; the capture hands over every real token, in order, whole-model or block by block."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import observers as ob
-from lab import lab_json, run_config
-from lab.pipeline import RunConfig, analyse
+from lab.analyse import run_config
+from lab.analyse.pipeline import RunConfig, analyse
+from lab.export import lab_json
 from lab.results import choose
 from sample_models import open_model
 

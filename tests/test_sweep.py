@@ -1,4 +1,4 @@
-"""Whole-model sweeps (``run --layers all``, ``lab.sweep``): the streamed file equals a run over the
+"""Whole-model sweeps (``run --layers all``, ``lab.scale.sweep``): the streamed file equals a run over the
 same layers in one go, an interrupted sweep resumes to the same file, the partial file refuses
 other settings, and no chunk holds more layers than it should."""
 
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 import observers as ob
-from lab import lab_json, sweep, sweep_file
+from lab.analyse.pipeline import RunConfig
 from lab.cli import ProgressBar, main
-from lab.pipeline import RunConfig
-from lab.sweep import Plan, partial_path, run_sweep
+from lab.export import lab_json
+from lab.scale import sweep, sweep_file
+from lab.scale.sweep import Plan, partial_path, run_sweep
 from sample_models import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,8 +135,8 @@ def test_resume_refuses_a_partial_file_of_other_settings(tmp_path):
     [
         (["--layers", "nothing.matches.*", "--chunk", "2"], "matches no layer"),
         (["--layers", "all", "--chunk", "0"], "--chunk must be at least 1"),
-        (["--layers", "all", "--report", "r.html"], "--report and --compressed-tensors"),
-        (["--layers", "all", "--compressed-tensors", "ct"], "--report and --compressed-tensors"),
+        (["--layers", "all", "--report", "r.html"], "--report, --compressed-tensors and --choose"),
+        (["--layers", "all", "--compressed-tensors", "ct"], "--report, --compressed-tensors and --choose"),
     ],
 )
 def test_bad_sweep_input_exits_2_with_one_line(tmp_path, argv, needle):
@@ -186,7 +187,7 @@ def test_progress_bar_shows_layers_elapsed_and_eta():
 
 INTERRUPT_AFTER_ROUND = """
 import os, signal, sys
-from lab import sweep_file
+from lab.scale import sweep_file
 from lab.cli import main
 
 original, rounds = sweep_file.Writer.write_round, []

@@ -1,4 +1,4 @@
-"""``lab.tools``: each tool's default observer and conventions for a scheme ("as each tool would run it").
+"""``lab.analyse.tools``: each tool's default observer and conventions for a scheme ("as each tool would run it").
 
 The facts are checked against hand-computed scales (the reference packages are not installed in
 CI); torch.ao ships with torch, so its weight observer is compared directly, and the other
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import observers as ob
-from lab import tools
-from lab.tools import Tool
+from lab.analyse import tools
+from lab.analyse.tools import Tool
 from lab.vocab import observer_kind
 from observers.spec import FLOAT32_EPS
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import observers as ob
-from lab import compressed_tensors, lab_json, results
-from lab.model_facts import ModelFacts
-from lab.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab import results
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.export import compressed_tensors, lab_json
 from lab.results import choose
 
 

@@ -13,7 +13,7 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
-from lab.plots.style import DATA_COLOR, _numpy, _ok, legend_on_top, observer_color
+from lab.results.plots.style import DATA_COLOR, _numpy, _ok, legend_on_top, observer_color
 from observers.suite import SuiteResult
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import observers as ob
-from lab.tools import Tool
+from lab.analyse.tools import Tool
 from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, SAMPLE_BYTES, SPEC_KEYS
 from lab.vocab import observer_kind as _observer_kind
 from sample_models.calibration_sets import CalibrationSource, calibration_stamp
@@ -32,7 +32,8 @@ class RunConfig:
 
     ``sequential`` and ``max_memory`` say *how* activations are captured (layer by layer, under a
     memory budget in bytes; None: the model decides, see ``sample_models.Model.capture``); they
-    do not change a single captured value, so they are not part of ``to_dict`` or any cache key."""
+    do not change what the observers see, so they are not part of ``to_dict``. A budget also
+    bounds the sample of tokens kept for metrics (``sample_bytes``), which the calibration key records."""
 
     specs: dict[str, ob.QuantSpec]
     observers: tuple[str, ...] | None = None
@@ -56,7 +57,7 @@ class RunConfig:
     max_memory: int | None = None
     transform: ob.TransformSpec | None = None
     tools: tuple[str, ...] = ()
-    """Also run each tensor as these tools would by default (``lab.tools``), beside the observers."""
+    """Also run each tensor as these tools would by default (``lab.analyse.tools``), beside the observers."""
 
     def __post_init__(self) -> None:
         unknown = set(self.specs) - set(SPEC_KEYS)
@@ -125,14 +126,20 @@ class RunConfig:
             "samples": self.samples,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
-            "max_bytes": SAMPLE_BYTES,
+            "max_bytes": self.sample_bytes(),
         }
         how = {"sequential": True if self.propagate else self.sequential, "max_memory": self.max_memory}
         return options | {k: v for k, v in how.items() if v is not None}
 
+    def sample_bytes(self) -> int:
+        """Bytes of tokens kept for plots and metrics: ``SAMPLE_BYTES``, or a quarter of a
+        ``max_memory`` budget when that is less, since the sample lives beside the weights the
+        budget bounds (the observers see every token either way)."""
+        return SAMPLE_BYTES if self.max_memory is None else min(SAMPLE_BYTES, self.max_memory // 4)
+
     def calibration_key(self) -> str:
         """Changes exactly when the captured activations would change."""
         payload = {"samples": self.samples, "seq_len": self.seq_len, "texts": self.texts}
-        payload |= {"batch_size": self.batch_size, "sample_bytes": SAMPLE_BYTES, "propagate": self.propagate}
+        payload |= {"batch_size": self.batch_size, "sample_bytes": self.sample_bytes(), "propagate": self.propagate}
         payload |= {"dataset": None if self.dataset is None else calibration_stamp(self.dataset)}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import observers as ob
-from lab.json_values import json_safe
-from lab.model_facts import ModelFacts, describe_source, same_weights
-from lab.pipeline import Analysis
+from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
+from lab.analyse.pipeline import Analysis
+from lab.export.json_values import json_safe
 from lab.results import Choices, choose, usable_observers, valid_choices
 from lab.vocab import DECODER_METRICS, ENCODER_METRICS, KV_TENSORS, observer_kind
 from sample_models.effect import HELD_OUT_SAMPLES, HELD_OUT_SEQ_LEN, EffectRunner, RunResult, TensorQuant
@@ -97,10 +97,10 @@ def best_local(analysis: Analysis, metric: str, keys: Sequence[Key] | None = Non
 
 
 def from_lab_file(lab_file: Any, model: Any, name: str = "file") -> ChoiceSet:
-    """A loaded Observer Lab file (``lab.lab_json.load_file``) as a choice set for ``model``. A file
+    """A loaded Observer Lab file (``lab.export.lab_json.load_file``) as a choice set for ``model``. A file
     made on other weights (its fingerprint differs), layers the model lacks or qparams that do not
     fit: one ``ValueError`` naming the problem."""
-    from lab.lab_json import apply_choices
+    from lab.export.lab_json import apply_choices
 
     here = describe_source(model)
     if not same_weights(lab_file.source, here):
@@ -123,7 +123,7 @@ def check_applies(choice_set: ChoiceSet, model: Any) -> None:
     held-out text: one ``ValueError`` listing each problem (a missing layer, a spec for another
     kind of tensor, static per-token qparams, which belong to the calibration tokens, a dynamic
     spec with no run-time form, qparams of another shape)."""
-    from lab.lab_json import expected_qparam_shape
+    from lab.export.lab_json import expected_qparam_shape
 
     problems = []
     blocks = None

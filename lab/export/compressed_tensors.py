@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab.json_values import json_safe
-from lab.pipeline import Analysis, TensorAnalysis
+from lab.analyse.pipeline import Analysis
+from lab.export.chosen import Chosen, of_analysis
+from lab.export.json_values import json_safe
 from lab.results import export_selection
 from lab.vocab import GLOBAL_SCALE_CONVENTION, KV_TENSORS, LAYER_TENSORS
 
@@ -66,7 +67,7 @@ CT_OBSERVER_NAMES = {
     "nvfp4_expanded_mse": "nvfp4_expanded_mse",
     "nvfp4_expanded_imatrix": "nvfp4_expanded_imatrix",
 }
-_CT_ARG_NAMES = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
+CT_ARG_NAMES = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
 _ACTIVATION_STRATEGIES = ("tensor", "group", "token")
 
 
@@ -119,7 +120,7 @@ def ct_args(spec: ob.QuantSpec, tensor: str) -> tuple[dict[str, Any] | None, lis
     return args, reasons
 
 
-def _ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """compressed-tensors' name for observer ``name`` and the knobs a person changed; tensors the
     lab fills from the calibration (importance, Hessian) are data, not settings, and stay out."""
     specs = ob.knob_specs(name) if name in ob.available() else {}
@@ -129,20 +130,23 @@ def _ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, An
 
 
 @dataclass
-class _CtLayer:
+class CtLayer:
+    """One layer's exportable tensors: args, chosen observer and knobs, entry, by tensor kind."""
+
     layer: str
     args: dict[str, dict[str, Any] | None]
     observers: dict[str, str]
     knobs: dict[str, dict[str, Any]]
-    entries: dict[str, TensorAnalysis]
+    entries: dict[str, Chosen]
 
 
-def _ct_layers(selected: list[tuple[TensorAnalysis, str]], notes: list[str]) -> list[_CtLayer]:
-    layers: dict[str, _CtLayer] = {}
-    for entry, observer in selected:
+def ct_layers(chosen: list[Chosen], notes: list[str]) -> list[CtLayer]:
+    """The chosen layers as compressed-tensors can express them, the rest in ``notes`` (shared by the exports)."""
+    layers: dict[str, CtLayer] = {}
+    for entry in chosen:
         if entry.tensor in KV_TENSORS:
             continue
-        item = layers.setdefault(entry.layer, _CtLayer(entry.layer, {}, {}, {}, {}))
+        item = layers.setdefault(entry.layer, CtLayer(entry.layer, {}, {}, {}, {}))
         args, reasons = ct_args(entry.spec, entry.tensor)
         if args is not None and entry.g_idx is not None:
             args, reasons = None, ["activation-ordered groups (g_idx) were removed from compressed-tensors 0.20"]
@@ -151,27 +155,26 @@ def _ct_layers(selected: list[tuple[TensorAnalysis, str]], notes: list[str]) -> 
         )
         if args is None:
             continue
-        result = entry.result(observer)
         item.args[entry.tensor] = args
-        item.observers[entry.tensor] = observer
-        item.knobs[entry.tensor] = result.knobs
+        item.observers[entry.tensor] = entry.observer
+        item.knobs[entry.tensor] = entry.knobs
         item.entries[entry.tensor] = entry
     return [item for item in layers.values() if item.args]
 
 
-def _group_key(item: _CtLayer) -> str:
+def _group_key(item: CtLayer) -> str:
     return json.dumps({kind: item.args.get(kind) for kind in LAYER_TENSORS}, sort_keys=True)
 
 
-def _scheme(members: list[_CtLayer], targets: list[str], notes: list[str]) -> dict[str, Any]:
+def _scheme(members: list[CtLayer], targets: list[str], notes: list[str]) -> dict[str, Any]:
     scheme: dict[str, Any] = {"targets": targets}
     for tensor in LAYER_TENSORS:
         args = members[0].args.get(tensor)
         if args is None:
-            scheme[_CT_ARG_NAMES[tensor]] = None
+            scheme[CT_ARG_NAMES[tensor]] = None
             continue
         chosen = [(f"{m.layer} {tensor}", m.observers[tensor], m.knobs[tensor]) for m in members]
-        scheme[_CT_ARG_NAMES[tensor]] = _record_observer(
+        scheme[CT_ARG_NAMES[tensor]] = _record_observer(
             args, chosen, tensor, "its config group", "compressed-tensors has one observer per group", notes
         )
     return scheme
@@ -192,7 +195,7 @@ def _record_observer(
     observer = Counter(name for _, name, _ in chosen).most_common(1)[0][0]
     if args["dynamic"] is not True:  # static, or NVFP4 "local" with a calibrated global scale
         knobs = next(knobs for _, name, knobs in chosen if name == observer)
-        ct_name, kwargs = _ct_observer(observer, knobs)
+        ct_name, kwargs = ct_observer(observer, knobs)
         args = {**args, "observer": ct_name, "observer_kwargs": kwargs}
     if observer not in CT_OBSERVER_NAMES:
         notes.append(f"{scope} observer {observer!r} has no llm-compressor equivalent; recorded by its lab name")
@@ -205,7 +208,7 @@ def _record_observer(
     return args
 
 
-def _ct_zero_point(qp: ob.QParams, spec: ob.QuantSpec, num_bits: int) -> torch.Tensor:
+def ct_zero_point(qp: ob.QParams, spec: ob.QuantSpec, num_bits: int) -> torch.Tensor:
     """Zero points as compressed-tensors' signed int8; uint formats shift by ``2^(bits-1)``."""
     zero_point = qp.zero_point.to(torch.int32)
     if not spec.format.signed:
@@ -213,12 +216,12 @@ def _ct_zero_point(qp: ob.QParams, spec: ob.QuantSpec, num_bits: int) -> torch.T
     return zero_point.to(torch.int8)
 
 
-def _ct_tensors(item: _CtLayer, args_by_kind: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+def ct_tensors(item: CtLayer, args_by_kind: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
     """The qparam tensors of one layer, named and typed as compressed-tensors stores them."""
     tensors: dict[str, torch.Tensor] = {}
     for tensor, entry in item.entries.items():
         args = args_by_kind[tensor]
-        qp = entry.result(item.observers[tensor]).qparams.to("cpu")
+        qp = entry.qparams.to("cpu")
         base = f"{item.layer}.{tensor}"
         if qp.global_scale is not None:
             tensors[f"{base}_global_scale"] = qp.global_scale.float().reshape(1).contiguous()
@@ -235,44 +238,44 @@ def _ct_tensors(item: _CtLayer, args_by_kind: dict[str, dict[str, Any]]) -> dict
             scale = qp.scale.float()
         tensors[f"{base}_scale"] = scale.contiguous()
         if not args["symmetric"]:
-            tensors[f"{base}_zero_point"] = _ct_zero_point(qp, entry.spec, args["num_bits"]).contiguous()
+            tensors[f"{base}_zero_point"] = ct_zero_point(qp, entry.spec, args["num_bits"]).contiguous()
     return tensors
 
 
-def _kv_cache_scheme(
-    selected: list[tuple[TensorAnalysis, str]], notes: list[str], attention_blocks: Sequence[str] | None
+def kv_cache_scheme(
+    chosen: list[Chosen], notes: list[str], attention_blocks: Sequence[str] | None
 ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
     """compressed-tensors' ``kv_cache_scheme`` (one ``QuantizationArgs`` for every attention
     block's keys and values) and the ``<block>.k_scale`` / ``<block>.v_scale`` tensors, shaped as
     compressed-tensors registers them: ``(1,)`` per tensor, ``(kv_heads, 1, 1)`` per head."""
-    kv = [(entry, observer) for entry, observer in selected if entry.tensor in KV_TENSORS]
+    kv = [entry for entry in chosen if entry.tensor in KV_TENSORS]
     if not kv:
         return None, {}
-    analysed = {entry.layer for entry, _ in kv}
+    analysed = {entry.layer for entry in kv}
     missing = [block for block in attention_blocks or [] if block not in analysed]
     if missing:
         notes.append(
             "kv_cache_scheme applies to every attention block, but these were not analysed and have no "
             f"k_scale/v_scale: {', '.join(missing)}"
         )
-    args, reasons = ct_args(kv[0][0].spec, "k")
+    args, reasons = ct_args(kv[0].spec, "k")
     notes.extend(f"key/value states: {reason}" + ("; not exported" if args is None else "") for reason in reasons)
     if args is None:
         return None, {}
-    chosen = [(f"{entry.layer} {entry.tensor}", name, entry.result(name).knobs) for entry, name in kv]
+    records = [(f"{entry.layer} {entry.tensor}", entry.observer, entry.knobs) for entry in kv]
     args = _record_observer(
-        args, chosen, "kv", "kv_cache_scheme", "compressed-tensors has one KV-cache observer", notes
+        args, records, "kv", "kv_cache_scheme", "compressed-tensors has one KV-cache observer", notes
     )
     tensors: dict[str, torch.Tensor] = {}
     if args["dynamic"] is not False:
         return args, tensors
-    for entry, chosen in kv:
-        qp = entry.result(chosen).qparams.to("cpu")
+    for entry in kv:
+        qp = entry.qparams.to("cpu")
         shape = (-1, 1, 1) if args["strategy"] == "attn_head" else (1,)
         base = f"{entry.layer}.{entry.tensor}"
         tensors[f"{base}_scale"] = qp.scale.float().reshape(shape).contiguous()
         if not args["symmetric"]:
-            tensors[f"{base}_zero_point"] = _ct_zero_point(qp, entry.spec, args["num_bits"]).reshape(shape).contiguous()
+            tensors[f"{base}_zero_point"] = ct_zero_point(qp, entry.spec, args["num_bits"]).reshape(shape).contiguous()
     return args, tensors
 
 
@@ -344,11 +347,12 @@ def build(
     """
     selected, missing = export_selection(analysis, choices, allow_uncalibrated)
     notes = [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, no qparams written" for e in missing]
-    items = _ct_layers(selected, notes)
-    kv_cache_scheme, kv_tensors = _kv_cache_scheme(selected, notes, analysis.facts.attention_blocks)
-    if not items and kv_cache_scheme is None:
+    chosen = of_analysis(selected)
+    items = ct_layers(chosen, notes)
+    kv_scheme, kv_tensors = kv_cache_scheme(chosen, notes, analysis.facts.attention_blocks)
+    if not items and kv_scheme is None:
         raise ValueError("no chosen setting has a compressed-tensors equivalent:\n  - " + "\n  - ".join(notes))
-    groups: dict[str, list[_CtLayer]] = {}
+    groups: dict[str, list[CtLayer]] = {}
     for item in items:
         groups.setdefault(_group_key(item), []).append(item)
     layer_types = analysis.facts.layer_types
@@ -365,9 +369,9 @@ def build(
             targets = [m.layer for m in members]
         scheme = _scheme(members, targets, notes)
         config_groups[f"group_{index}"] = scheme
-        args_by_kind = {k: scheme[_CT_ARG_NAMES[k]] for k in LAYER_TENSORS if scheme[_CT_ARG_NAMES[k]] is not None}
+        args_by_kind = {k: scheme[CT_ARG_NAMES[k]] for k in LAYER_TENSORS if scheme[CT_ARG_NAMES[k]] is not None}
         for m in members:
-            tensors.update(_ct_tensors(m, args_by_kind))
+            tensors.update(ct_tensors(m, args_by_kind))
     if any(name.endswith("_global_scale") for name in tensors):
         notes.append(f"*_global_scale tensors follow {GLOBAL_SCALE_CONVENTION}")
     notes.append(
@@ -380,7 +384,7 @@ def build(
         "quantization_status": "frozen",
         "config_groups": config_groups,
         "ignore": ignore,
-        "kv_cache_scheme": kv_cache_scheme,
+        "kv_cache_scheme": kv_scheme,
     }
     return CompressedTensorsExport(config, tensors, list(dict.fromkeys(notes)))
 

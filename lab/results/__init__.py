@@ -5,10 +5,15 @@ observers without a value left out, ties in suite order); ``choose``, the highli
 cells, the export's runner-up and the report all go through it, so "best" means one thing
 everywhere. ``higher_is_better`` is the one place a metric's direction is decided: plots and the
 sensitivity ranking ask it too. No streamlit here: pages and the report draw these frames.
+
+The package also holds what draws them: ``lab.results.plots`` (plotly figures),
+``lab.results.report`` (the HTML report) and ``lab.results.dynamic`` (static against run-time
+scales).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 
@@ -16,13 +21,13 @@ import pandas as pd
 import torch
 
 import observers as ob
-from lab.pipeline import Analysis, TensorAnalysis
+from lab.analyse.pipeline import Analysis, TensorAnalysis
 from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, MODEL_METRIC_PREFIX, MODEL_METRICS, TensorKind
 from observers.suite import SuiteResult
 
 Choices = dict[tuple[str, str], str]
 Effect = Mapping[tuple[str, str], Mapping[str, Mapping[str, float]]]
-"""Model-level metrics of quantizing one tensor with one observer (``lab.sensitivity``):
+"""Model-level metrics of quantizing one tensor with one observer (``lab.effect.sensitivity``):
 ``{(layer, tensor): {observer: {"kl": ..., ...}}}``."""
 
 
@@ -75,6 +80,29 @@ def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | No
         ranked = rank(entry, metric, effect)
         if ranked:
             chosen[(entry.layer, entry.tensor)] = ranked[0].name
+    return chosen
+
+
+def override(analysis: Analysis, choices: Choices, rules: Sequence[tuple[str, str]]) -> Choices:
+    """``choices`` with every tensor of the layers a rule's glob matches taking that rule's observer
+    (later rules win), the CLI's ``--choose GLOB=OBSERVER``. A glob that matches no analysed layer,
+    or an observer that was not run or gave no qparams on a matched tensor: one ``ValueError``
+    naming each."""
+    chosen = dict(choices)
+    problems = []
+    for pattern, observer in rules:
+        matched = [e for e in analysis.entries if fnmatch.fnmatchcase(e.layer, pattern)]
+        if not matched:
+            problems.append(f"--choose {pattern}={observer}: no analysed layer matches {pattern!r}")
+        for entry in matched:
+            if observer in usable_observers(entry):
+                chosen[(entry.layer, entry.tensor)] = observer
+                continue
+            ran = any(r.name == observer for r in entry.results)
+            why = "gave no qparams there" if ran else "was not run"
+            problems.append(f"--choose {pattern}={observer}: {entry.layer} {entry.tensor}: {observer} {why}")
+    if problems:
+        raise ValueError("cannot apply the choices:\n  - " + "\n  - ".join(problems))
     return chosen
 
 
@@ -222,7 +250,7 @@ def range_table(
 ) -> pd.DataFrame:
     """Per observer: the tensor-wide range its format keeps unclipped (``plots.envelope``), the
     share of values clipped and the SQNR; ``specs`` as in ``plots.range_histogram``."""
-    from lab.plots import envelope
+    from lab.results.plots import envelope
 
     rows = []
     for r in results:

@@ -4,7 +4,7 @@ A file (``format = "observer-lab-qparams"``, ``version = 1``) records, per analy
 tensor kind, the chosen observer with its knobs, the full ``QuantSpec``, the qparams (bit-exact:
 ``QParams.to_dict``) and the metrics of the chosen and runner-up observers, plus the model's
 source with a sha256 per weight file. It is validated against
-``lab/schema/observer_lab.schema.json`` on write and on read, so a broken file is rejected with
+``lab/export/schema/observer_lab.schema.json`` on write and on read, so a broken file is rejected with
 one error that lists every problem, and nothing is applied partially.
 
 Paired in-memory and file forms, as safetensors has them: ``save`` -> bytes / ``save_file``,
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab.json_values import json_safe, metrics_from_json, metrics_to_json
-from lab.model_facts import ModelFacts, same_weights
-from lab.pipeline import Analysis, TensorAnalysis, ToolResult
+from lab.analyse.model_facts import ModelFacts, same_weights
+from lab.analyse.pipeline import Analysis, TensorAnalysis, ToolResult
+from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.results import Choices, check_metric, export_selection, rank
 from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION, KV_TENSORS
 from observers.suite import SuiteResult
@@ -200,7 +200,7 @@ class LabFile:
 
     @property
     def choices(self) -> Choices:
-        """``{(layer, tensor): observer}``, the form ``lab.pipeline.choose`` returns."""
+        """``{(layer, tensor): observer}``, the form ``lab.analyse.pipeline.choose`` returns."""
         return {(e.layer, e.tensor): e.observer for e in self.entries}
 
     @property

@@ -24,7 +24,8 @@ from typing import Any
 
 import pandas as pd
 
-from lab.evaluate import (
+from lab.analyse.pipeline import Analysis, TensorAnalysis
+from lab.effect.evaluate import (
     ALL_MINMAX,
     ChoiceSet,
     Evaluation,
@@ -34,8 +35,7 @@ from lab.evaluate import (
     check_applies,
     from_analysis,
 )
-from lab.json_values import json_safe
-from lab.pipeline import Analysis, TensorAnalysis
+from lab.export.json_values import json_safe
 from lab.results import Choices, Effect, check_metric, choose, higher_is_better
 from lab.vocab import DEFAULT_METRIC, MODEL_METRICS, model_metric
 from sample_models.effect import TensorQuant
@@ -229,7 +229,7 @@ def compare(
 ) -> list[Evaluation]:
     """End-to-end evaluations of the set chosen by a model-level ``metric`` against "all min-max"
     and "all best-local" on the same tensors, after the float model (the baseline)."""
-    from lab.evaluate import float_set
+    from lab.effect.evaluate import float_set
 
     chosen = table.choices(analysis, metric)
     keys = list(chosen)

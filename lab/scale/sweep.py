@@ -1,5 +1,5 @@
-"""Whole-model sweeps: every layer through ``lab.pipeline.analyse``, written as it goes,
-resumable, and split between torchrun ranks (``lab.distributed``).
+"""Whole-model sweeps: every layer through ``lab.analyse.pipeline.analyse``, written as it goes,
+resumable, and split between torchrun ranks (``lab.scale.distributed``).
 
 A sweep that captures activations runs one calibration pass over all its layers: the observers
 keep only their state, and ``analyse`` hands on each block's layers as soon as the block has seen
@@ -11,9 +11,9 @@ one layer at a time. At the end the records are assembled into the Observer Lab 
 what one ``analyse`` over the same layers writes (apart from creation time and timings), written
 atomically, and the partial file is removed.
 
-The partial file and its format: ``lab.sweep_file``.
+The partial file and its format: ``lab.scale.sweep_file``.
 
-Under torchrun (``lab.distributed``) the ranks split the calibration batches when the sweep
+Under torchrun (``lab.scale.distributed``) the ranks split the calibration batches when the sweep
 captures (each rank streams its share of every batch round; the activation observers merge their
 statistics across ranks, ``observers.shared``, and the weights are split by layer), or else the
 layers (each rank analyses its own chunks alone).
@@ -29,13 +29,14 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
-from lab import lab_json, sweep_file
-from lab.distributed import SINGLE, Ranks, RankSplit, owner
-from lab.json_values import json_safe
-from lab.model_facts import describe_source
-from lab.pipeline import Analysis, ProgressFn, RunConfig, analyse
+from lab.analyse.model_facts import describe_source
+from lab.analyse.pipeline import Analysis, ProgressFn, RunConfig, analyse
+from lab.export import lab_json
+from lab.export.json_values import json_safe
 from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
-from lab.sweep_file import partial_path
+from lab.scale import sweep_file
+from lab.scale.distributed import SINGLE, Ranks, RankSplit, owner
+from lab.scale.sweep_file import partial_path
 from lab.vocab import DEFAULT_METRIC, KV, TensorKind
 
 ALL_RANKS = "all"

@@ -1,7 +1,7 @@
-"""What ``lab.pipeline.analyse`` derives beside the observers: a weight as a transform shows it
-(``observers.transforms``; activations get their view in ``lab.activations``), and the statistics
+"""What ``lab.analyse.pipeline.analyse`` derives beside the observers: a weight as a transform shows it
+(``observers.transforms``; activations get their view in ``lab.calibrate.activations``), and the statistics
 of a layer's inputs that activation order and some weight observers take (``INPUT_STATISTICS``,
-summed over every calibration token by ``lab.stream``)."""
+summed over every calibration token by ``lab.calibrate.stream``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import observers as ob
 
 if TYPE_CHECKING:
-    from lab.pipeline import RunConfig
+    from lab.analyse.pipeline import RunConfig
 
 
 def smooths(config: RunConfig) -> bool:
@@ -22,7 +22,7 @@ def smooths(config: RunConfig) -> bool:
 
 def weight_view(config: RunConfig, weight: torch.Tensor, smoothing: torch.Tensor | None) -> torch.Tensor:
     """A layer's weight as the transformed model holds it: rotated (Hadamard), or scaled by the
-    layer's SmoothQuant ``smoothing`` scales (found from its inputs, ``lab.activations``)."""
+    layer's SmoothQuant ``smoothing`` scales (found from its inputs, ``lab.calibrate.activations``)."""
     transform = config.transform
     if transform is None:
         return weight
@@ -45,7 +45,7 @@ INPUT_STATISTICS = {
 }
 """Observer knobs filled from a layer's inputs when the person left them empty: the mean squared
 input per column (``imatrix_mse``, activation order) and the per-block input Hessian
-(``local_hessian``). Each is a mean over tokens, so ``lab.stream.MeanStatistic`` sums it batch by
+(``local_hessian``). Each is a mean over tokens, so ``lab.calibrate.stream.MeanStatistic`` sums it batch by
 batch and merges it across ranks."""
 
 

@@ -7,10 +7,10 @@ they follow the light or dark theme. Trace colors are explicit and come from ``o
 so one observer has the same color on every page.
 """
 
-from lab.plots.dynamic import (
+from lab.results.plots.dynamic import (
     dynamic_scale_figure,
 )
-from lab.plots.errors import (
+from lab.results.plots.errors import (
     ERROR_PAD,
     ERROR_QUANTILE,
     error_bound,
@@ -20,7 +20,7 @@ from lab.plots.errors import (
     metric_heatmap,
     quantization_error,
 )
-from lab.plots.ranges import (
+from lab.results.plots.ranges import (
     VIEW_REACH,
     channel_range_figure,
     channel_ranges,
@@ -34,7 +34,7 @@ from lab.plots.ranges import (
     value_histogram,
     view_bounds,
 )
-from lab.plots.scales import (
+from lab.results.plots.scales import (
     MAX_HEATMAP_COLS,
     MAX_HEATMAP_ROWS,
     MIN_DISTRIBUTION_VALUES,
@@ -50,7 +50,7 @@ from lab.plots.scales import (
     scale_figure_kind,
     scale_ratio_heatmap,
 )
-from lab.plots.style import (
+from lab.results.plots.style import (
     BAR_PX,
     DATA_COLOR,
     METRIC_LABELS,

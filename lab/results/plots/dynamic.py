@@ -9,8 +9,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 import observers as ob
-from lab.dynamic import DYNAMIC_LABEL, effective_scales
-from lab.plots.style import DATA_COLOR, _ok, legend_on_top, observer_color
+from lab.results.dynamic import DYNAMIC_LABEL, effective_scales
+from lab.results.plots.style import DATA_COLOR, _ok, legend_on_top, observer_color
 from observers.suite import SuiteResult
 
 _DYNAMIC_UNITS = {"token": "token", "tensor": "call (the calibration set as one call)"}
@@ -44,7 +44,7 @@ def dynamic_scale_figure(entry, results: Sequence[SuiteResult], order: Sequence[
     Per-tensor dynamic scales are one value for the calibration set (one call): a dashed line,
     drawn over the observers' lines.
 
-    ``entry`` is a ``lab.pipeline.TensorAnalysis``; the run-time scales are
+    ``entry`` is a ``lab.analyse.pipeline.TensorAnalysis``; the run-time scales are
     ``ob.dynamic_qparams(entry.data, entry.spec)``, step sizes (NVFP4: ``scale / global_scale``).
     """
     runtime = effective_scales(ob.dynamic_qparams(entry.data, entry.spec))

@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from lab import results
-from lab.plots.style import METRIC_LABELS, legend_on_top, observer_color, tensor_label
+from lab.results.plots.style import METRIC_LABELS, legend_on_top, observer_color, tensor_label
 from lab.vocab import model_metric
 
 MODEL_METRIC_LABELS = {

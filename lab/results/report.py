@@ -2,7 +2,7 @@
 
 The file must open offline (on a cluster node, attached to a ticket), so plotly.js is embedded
 inline exactly once, with the first figure, and every later figure reuses it; nothing is loaded
-from a CDN. Figures come from ``lab.plots``, the same functions the app draws, so the report and
+from a CDN. Figures come from ``lab.results.plots``, the same functions the app draws, so the report and
 the app show the same pictures.
 """
 
@@ -17,9 +17,8 @@ from typing import Any
 import plotly.graph_objects as go
 
 import observers as ob
-from lab import plots
-from lab.pipeline import Analysis
-from lab.results import check_metric, rank, spec_text
+from lab.analyse.pipeline import Analysis
+from lab.results import check_metric, plots, rank, spec_text
 from lab.vocab import DEFAULT_METRIC
 
 _STYLE = """
@@ -82,13 +81,13 @@ def _frame_table(frame) -> str:
 
 
 def effect_section(effect: tuple[Any, Any]) -> tuple[list[str], list[go.Figure]]:
-    """The model-level section of a report from ``(lab.sensitivity.Sensitivity, [Evaluation, ...])``:
+    """The model-level section of a report from ``(lab.effect.sensitivity.Sensitivity, [Evaluation, ...])``:
     HTML parts (the choice sets' metrics, the most sensitive tensors) and its figures (the
     sensitivity heatmap, the block SQNR curves, the metric per choice set)."""
     import pandas as pd
 
-    from lab.evaluate import summary_rows
-    from lab.plots import effect as effect_plots
+    from lab.effect.evaluate import summary_rows
+    from lab.results.plots import effect as effect_plots
 
     table, evaluations = effect
     names = [e.name for e in evaluations]

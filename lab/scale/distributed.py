@@ -1,6 +1,6 @@
 """Several processes on one sweep: ``torchrun --nproc-per-node N -m observers run ...``.
 
-Ranks divide the work one of two ways (``RankSplit``; ``lab.sweep`` picks, ``--split`` overrides):
+Ranks divide the work one of two ways (``RankSplit``; ``lab.scale.sweep`` picks, ``--split`` overrides):
 
 - **layers**: layer ``i`` of the sweep goes to rank ``i % world_size`` (``owner``), which analyses
   it completely, running every calibration batch itself; every observer then sees exactly what
@@ -18,7 +18,7 @@ Starting waits at most ``START_TIMEOUT`` (a rank that never comes is an error, n
 the work itself then runs in a group with a long timeout, since a rank may wait minutes for a
 slower one. Ranks started with different arguments are refused on every rank (``check_same``)
 before any work; an error on one rank stops every rank (``agree`` before collectives that a failed
-rank would skip, and ``lab.sweep`` between chunks).
+rank would skip, and ``lab.scale.sweep`` between chunks).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The activation side of ``lab.pipeline.analyse``: one calibration pass, observers in the hooks.
+"""The activation side of ``lab.analyse.pipeline.analyse``: one calibration pass, observers in the hooks.
 
-``calibrate`` plans an ``Observation`` (``lab.stream``) for each activation tensor and observer (and
+``calibrate`` plans an ``Observation`` (``lab.calibrate.stream``) for each activation tensor and observer (and
 each tool's default, ``--as``) whose result the cache does not hold, runs the model's calibration
 batches once with an ``ObserverStream`` in its capture hooks (inputs and outputs of the layers, key
 and value states of the attention blocks; block by block when the capture is sequential), and
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import observers as ob
-from lab import observed
-from lab.distributed import Ranks
-from lab.stream import ChannelMax, MeanStatistic, Observation, ObserverStream, Statistic, View, token_axis
-from lab.tools import profile
+from lab.analyse.tools import profile
+from lab.calibrate import observed
+from lab.calibrate.stream import ChannelMax, MeanStatistic, Observation, ObserverStream, Statistic, View, token_axis
+from lab.scale.distributed import Ranks
 from lab.vocab import KV_TENSORS, spec_key
 from lab.vocab import observer_kind as _observer_kind
 from observers.shared import Op
@@ -37,7 +37,7 @@ from sample_models.capture import Done, Key, Propagation
 from sample_models.layers import io_widths
 
 if TYPE_CHECKING:
-    from lab.pipeline import RunConfig
+    from lab.analyse.pipeline import RunConfig
 
 
 @dataclass

@@ -13,13 +13,21 @@ from plotly.subplots import make_subplots
 
 import observers as ob
 from lab import results
-from lab.plots.ranges import _quantile_sample, value_histogram
-from lab.plots.style import BAR_PX, METRIC_LABELS, _ok, legend_on_right, legend_on_top, observer_color, tensor_label
+from lab.results.plots.ranges import _quantile_sample, value_histogram
+from lab.results.plots.style import (
+    BAR_PX,
+    METRIC_LABELS,
+    _ok,
+    legend_on_right,
+    legend_on_top,
+    observer_color,
+    tensor_label,
+)
 from observers.suite import SuiteResult
 
 
 def quantization_error(entry, result: SuiteResult) -> torch.Tensor:
-    """``x - x_hat`` of one observer on one analysed tensor (a ``lab.pipeline.TensorAnalysis``)."""
+    """``x - x_hat`` of one observer on one analysed tensor (a ``lab.analyse.pipeline.TensorAnalysis``)."""
     x = entry.data.to(torch.float32)
     return x - ob.fake_quantize(x, result.qparams, entry.spec).to(torch.float32)
 

@@ -12,7 +12,7 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
-from lab.plots.style import _numpy, _ok, legend_on_top, observer_color
+from lab.results.plots.style import _numpy, _ok, legend_on_top, observer_color
 from observers.suite import SuiteResult
 
 MAX_HEATMAP_ROWS = 256

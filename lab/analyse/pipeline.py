@@ -2,11 +2,11 @@
 
 ``analyse(model, layers, config, attention=blocks)`` streams the calibration batches once through
 the observers of the chosen activations (layer inputs and outputs, the key and value states of
-attention blocks: ``lab.activations``), then reads each layer's weight when its layer is finished
+attention blocks: ``lab.calibrate.activations``), then reads each layer's weight when its layer is finished
 and runs the weight observers on it. Results are cached per (tensor, spec, observer, knobs,
 calibration) in a ``ResultCache``, so a re-run after one knob changes recomputes only that
-observer; ``lab.capture_memo`` keeps the app's sample of tokens. The ``Analysis`` records the
-facts of its model (``lab.model_facts``), so its results stay tied to that model. Ranking and
+observer; ``lab.calibrate.capture_memo`` keeps the app's sample of tokens. The ``Analysis`` records the
+facts of its model (``lab.analyse.model_facts``), so its results stay tied to that model. Ranking and
 choosing observers live in ``lab.results``.
 """
 
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab import observed
-from lab.activations import Calibrated, activation_keys, calibrate
-from lab.activations import tensor_id as activations_tensor_id
-from lab.distributed import SINGLE, Ranks, owner
-from lab.model_facts import ModelFacts
-from lab.result_cache import ResultCache
-from lab.run_config import RunConfig
-from lab.tools import profile
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
+from lab.analyse.tools import profile
+from lab.calibrate import observed
+from lab.calibrate.activations import Calibrated, activation_keys, calibrate
+from lab.calibrate.activations import tensor_id as activations_tensor_id
+from lab.scale.distributed import SINGLE, Ranks, owner
 from lab.vocab import (
     DEFAULT_METRIC,
     KV,
@@ -77,7 +77,7 @@ class TensorAnalysis:
     total_shape: tuple[int, ...] | None = None
     rank: int | None = 0
     tool_results: list[ToolResult] = field(default_factory=list)
-    """What each of ``RunConfig.tools`` produces by default (``lab.tools``): shown beside the
+    """What each of ``RunConfig.tools`` produces by default (``lab.analyse.tools``): shown beside the
     observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
@@ -173,7 +173,7 @@ def analyse(
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
     ``(block, "v")``, observed as ``kind="attention"``).
 
-    Activations are observed in one calibration pass (``lab.activations``): every batch goes
+    Activations are observed in one calibration pass (``lab.calibrate.activations``): every batch goes
     through the observers inside the capture hooks, so ranges are over every token, and only a
     bounded sample of tokens is kept (``TensorAnalysis.data``) for plots and error metrics.
 
@@ -181,7 +181,7 @@ def analyse(
     ``analyse`` with the same arguments, streams its share, and the activation observers merge
     their statistics across ranks (``observers.shared``), so every rank ends with the same
     activation results; the weights are split instead, layer ``i`` analysed by rank
-    ``i % world_size`` only (``lab.distributed.owner``).
+    ``i % world_size`` only (``lab.scale.distributed.owner``).
 
     ``on_done``: hand on each group of finished entries (a block's layers, in a sequential pass) as
     an ``Analysis`` of its own instead of keeping them: a sweep writes them and forgets them, so a
@@ -354,7 +354,7 @@ def _as_tool(
 ) -> ToolResult:
     """A weight observed as ``tool`` would by default: its observer, knobs and conventions, through
     the result cache like the observers (a re-run after a knob change reuses it). Activations get
-    theirs in the calibration pass (``lab.activations``)."""
+    theirs in the calibration pass (``lab.calibrate.activations``)."""
     try:
         found = profile(tool, entry.tensor, entry.spec)
     except ValueError as err:

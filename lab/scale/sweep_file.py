@@ -1,4 +1,4 @@
-"""The partial file of a sweep (``lab.sweep``): finished units appended as they come, durable,
+"""The partial file of a sweep (``lab.scale.sweep``): finished units appended as they come, durable,
 resumable; only rank 0 touches it.
 
 The partial file, JSON Lines:
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab import lab_json
+from lab.export import lab_json
 from lab.vocab import TensorKind
 
 PARTIAL_FORMAT = "observer-lab-sweep"

@@ -1,0 +1,302 @@
+"""A compressed checkpoint: the chosen qparams applied to the model's weights and packed by
+compressed-tensors' own compressors, so that transformers (and vLLM) load the choice and run it.
+
+``write(lab_file, model, out_dir)`` takes an Observer Lab file (``lab.export.lab_json``: the run's
+choices, or a file saved by the app) and the model it was made for, and writes a Hugging Face model
+directory:
+
+- every weight file of the model, rewritten one file in memory at a time: a chosen layer's weight is
+  replaced by the compressor's packed form of the lab's fake-quantized weight, with its scales; the
+  chosen input, output and key/value scales are added; everything else is copied as stored;
+- ``config.json`` with a ``quantization_config`` (status ``compressed``; one config group per
+  (scheme, observer, knobs), targeting the exact layer names, the model's other ``Linear`` layers in
+  ``ignore``), the tokenizer and generation files, and ``observer_lab_checkpoint.txt`` (what was
+  chosen, from which analysis, and what stayed dense and why).
+
+The compressor quantizes the fake-quantized weight again with the same scales, which gives back the
+lab's own codes (each value is a code times its scale), so a dequantized load equals the lab's
+fake-quantized weight bit for bit. A setting compressed-tensors cannot express leaves its layer
+dense and unquantized, with a note: never wrong numbers. The directory is written beside its
+destination and renamed into place, so a refused or interrupted write leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import observers as ob
+from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
+from lab.export.chosen import of_lab_file
+from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, kv_cache_scheme
+from lab.export.lab_json import LabFile, apply_choices
+from lab.export.recipe import config_groups_of
+from lab.vocab import KV_TENSORS
+
+NOTES_FILE = "observer_lab_checkpoint.txt"
+INDEX_FILE = "model.safetensors.index.json"
+# Files a model directory carries beside its weights that a loader or a server reads.
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+Progress = Callable[[int, int, str], None]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written as asked; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Written:
+    """What ``write`` wrote: the directory, the config groups' formats and layers, the notes."""
+
+    path: Path
+    quantization_config: dict[str, Any]
+    packed_layers: list[str]
+    notes: list[str]
+
+
+def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
+    """The file's choices must be for this model's weights and fit its layers; a transformed
+    analysis's qparams belong to another model. One ``CheckpointError`` naming the problem."""
+    here = describe_source(model)
+    if not same_weights(lab_file.source, here):
+        raise CheckpointError(
+            f"the choices were made for the model {lab_file.source.get('name')!r}, not for {here.get('name')!r} "
+            "(other weights by fingerprint)"
+        )
+    if lab_file.config.get("transform"):
+        raise CheckpointError(
+            "the choices were made on transformed tensors (a rotation or smoothing): their qparams belong to the "
+            "transformed model, not to this one"
+        )
+    facts = ModelFacts.of(model, with_kv=any(e.tensor in KV_TENSORS for e in lab_file.entries))
+    try:
+        apply_choices(lab_file, facts)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    bad = [
+        f"{e.layer} {e.tensor}"
+        for e in lab_file.entries
+        if e.qparams.scale.numel() and not bool(torch.isfinite(e.qparams.scale).all() & (e.qparams.scale > 0).all())
+    ]
+    if bad:
+        raise CheckpointError(f"scales that are NaN, infinite, zero or negative: {', '.join(bad)}")
+    return facts
+
+
+def _plan(lab_file: LabFile, facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
+    """The chosen layers compressed-tensors can express; the rest, and layers that are not
+    ``Linear`` (the type its compressors take), stay dense with a note."""
+    linear = []
+    for entry in of_lab_file(lab_file.entries):
+        kind = facts.layer_types.get(entry.layer)
+        where = f"{entry.layer} {entry.tensor}"
+        if entry.tensor == "weight" and entry.spec.format.kind == "int" and not entry.spec.symmetric:
+            notes.append(
+                f"{where}: stays dense, unquantized (compressed-tensors 0.20 packs asymmetric integer zero points "
+                "when it saves, but does not expect them packed when it loads)"
+            )
+        elif entry.tensor in KV_TENSORS or kind == "Linear":
+            linear.append(entry)
+        else:
+            notes.append(f"{where}: stays dense (compressed-tensors compresses Linear layers, this is a {kind})")
+    dense_before = len(notes)
+    layers = ct_layers(linear, notes)
+    notes[dense_before:] = [
+        note.replace("; not exported", "; stays dense and unquantized") for note in notes[dense_before:]
+    ]
+    return layers
+
+
+def quantization_config(lab_file: LabFile, facts: ModelFacts) -> tuple[dict[str, Any], list[CtLayer], list[str]]:
+    """The ``quantization_config`` the checkpoint's ``config.json`` gets, the layers it packs and
+    the notes (what stays dense and why). Groups are the recipe's (``lab.export.recipe``): one
+    per scheme, observer and knobs, exact layer names; each group's ``format`` is the compressor
+    compressed-tensors itself picks for a Linear layer with that scheme."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationScheme
+
+    notes: list[str] = []
+    layers = _plan(lab_file, facts, notes)
+    config_groups, _ = config_groups_of(layers, facts.layer_shapes, notes)
+    layers = [layer for layer in layers if layer.args]
+    formats = set()
+    for scheme in config_groups.values():
+        scheme["format"] = infer_module_format(torch.nn.Linear, QuantizationScheme(**scheme)).value
+        formats.add(scheme["format"])
+    kv = [e for e in of_lab_file(lab_file.entries) if e.tensor in KV_TENSORS]
+    kv_scheme, _ = kv_cache_scheme(kv, notes, facts.attention_blocks)
+    if not config_groups and kv_scheme is None:
+        raise CheckpointError("nothing chosen has a compressed-tensors form:\n  - " + "\n  - ".join(notes))
+    packed = {layer.layer for layer in layers}
+    quantized = sorted(f for f in formats if f != "dense")
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": quantized[0] if len(quantized) == 1 else ("dense" if not quantized else "mixed-precision"),
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": [name for name, kind in facts.layer_types.items() if kind == "Linear" and name not in packed],
+        "kv_cache_scheme": kv_scheme,
+    }
+    return config, layers, list(dict.fromkeys(notes))
+
+
+def _compress_layer(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The layer's tensors under local names: the weight packed by the compressor of the group's
+    format (from the lab's fake-quantized weight), and every chosen scale."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    args = {kind: scheme[CT_ARG_NAMES[kind]] for kind in layer.args}
+    prefix = f"{layer.layer}."
+    state = {name.removeprefix(prefix): value for name, value in ct_tensors(layer, args).items()}
+    if weight is None or "weight" not in layer.args:
+        return state
+    entry = layer.entries["weight"]
+    if args["weight"].get("scale_dtype") is not None:
+        # The block-format compressors take the scale as a float and store it in their own form
+        # (E8M0 exponents, FP8) themselves.
+        state["weight_scale"] = entry.qparams.scale.to("cpu").float()
+    state["weight"] = ob.fake_quantize(weight.float(), entry.qparams.to("cpu"), entry.spec)
+    compressor = BaseCompressor.get_value_from_registry(scheme["format"])
+    return {
+        name: tensor.contiguous() for name, tensor in compressor.compress(state, QuantizationScheme(**scheme)).items()
+    }
+
+
+def _shard_tensors(
+    tensors: dict[str, torch.Tensor], layers: dict[str, tuple[CtLayer, dict[str, Any]]], extra: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        name, _, local = key.rpartition(".")
+        if local == "weight" and name in layers:
+            layer, scheme = layers.pop(name)
+            out |= {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor).items()}
+        else:
+            out[key] = tensor.contiguous()
+    return out | extra
+
+
+def _side_files(model: Any, into: Path) -> dict[str, Any]:
+    """Copy the tokenizer and generation files; returns the model's config as a dict."""
+    source = Path(str(model.source))
+    if source.is_dir():
+        for name in _SIDE_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, into / name)
+        config_file = source / "config.json"
+        if config_file.is_file():
+            return json.loads(config_file.read_text(encoding="utf-8"))
+    elif model.supports_activations:
+        model.tokenizer().save_pretrained(str(into))
+    if model.config is None:
+        raise CheckpointError(f"{model.name} has no transformers config, so no loadable checkpoint can be written")
+    return model.config.to_dict()
+
+
+def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str]) -> str:
+    lines = [
+        "Observer Lab checkpoint",
+        f"choices from an analysis of {lab_file.source.get('name')!r}, made {lab_file.created} "
+        f"(observers {lab_file.library_version}, ranked by {lab_file.metric})",
+        "",
+        "chosen:",
+        *(f"  {e.layer} {e.tensor}: {e.observer} on {e.spec.dtype} {e.spec.strategy}" for e in lab_file.entries),
+        "",
+        f"quantization_config format: {config['format']}",
+        *(f"  {name}: {g['format']}, {len(g['targets'])} layer(s)" for name, g in config["config_groups"].items()),
+    ]
+    notes = list(notes)
+    if notes:
+        lines += ["", "notes:", *(f"  {note}" for note in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _prepare(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out_dir} is not empty; pass --overwrite to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def write(
+    lab_file: LabFile, model: Any, out_dir: str | Path, *, overwrite: bool = False, progress: Progress | None = None
+) -> Written:
+    """Write the compressed checkpoint of ``lab_file``'s choices on ``model`` into ``out_dir``.
+
+    Refused (``CheckpointError``, nothing written): a non-empty ``out_dir`` without ``overwrite``,
+    choices made for other weights, qparams that do not fit the model, a non-positive or
+    non-finite scale. ``progress(done, total, file)`` is called after each weight file."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    _prepare(out, overwrite)
+    facts = check_fits(lab_file, model)
+    config, layers, notes = quantization_config(lab_file, facts)
+    scheme_of = {name: scheme for scheme in config["config_groups"].values() for name in scheme["targets"]}
+    pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
+    _, kv_tensors = kv_cache_scheme([e for e in of_lab_file(lab_file.entries) if e.tensor in KV_TENSORS], [], None)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model_config = _side_files(model, staging)
+        shards = model.stored_shards()
+        # Scales without a weight of their own in the files (key/value states, the activations of
+        # a layer whose weight was not chosen) go into the first file.
+        extra = dict(kv_tensors)
+        for key in [k for k, (layer, _) in pending.items() if "weight" not in layer.args]:
+            layer, scheme = pending.pop(key)
+            extra |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
+        weight_map: dict[str, str] = {}
+        for done, (name, load) in enumerate(shards, start=1):
+            tensors = load()
+            written = _shard_tensors(tensors, pending, extra if done == 1 else {})
+            save_file(written, str(staging / name), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(written, name)
+            del tensors, written
+            if progress is not None:
+                progress(done, len(shards), name)
+        if pending:
+            raise CheckpointError(f"layers without a stored weight: {', '.join(pending)}")
+        if len(shards) > 1:
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        model_config["quantization_config"] = config
+        (staging / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True), encoding="utf-8")
+        (staging / NOTES_FILE).write_text(_notes_text(lab_file, config, notes), encoding="utf-8")
+        _replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Written(out, config, [layer.layer for layer in layers], notes)
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Move the finished directory into place (an old one only goes once the new one is whole)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
