@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import observers as ob
-from bench.common import SETTINGS, case, interleaved_medians
+from bench.common import PEAK_CLI, SETTINGS, case, import_rss, interleaved_medians
 from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches
@@ -153,19 +153,6 @@ def cases(device: str = "cpu") -> list[dict]:
 
 SWEEP = ["--layers", "all", "--kinds", "weight,input", "--format", "int8", "--observers", "minmax", "--quiet"]
 SWEEP += ["--samples", "32", "--seq-len", "128"]
-PEAK_CLI = """
-import json, subprocess, sys, threading, time
-import psutil
-process = subprocess.Popen([sys.executable, "-m", "observers", *sys.argv[1:]])
-watched, peak = psutil.Process(process.pid), 0
-while process.poll() is None:
-    try:
-        peak = max(peak, watched.memory_info().rss)
-    except psutil.Error:
-        break
-    time.sleep(0.02)
-print(json.dumps({"peak": peak, "code": process.returncode}))
-"""
 
 
 def _llama_rows(folder: Path, device: str) -> list[dict]:
@@ -229,7 +216,7 @@ def _llama_rows(folder: Path, device: str) -> list[dict]:
         e["qparams"] for e in json.loads(runs["whole"][2].read_text())["entries"]
     ]
     ratio = runs["sequential"][0] / runs["whole"][0]
-    budget_rss = (runs["sequential"][1] - _import_rss(env)) / MiB
+    budget_rss = (runs["sequential"][1] - import_rss(env)) / MiB
     label = f"8-block Llama checkpoint ({size / 1e6:.0f} MB), every layer's weight and input, 32 x 128 tokens"
     return [
         case(
@@ -243,13 +230,6 @@ def _llama_rows(folder: Path, device: str) -> list[dict]:
             f"qparams {'identical' if same else 'DIFFER'}",
         )
     ]
-
-
-def _import_rss(env: dict) -> int:
-    """The RSS of a process that has imported what the CLI imports (the baseline of its peak)."""
-    code = "import psutil, lab.cli, sample_models, transformers; print(psutil.Process().memory_info().rss)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return int(done.stdout.strip())
 
 
 # ------------------------------------------------------------------ agreement with llm-compressor

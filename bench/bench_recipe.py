@@ -9,11 +9,22 @@ llm-compressor attached the observer of each layer's own group, and on how many 
 observer differs, so agreement shows the per-layer choice was kept, not that the observers agree.
 Weights need no calibration data, so ``oneshot`` runs without a dataset.
 
+Beside it, the compressed checkpoint of a big model: the generated 4.4 GB Llama-shaped checkpoint
+(``bench_sequential``'s, TinyLlama-1.1B shapes, 7 weight files), every Linear weight's ``minmax``
+int4 group-128 choice from a weights-only sweep, then ``python -m observers export ... --checkpoint``
+in a fresh process: its time, its peak RSS above the imports (one weight file at a time: the target
+is the largest file plus what is held of the model) and the checkpoint's size. Skipped with
+``--quick`` or ``OBSERVER_LAB_BENCH_LARGE=0``.
+
     python -m bench --only recipe
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +32,8 @@ from pathlib import Path
 import torch
 
 import observers as ob
-from bench.common import case
+from bench.bench_sequential import LARGE_FLAG, large_checkpoint
+from bench.common import PEAK_CLI, SETTINGS, case, import_rss
 from lab.analyse.pipeline import Analysis, RunConfig, analyse
 from lab.export import recipe
 from sample_models import open_model
@@ -35,10 +47,12 @@ SPECS = {
     "int8 channel": ob.QuantSpec("int8", strategy="channel"),
 }
 OBSERVERS = ("minmax", "mse_grid")
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
 
 
 def cases(device: str = "cpu") -> list[dict]:
-    rows = []
+    rows = [_large_export_row(device)]
     for name, spec in SPECS.items():
         label = f"MiniLM recipe, {name} weights, query mse_grid + FFN minmax: weight_scale vs llm-compressor oneshot"
         try:
@@ -51,6 +65,40 @@ def cases(device: str = "cpu") -> list[dict]:
         except Exception as err:  # a reference that breaks is reported, never hidden
             rows.append(case(label, 0.0, reference=f"reference failed: {type(err).__name__}: {str(err)[:160]}"))
     return rows
+
+
+def _large_export_row(device: str) -> dict:
+    label = "compressed checkpoint of the generated 4.4 GB Llama (int4 g128 minmax, every Linear weight): export"
+    if SETTINGS.quick or os.environ.get(LARGE_FLAG) == "0":
+        return case(label, 0.0, agreement=f"skipped (--quick or {LARGE_FLAG}=0)")
+    directory = large_checkpoint()
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads}
+    with tempfile.TemporaryDirectory() as folder:
+        choices = Path(folder) / "choices.json"
+        sweep = ["run", str(directory), "--layers", "all", "--kinds", "weight", "--format", "int4", "--strategy"]
+        sweep += ["group", "--group-size", "128", "--observers", "minmax", "--quiet", "--out", str(choices)]
+        subprocess.run([sys.executable, "-m", "observers", *sweep, "--device", device], env=env, check=True, cwd=ROOT)
+        out = Path(folder) / "checkpoint"
+        start = time.perf_counter()
+        export = ["export", str(choices), "--model", str(directory), "--checkpoint", str(out), "--device", device]
+        done = subprocess.run(
+            [sys.executable, "-c", PEAK_CLI, *export], env=env, capture_output=True, text=True, check=True, cwd=ROOT
+        )
+        seconds = time.perf_counter() - start
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        if measured["code"] != 0:
+            raise RuntimeError(f"export exited with {measured['code']}: {done.stderr.strip()[-300:]}")
+        growth = measured["peak"] - import_rss(env)
+        largest = max(f.stat().st_size for f in directory.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    source = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    return case(
+        label,
+        seconds,
+        agreement=f"peak RSS imports + {growth / MiB:.0f} MiB (largest weight file {largest / MiB:.0f} MiB); "
+        f"{source / 1e9:.2f} GB -> {size / 1e9:.2f} GB",
+    )
 
 
 def _rel_diff(theirs: torch.Tensor, mine: torch.Tensor) -> float:

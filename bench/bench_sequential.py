@@ -131,7 +131,7 @@ def _rss_row(source: str, device: str) -> dict:
     )
 
 
-def _large_checkpoint() -> Path:
+def large_checkpoint() -> Path:
     """The large checkpoint, written on first use; a marker file tells a finished one from a torn one."""
     directory = Path(os.environ.get(CACHE_FLAG, "~/.cache/observer-lab")).expanduser() / "bench-llama-4g"
     marker = directory / "complete"
@@ -153,7 +153,7 @@ def _cold_capture(directory: Path, device: str, names: list[str], **knobs) -> tu
 def _large_rows(device: str) -> list[dict]:
     if SETTINGS.quick or os.environ.get(LARGE_FLAG) == "0":
         return [case(LARGE_CASE, 0.0, agreement=f"skipped (--quick or {LARGE_FLAG}=0)")]
-    directory = _large_checkpoint()
+    directory = large_checkpoint()
     names = [f"model.layers.{i}.mlp.down_proj" for i in (0, 10, 21)]
     seconds, growth, model = _cold_capture(directory, device, names, sequential=True, max_memory=LARGE_MAX_MEMORY)
     stats = model.last_sequential

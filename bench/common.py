@@ -13,10 +13,12 @@ import importlib
 import importlib.metadata
 import importlib.util
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -251,3 +253,28 @@ def case(
         "floor_s": floor_s,
         "agreement": agreement,
     }
+
+
+# A fresh process running ``python -m observers ARGS...`` (this script's arguments), watched for its peak
+# RSS: prints ``{"peak": bytes, "code": exit code}``.
+PEAK_CLI = """
+import json, subprocess, sys, threading, time
+import psutil
+process = subprocess.Popen([sys.executable, "-m", "observers", *sys.argv[1:]])
+watched, peak = psutil.Process(process.pid), 0
+while process.poll() is None:
+    try:
+        peak = max(peak, watched.memory_info().rss)
+    except psutil.Error:
+        break
+    time.sleep(0.02)
+print(json.dumps({"peak": peak, "code": process.returncode}))
+"""
+
+
+def import_rss(env: dict) -> int:
+    """The RSS of a process that has imported what the CLI imports (the baseline of its peak)."""
+    code = "import psutil, lab.cli, sample_models, transformers; print(psutil.Process().memory_info().rss)"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.strip())

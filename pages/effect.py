@@ -8,10 +8,11 @@ import pandas as pd
 import streamlit as st
 
 import observers as ob
-from lab import evaluate, results, ui
-from lab.plots import METRIC_LABELS
-from lab.plots import effect as effect_plots
-from lab.sensitivity import BY_MODEL, sensitivity
+from lab import results, ui
+from lab.effect import evaluate
+from lab.effect.sensitivity import BY_MODEL, sensitivity
+from lab.results.plots import METRIC_LABELS
+from lab.results.plots import effect as effect_plots
 from lab.vocab import DEFAULT_METRIC, MODEL_METRIC_PREFIX, model_metric
 from lab.workspace import Timer
 

@@ -2,7 +2,8 @@
 
 import streamlit as st
 
-from lab import plots, results, ui
+from lab import results, ui
+from lab.results import plots
 
 st.title("Error")
 ws = ui.workspace()

@@ -1,12 +1,15 @@
 """Choose & export: one observer per layer and tensor (best by a metric, overridable), the summary,
-exports (JSON, compressed-tensors, HTML report) and import of an earlier export."""
+exports (JSON, compressed-tensors, HTML report), deployment (an llm-compressor recipe, a compressed
+checkpoint) and import of an earlier export."""
 
 import hashlib
 
 import pandas as pd
 import streamlit as st
 
-from lab import compressed_tensors, lab_json, plots, report, results, ui
+from lab import results, ui
+from lab.export import checkpoint, compressed_tensors, lab_json, recipe
+from lab.results import plots, report
 from lab.workspace import ImportState
 
 st.title("Choose & export")
@@ -120,3 +123,43 @@ with c3:
         st.download_button(
             "Download HTML report", ws.report_html, file_name="observer_lab_report.html", mime="text/html"
         )
+
+st.subheader("Deploy")
+st.caption(
+    "An llm-compressor recipe that calibrates each layer with the observer chosen here, and a checkpoint "
+    "with these qparams packed by compressed-tensors, which transformers and vLLM load."
+)
+d1, d2 = st.columns(2)
+with d1, ui.guard("Recipe"):
+    built_recipe = recipe.build(analysis, choices, allow_uncalibrated)
+    st.download_button(
+        "Recipe (YAML)",
+        built_recipe.to_bytes(),
+        file_name="recipe.yaml",
+        mime="application/yaml",
+        icon=":material/receipt_long:",
+    )
+    if built_recipe.notes:
+        with st.expander(f"{len(built_recipe.notes)} note(s) on the recipe"):
+            for note in built_recipe.notes:
+                st.write(f"- {note}")
+with d2:
+    directory = st.text_input("Checkpoint directory", placeholder="/path/to/new/checkpoint", key="checkpoint_dir")
+    overwrite = st.checkbox("Replace it if it is not empty", key="checkpoint_overwrite")
+    if st.button("Save checkpoint", icon=":material/save:", disabled=not directory.strip()):
+        with ui.guard("Saving the checkpoint"):
+            model = ui.open_request(ws.last_request)
+            if model is None:
+                raise ValueError("open the model this analysis was made on first (Model page)")
+            bar = st.progress(0.0, text="Writing the weight files…")
+            saved = checkpoint.write(
+                lab_json.as_lab_file(analysis, choices, metric, allow_uncalibrated),
+                model,
+                directory.strip(),
+                overwrite=overwrite,
+                progress=lambda done, total, name: bar.progress(done / total, text=f"{name} ({done}/{total})"),
+            )
+            st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")
+            with st.expander(f"{len(saved.notes)} note(s) on the checkpoint"):
+                for note in saved.notes:
+                    st.write(f"- {note}")

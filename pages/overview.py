@@ -3,7 +3,8 @@ before any run, a one-click demo on the default sample."""
 
 import streamlit as st
 
-from lab import plots, results, ui
+from lab import results, ui
+from lab.results import plots
 from lab.settings import default_layer_names
 
 st.title("Overview")

@@ -3,7 +3,8 @@ ranges, and the per-token vs per-channel view of activations."""
 
 import streamlit as st
 
-from lab import dynamic, plots, results, ui
+from lab import results, ui
+from lab.results import dynamic, plots
 
 st.title("Ranges")
 ws = ui.workspace()

@@ -3,7 +3,8 @@ scales, zero points, MX exponents and the distribution of scales."""
 
 import streamlit as st
 
-from lab import plots, results, ui
+from lab import results, ui
+from lab.results import plots
 
 st.title("Scales")
 ws = ui.workspace()

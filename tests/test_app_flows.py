@@ -324,3 +324,25 @@ def test_propagation_shows_each_activation_range_both_ways():
     assert any(h.value == "Calibrated on the float model" for h in at.subheader)
     at.selectbox(key="w:tensor").set_value((layers[1], "weight")).run()
     assert not any(h.value == "Calibrated on the float model" for h in at.subheader)  # weights see no calibration
+
+
+def test_export_page_offers_the_recipe_and_saves_a_checkpoint_that_transformers_loads(tmp_path):
+    """Issue 25.4: Choose & export has "Recipe (YAML)" and "Save checkpoint" (a directory path)."""
+    from transformers import AutoModel
+
+    at = _minilm_run()
+    _page(at, "export")
+    _ok(at)
+    assert "Recipe (YAML)" in [b.proto.label for b in at.get("download_button")]
+    at.text_input(key="checkpoint_dir").input(str(tmp_path / "ckpt")).run()
+    _button(at, "Save checkpoint").click().run()
+    _ok(at)
+    assert any("Saved" in s.value and "ckpt" in s.value for s in at.success)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    chosen = _ws(at).choices()[0]
+    assert sorted(t for g in config["config_groups"].values() for t in g["targets"]) == sorted(
+        {layer for layer, tensor in chosen if tensor == "weight"}
+    )
+    AutoModel.from_pretrained(tmp_path / "ckpt")  # loads through compressed-tensors
+    _button(at, "Save checkpoint").click().run()  # the same directory again, now not empty
+    assert any("not empty" in e.value for e in at.error)

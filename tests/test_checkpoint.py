@@ -94,11 +94,37 @@ def test_round_trip_is_bit_exact(minilm, tmp_path, spec, format_name):
 
 
 @pytest.mark.slow
-def test_nvfp4_round_trip_in_bfloat16(minilm, tmp_path):
-    lab_file = _lab_file(minilm, ob.QuantSpec("nvfp4"), {QUERY: "minmax", FFN: "minmax"})
+@pytest.mark.parametrize(
+    ("dtype", "format_name"),
+    [
+        ("nvfp4", "nvfp4-pack-quantized"),
+        ("mxfp4", "mxfp4-pack-quantized"),
+        ("mxfp6_e2m3", "mxfp6-pack-quantized"),
+        ("mxfp8_e4m3", "mxfp8-quantized"),
+    ],
+)
+def test_block_formats_round_trip_in_bfloat16(minilm, tmp_path, dtype, format_name):
+    lab_file = _lab_file(minilm, ob.QuantSpec(dtype), {QUERY: "minmax", FFN: "minmax"})
     _round_trip(minilm, lab_file, tmp_path / "out", dtype=torch.bfloat16)
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    assert config["format"] == "nvfp4-pack-quantized"
+    assert config["format"] == format_name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "format_name"),
+    [
+        (ob.QuantSpec("int8", strategy="channel"), "int-quantized"),
+        (ob.QuantSpec("fp8_e4m3", strategy="channel"), "float-quantized"),
+    ],
+    ids=["w8a8-int", "w8a8-fp8"],
+)
+def test_weights_and_static_inputs_round_trip(minilm, tmp_path, spec, format_name):
+    input_spec = ob.QuantSpec(spec.dtype)
+    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"}, input_spec=input_spec)
+    _round_trip(minilm, lab_file, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == format_name
 
 
 @pytest.mark.slow

@@ -272,6 +272,17 @@ def parse_document(document: Any) -> LabFile:
     )
 
 
+def as_lab_file(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    metric: str = DEFAULT_METRIC,
+    allow_uncalibrated: bool = False,
+) -> LabFile:
+    """The file ``save`` would write, read back: what the deployment exports take, so a choice made
+    in the app reaches them exactly as a saved file does."""
+    return parse_document(json.loads(dumps(build_document(analysis, choices, metric, allow_uncalibrated))))
+
+
 def load(data: bytes | str, name: str = "the file") -> LabFile:
     """Read and validate an Observer Lab file given as bytes or text (``name`` names it in errors)."""
     text = _decode(data, name)
