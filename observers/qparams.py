@@ -54,7 +54,10 @@ def tensor_from_dict(d: dict[str, Any]) -> torch.Tensor:
         raise ValueError(f"serialized tensor lacks field(s): {', '.join(sorted(missing))}")
     if d["dtype"] not in _DTYPES:
         raise ValueError(f"serialized tensor has unknown dtype {d['dtype']!r}; allowed: {', '.join(_DTYPES)}")
-    t = torch.tensor(d["data"], dtype=_DTYPES[d["dtype"]])
+    try:
+        t = torch.tensor(d["data"], dtype=_DTYPES[d["dtype"]])
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise ValueError(f"serialized tensor data must be a flat list of {d['dtype']} values") from None
     expected = 1
     for size in d["shape"]:
         expected *= size

@@ -291,6 +291,10 @@ def test_demo_walk_in_a_browser(page, tmp_path):
     archive = _download(tab, "compressed-tensors (zip)", tmp_path / "ct.zip")
     with zipfile.ZipFile(archive) as files:
         assert {"quantization_config.json", "qparams.safetensors"} <= set(files.namelist())
+    recipe = _download(tab, "Recipe (YAML)", tmp_path / "recipe.yaml").read_text()
+    assert "QuantizationModifier:" in recipe and "encoder.layer.0.attention.self.key" in recipe
+    tab.get_by_role("button", name="Save checkpoint").wait_for(timeout=SLOW_MS)
+    _shot(tab, "12_demo_export")
     for entry in document["entries"]:
         entry["chosen"]["observer"] = "memoryless_minmax"
     changed = tmp_path / "changed.json"

@@ -223,3 +223,38 @@ def test_qparams_that_do_not_fit_the_model_are_refused(minilm, tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=f"{FFN} weight: scale has shape"):
         checkpoint.write(_replace(lab_file, entries), minilm, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_model_built_in_memory_with_kv_scales_loads_as_a_causal_lm(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    llama = open_model("tiny-llama")
+    blocks = llama.attention_blocks()
+    layers = [name for name in (info.name for info in llama.layers()) if name.endswith("mlp.down_proj")]
+    specs = {"weight": ob.QuantSpec("int8", strategy="channel"), "kv": ob.QuantSpec("fp8_e4m3")}
+    analysis = analyse(
+        llama, layers, RunConfig(specs=specs, observers=("minmax",), samples=4, seq_len=32), attention=blocks
+    )
+    chosen = {key: "minmax" for key in analysis.keys()}
+    lab_file = lab_json.parse_document(lab_json.build_document(analysis, chosen))
+    checkpoint.write(lab_file, llama, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"]["type"] == "float" and config["kv_cache_scheme"]["num_bits"] == 8
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for block in blocks:
+        for which in "kv":
+            expected = _entry(lab_file, block, which).qparams.scale.float().reshape(-1)
+            got = loaded.get_submodule(block).get_parameter(f"{which}_scale").detach().float().reshape(-1)
+            assert torch.equal(got, expected), (block, which)
+    layer = layers[0]
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    entry = _entry(lab_file, layer)
+    fake = ob.fake_quantize(llama.weight(layer).float(), entry.qparams, entry.spec)
+    assert torch.equal(dequantized.get_submodule(layer).weight.detach(), fake)
+    with torch.no_grad():
+        out = loaded.generate(torch.tensor([[1, 5, 9, 13]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)

@@ -443,3 +443,14 @@ def test_compressed_tensors_records_knobs_not_the_calibration_tensors_the_lab_fi
     built = compressed_tensors.build(analysis, choose(analysis))
     weights = built.quantization_config["config_groups"]["group_0"]["weights"]
     assert weights["observer"] == "imatrix_mse" and "importance" not in weights["observer_kwargs"]
+
+
+def test_tensor_data_that_is_not_numbers_is_one_clear_problem(run):
+    document = json.loads(run[4])
+
+    def edit(d):
+        d["entries"][0]["qparams"]["scale"]["data"][0] = "x"
+        d["entries"][0]["qparams"]["scale"].pop("bytes_b64", None)
+
+    message = _error_of(_broken(document, edit))
+    assert "entries/0" in message and "must be a flat list of float32 values" in message

@@ -96,11 +96,17 @@ def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
     bad = [
         f"{e.layer} {e.tensor}"
         for e in lab_file.entries
-        if e.qparams.scale.numel() and not bool(torch.isfinite(e.qparams.scale).all() & (e.qparams.scale > 0).all())
+        if any(_not_positive(s) for s in (e.qparams.scale, e.qparams.global_scale) if s is not None)
     ]
     if bad:
         raise CheckpointError(f"scales that are NaN, infinite, zero or negative: {', '.join(bad)}")
     return facts
+
+
+def _not_positive(scale: torch.Tensor) -> bool:
+    """Whether a scale holds a NaN, an infinity, a zero or a negative value."""
+    values = scale.float()
+    return bool(values.numel()) and not bool((torch.isfinite(values) & (values > 0)).all())
 
 
 def _plan(lab_file: LabFile, facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
