@@ -450,7 +450,20 @@ def test_tensor_data_that_is_not_numbers_is_one_clear_problem(run):
 
     def edit(d):
         d["entries"][0]["qparams"]["scale"]["data"][0] = "x"
-        d["entries"][0]["qparams"]["scale"].pop("bytes_b64", None)
+        d["entries"][1]["qparams"]["scale"]["bytes_b64"] = "not base64!"
 
     message = _error_of(_broken(document, edit))
     assert "entries/0" in message and "must be a flat list of float32 values" in message
+    assert "entries/1" in message and "bytes_b64 is not base64" in message
+
+
+def test_a_big_tensor_is_written_as_bytes_only_and_reads_back_bit_exact():
+    big = torch.randn(ob.qparams.DATA_LIMIT + 1)
+    record = ob.qparams.tensor_to_dict(big)
+    assert "data" not in record and set(record) == {"shape", "dtype", "bytes_b64"}
+    assert torch.equal(ob.qparams.tensor_from_dict(record), big)
+    small = ob.qparams.tensor_to_dict(big[:8])
+    assert small["data"] == big[:8].tolist()
+    small["data"][3] += 1.0
+    with pytest.raises(ValueError, match="data and bytes_b64 disagree"):
+        ob.qparams.tensor_from_dict(small)
