@@ -258,7 +258,7 @@ def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str]) -
         for note in built.notes:
             err.write(f"note: recipe: {note}\n")
     if args.checkpoint:
-        bar = None if getattr(args, "quiet", False) else ProgressBar(err, "files")
+        bar = None if getattr(args, "quiet", False) else ProgressBar(err, "tensors")
         result = checkpoint.write(lab_file, model, args.checkpoint, overwrite=args.overwrite, progress=bar)
         written.append(args.checkpoint)
         for note in result.notes:

@@ -157,7 +157,7 @@ with d2:
                 model,
                 directory.strip(),
                 overwrite=overwrite,
-                progress=lambda done, total, name: bar.progress(done / total, text=f"{name} ({done}/{total})"),
+                progress=lambda done, total, key: bar.progress(done / total, text=f"{key} ({done}/{total})"),
             )
             st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")
             with st.expander(f"{len(saved.notes)} note(s) on the checkpoint"):

@@ -167,11 +167,14 @@ class Model:
         self.layer(name)
         return self._store.bias(name)
 
-    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
-        """The weight files, ``(file name, load)``; ``load()`` reads one file's tensors as stored
-        (dtype kept, on the CPU), so a checkpoint is rewritten one file in memory at a time. A
-        model built in memory is one file, its state dict."""
-        return self._store.stored_shards()
+    def stored_keys(self) -> list[str]:
+        """Every tensor the weights hold (parameters and persistent buffers), file by file."""
+        return self._store.stored_keys()
+
+    def stored(self, key: str) -> torch.Tensor:
+        """One stored tensor as stored (its dtype kept, on the CPU), read alone, so a checkpoint is
+        rewritten holding only what it is writing."""
+        return self._store.stored(key)
 
     def module(self) -> nn.Module:
         """The executable model (built or loaded on first call). Treat it as read-only."""

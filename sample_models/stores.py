@@ -15,7 +15,7 @@ import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -47,7 +47,9 @@ class WeightStore(Protocol):
 
     def total_bytes(self) -> int: ...
 
-    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]: ...
+    def stored_keys(self) -> list[str]: ...
+
+    def stored(self, key: str) -> torch.Tensor: ...
 
 
 class ModuleWeights:
@@ -97,15 +99,17 @@ class ModuleWeights:
     def total_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._get_module().parameters())
 
-    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
-        """One shard, ``model.safetensors``: the module's state dict (what ``save_pretrained``
-        saves: parameters and persistent buffers), copied."""
+    @cached_property
+    def _saved(self) -> dict[str, torch.Tensor]:
+        return self._get_module().state_dict()
 
-        def load() -> dict[str, torch.Tensor]:
-            state = self._get_module().state_dict()
-            return {key: tensor.detach().to("cpu", copy=True) for key, tensor in state.items()}
+    def stored_keys(self) -> list[str]:
+        """What ``save_pretrained`` saves: parameters and persistent buffers, in module order."""
+        return list(self._saved)
 
-        return [("model.safetensors", load)]
+    def stored(self, key: str) -> torch.Tensor:
+        """A copy of one saved tensor, on the CPU."""
+        return self._saved[key].detach().to("cpu", copy=True)
 
 
 @dataclass(frozen=True)
@@ -204,28 +208,22 @@ class CheckpointWeights:
         size = torch.empty((), dtype=self._dtype).element_size()
         return size * sum(_numel(entry.shape) for entry in self._entries.values())
 
-    def stored_shards(self) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
-        """The checkpoint file by file: ``(name, load)``, where ``load()`` reads that file's tensors
-        as stored (their own dtype, on the CPU), so a rewrite holds one file in memory at a time. A
-        ``.bin`` file is named as the ``.safetensors`` file it becomes."""
-        files = list(dict.fromkeys(entry.file for entry in self._entries.values()))
-        return [(self._shard_name(file), partial(self._load_file, file)) for file in files]
+    def stored_keys(self) -> list[str]:
+        """Every stored key, file by file in file order: a rewrite reads the files in turn."""
+        files = {file: index for index, file in enumerate(dict.fromkeys(e.file for e in self._entries.values()))}
+        return sorted(self._entries, key=lambda key: files[self._entries[key].file])
 
-    @staticmethod
-    def _shard_name(file: Path) -> str:
-        if file.suffix == ".safetensors":
-            return file.name
-        return "model.safetensors" if file.name == "pytorch_model.bin" else f"{file.stem}.safetensors"
-
-    def _load_file(self, file: Path) -> dict[str, torch.Tensor]:
-        keys = [key for key, entry in self._entries.items() if entry.file == file]
-        if file.suffix != ".safetensors":
-            return {key: self._bin[key].to("cpu", copy=True) for key in keys}
+    def stored(self, key: str) -> torch.Tensor:
+        """One tensor as stored (its own dtype, on the CPU), read alone: a rewrite of the
+        checkpoint holds what it is writing, never a whole file."""
+        entry = self._entries[key]
+        if key in self._bin:
+            return self._bin[key].to("cpu", copy=True)
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                return {key: handle.get_tensor(key) for key in keys}
+            with safe_open(str(entry.file), framework="pt", device="cpu") as handle:
+                return handle.get_tensor(key)
         except (SafetensorError, OSError) as err:
-            raise ModelSourceError(f"cannot read {file}: {err}") from err
+            raise ModelSourceError(f"cannot read tensor {key!r} from {entry.file}: {err}") from err
 
     def _read(self, key: str) -> torch.Tensor:
         entry = self._entries[key]

@@ -258,3 +258,16 @@ def test_a_model_built_in_memory_with_kv_scales_loads_as_a_causal_lm(tmp_path):
     with torch.no_grad():
         out = loaded.generate(torch.tensor([[1, 5, 9, 13]]), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 7)
+
+
+def test_weights_are_written_in_files_of_bounded_size_with_an_index(minilm, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "FILE_BYTES", 8 << 20)
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    _round_trip(minilm, lab_file, tmp_path / "out")
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 3 and not (tmp_path / "out" / "model.safetensors").exists()
+    index = json.loads((tmp_path / "out" / checkpoint.INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    word_embeddings = 30522 * 384 * 4  # a tensor over the bound gets a file of its own
+    assert max(f.stat().st_size for f in files) < word_embeddings + (1 << 20)
+    assert sorted(f.stat().st_size for f in files)[-2] < (8 << 20) + (1 << 20)

@@ -5,9 +5,10 @@ compressed-tensors' own compressors, so that transformers (and vLLM) load the ch
 choices, or a file saved by the app) and the model it was made for, and writes a Hugging Face model
 directory:
 
-- every weight file of the model, rewritten one file in memory at a time: a chosen layer's weight is
-  replaced by the compressor's packed form of the lab's fake-quantized weight, with its scales; the
-  chosen input, output and key/value scales are added; everything else is copied as stored;
+- the model's weights, read one tensor at a time and written in files of at most ``FILE_BYTES``: a
+  chosen layer's weight is replaced by the compressor's packed form of the lab's fake-quantized
+  weight, with its scales; the chosen input, output and key/value scales are added; everything else
+  is copied as stored;
 - ``config.json`` with a ``quantization_config`` (status ``compressed``; one config group per
   (scheme, observer, knobs), targeting the exact layer names, the model's other ``Linear`` layers in
   ``ignore``), the tokenizer and generation files, and ``observer_lab_checkpoint.txt`` (what was
@@ -26,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,12 @@ from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_t
 from lab.export.lab_json import LabFile, apply_choices
 from lab.export.recipe import config_groups_of
 from lab.vocab import KV_TENSORS
+from sample_models.sequential import return_freed_memory
 
 NOTES_FILE = "observer_lab_checkpoint.txt"
+FILE_BYTES = 256 << 20
+"""Largest weight file the checkpoint gets (a bigger tensor gets one of its own): what a write
+holds in memory at once, twice (safetensors copies a file's tensors into bytes to write them)."""
 INDEX_FILE = "model.safetensors.index.json"
 # Files a model directory carries beside its weights that a loader or a server reads.
 _SIDE_FILES = (
@@ -189,18 +194,43 @@ def _compress_layer(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor
     }
 
 
-def _shard_tensors(
-    tensors: dict[str, torch.Tensor], layers: dict[str, tuple[CtLayer, dict[str, Any]]], extra: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        name, _, local = key.rpartition(".")
-        if local == "weight" and name in layers:
-            layer, scheme = layers.pop(name)
-            out |= {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor).items()}
-        else:
-            out[key] = tensor.contiguous()
-    return out | extra
+def _converted(model: Any, key: str, pending: dict[str, tuple[CtLayer, dict[str, Any]]]) -> dict[str, torch.Tensor]:
+    """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
+    scales, anything else as stored."""
+    name, _, local = key.rpartition(".")
+    tensor = model.stored(key)
+    if local == "weight" and name in pending:
+        layer, scheme = pending.pop(name)
+        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor).items()}
+    return {key: tensor.contiguous()}
+
+
+def _bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _files(
+    model: Any,
+    pending: dict[str, tuple[CtLayer, dict[str, Any]]],
+    first: dict[str, torch.Tensor],
+    progress: Progress | None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors, ``first`` then every stored one, in files of at most
+    ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
+    keys = model.stored_keys()
+    current, size = dict(first), _bytes(first)
+    for done, key in enumerate(keys, start=1):
+        converted = _converted(model, key, pending)
+        added = _bytes(converted)
+        if current and size + added > FILE_BYTES:
+            yield current
+            current, size = {}, 0
+        current |= converted
+        size += added
+        if progress is not None:
+            progress(done, len(keys), key)
+    if current:
+        yield current
 
 
 def _side_files(model: Any, into: Path) -> dict[str, Any]:
@@ -253,7 +283,7 @@ def write(
 
     Refused (``CheckpointError``, nothing written): a non-empty ``out_dir`` without ``overwrite``,
     choices made for other weights, qparams that do not fit the model, a non-positive or
-    non-finite scale. ``progress(done, total, file)`` is called after each weight file."""
+    non-finite scale. ``progress(done, total, key)`` is called after each stored tensor."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -266,27 +296,22 @@ def write(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model_config = _side_files(model, staging)
-        shards = model.stored_shards()
         # Scales without a weight of their own in the files (key/value states, the activations of
-        # a layer whose weight was not chosen) go into the first file.
-        extra = dict(kv_tensors)
+        # a layer whose weight was not chosen) open the first file.
+        first = dict(kv_tensors)
         for key in [k for k, (layer, _) in pending.items() if "weight" not in layer.args]:
             layer, scheme = pending.pop(key)
-            extra |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
-        weight_map: dict[str, str] = {}
-        for done, (name, load) in enumerate(shards, start=1):
-            tensors = load()
-            written = _shard_tensors(tensors, pending, extra if done == 1 else {})
-            save_file(written, str(staging / name), metadata={"format": "pt"})
-            weight_map |= dict.fromkeys(written, name)
-            del tensors, written
-            if progress is not None:
-                progress(done, len(shards), name)
+            first |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
+        parts: list[tuple[Path, list[str]]] = []
+        for tensors in _files(model, pending, first, progress):
+            part = staging / f"part-{len(parts)}.safetensors"
+            save_file(tensors, str(part), metadata={"format": "pt"})
+            parts.append((part, list(tensors)))
+            del tensors
+            return_freed_memory()
         if pending:
             raise CheckpointError(f"layers without a stored weight: {', '.join(pending)}")
-        if len(shards) > 1:
-            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        _name_files(staging, parts)
         model_config["quantization_config"] = config
         (staging / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True), encoding="utf-8")
         (staging / NOTES_FILE).write_text(_notes_text(lab_file, config, notes), encoding="utf-8")
@@ -295,6 +320,20 @@ def write(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Written(out, config, [layer.layer for layer in layers], notes)
+
+
+def _name_files(staging: Path, parts: list[tuple[Path, list[str]]]) -> None:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with their index."""
+    if len(parts) == 1:
+        parts[0][0].rename(staging / "model.safetensors")
+        return
+    weight_map = {}
+    for index, (part, keys) in enumerate(parts, start=1):
+        name = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(staging / name)
+        weight_map |= dict.fromkeys(keys, name)
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
 def _replace(staging: Path, out: Path) -> None:
