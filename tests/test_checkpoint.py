@@ -14,6 +14,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 from transformers import AutoModel
 from transformers.utils.quantization_config import CompressedTensorsConfig
@@ -271,3 +272,26 @@ def test_weights_are_written_in_files_of_bounded_size_with_an_index(minilm, tmp_
     word_embeddings = 30522 * 384 * 4  # a tensor over the bound gets a file of its own
     assert max(f.stat().st_size for f in files) < word_embeddings + (1 << 20)
     assert sorted(f.stat().st_size for f in files)[-2] < (8 << 20) + (1 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "dtype"),
+    [
+        (ob.QuantSpec("int4", strategy="group", group_size=32), torch.float32),
+        (ob.QuantSpec("int8", strategy="tensor"), torch.float32),
+        (ob.QuantSpec("nvfp4"), torch.bfloat16),
+        (ob.QuantSpec("mxfp4"), torch.bfloat16),
+    ],
+    ids=["int4-group", "int8-tensor", "nvfp4", "mxfp4"],
+)
+def test_a_weight_packed_a_slice_of_rows_at_a_time_is_the_same(minilm, tmp_path, monkeypatch, spec, dtype):
+    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"})
+    checkpoint.write(lab_file, minilm, tmp_path / "whole")
+    monkeypatch.setattr(checkpoint, "CHUNK_ELEMENTS", 7 * 384)  # 7 rows of the query, 18 of the FFN's 1536
+    _round_trip(minilm, lab_file, tmp_path / "sliced", dtype=dtype)
+    whole = safetensors_torch.load_file(str(tmp_path / "whole" / "model.safetensors"))
+    sliced = safetensors_torch.load_file(str(tmp_path / "sliced" / "model.safetensors"))
+    assert whole.keys() == sliced.keys()
+    for key in whole:
+        assert torch.equal(whole[key].view(torch.uint8), sliced[key].view(torch.uint8)), key

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,16 @@ import torch
 import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.export.chosen import of_lab_file
-from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, kv_cache_scheme
+from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_json import LabFile, apply_choices
 from lab.export.recipe import config_groups_of
 from lab.vocab import KV_TENSORS
 from sample_models.sequential import return_freed_memory
 
 NOTES_FILE = "observer_lab_checkpoint.txt"
+CHUNK_ELEMENTS = 4 << 20
+"""Weight elements packed at once: a bigger weight (a head, an embedding-sized layer) is packed a
+slice of rows at a time, so the fp32 copies fake-quantization and packing make stay small."""
 FILE_BYTES = 256 << 20
 """Largest weight file the checkpoint gets (a bigger tensor gets one of its own): what a write
 holds in memory at once, twice (safetensors copies a file's tensors into bytes to write them)."""
@@ -174,24 +177,63 @@ def quantization_config(lab_file: LabFile, facts: ModelFacts) -> tuple[dict[str,
 def _compress_layer(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The layer's tensors under local names: the weight packed by the compressor of the group's
     format (from the lab's fake-quantized weight), and every chosen scale."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-
     args = {kind: scheme[CT_ARG_NAMES[kind]] for kind in layer.args}
     prefix = f"{layer.layer}."
     state = {name.removeprefix(prefix): value for name, value in ct_tensors(layer, args).items()}
     if weight is None or "weight" not in layer.args:
         return state
     entry = layer.entries["weight"]
-    if args["weight"].get("scale_dtype") is not None:
-        # The block-format compressors take the scale as a float and store it in their own form
-        # (E8M0 exponents, FP8) themselves.
-        state["weight_scale"] = entry.qparams.scale.to("cpu").float()
-    state["weight"] = ob.fake_quantize(weight.float(), entry.qparams.to("cpu"), entry.spec)
+    qparams = entry.qparams.to("cpu")
+    rows = weight.shape[0]
+    per_row = entry.spec.strategy != "block" and qparams.scale.dim() >= 1 and qparams.scale.shape[0] == rows > 1
+    step = max(1, CHUNK_ELEMENTS // max(1, weight[0].numel())) if per_row else rows
+    pieces = [
+        _compress_rows(weight[start : start + step], _row_slice(qparams, start, step, per_row), entry, scheme)
+        for start in range(0, rows, step)
+    ]
+    stacked = {"weight_packed", "weight"} | ({"weight_scale", "weight_zero_point"} if per_row else set())
+    for name in pieces[0]:
+        parts = [piece[name] for piece in pieces]
+        state[name] = torch.cat(parts) if name in stacked and len(parts) > 1 else parts[0]
+    state["weight_shape"] = torch.tensor(weight.shape)
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _row_slice(qparams: ob.QParams, start: int, count: int, per_row: bool) -> ob.QParams:
+    """The qparams of weight rows ``start`` to ``start + count`` (all of them when not per row)."""
+    if not per_row:
+        return qparams
+    rows = qparams.scale.shape[0]
+
+    def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or tensor.dim() == 0 or tensor.shape[0] != rows:
+            return tensor
+        return tensor[start : start + count]
+
+    extras = {name: part(value) for name, value in qparams.extras.items()}
+    fields = {name: part(getattr(qparams, name)) for name in ("scale", "zero_point", "min_val", "max_val")}
+    return replace(qparams, extras=extras, **fields)
+
+
+def _compress_rows(
+    weight: torch.Tensor, qparams: ob.QParams, entry: Any, scheme: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Some rows of a weight, fake-quantized by the lab and packed by compressed-tensors' compressor
+    of the group's format: a big weight (a head) is packed a slice at a time, never whole in fp32."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    args = scheme[CT_ARG_NAMES["weight"]]
+    state = {"weight": ob.fake_quantize(weight.float(), qparams, entry.spec)}
+    # Every compressor takes the scale as a float; the block formats' store it in their own form
+    # (E8M0 exponents, FP8) themselves.
+    state["weight_scale"] = qparams.scale.float()
+    if qparams.global_scale is not None:
+        state["weight_global_scale"] = qparams.global_scale.float().reshape(1)
+    if not args["symmetric"]:
+        state["weight_zero_point"] = ct_zero_point(qparams, entry.spec, args["num_bits"])
     compressor = BaseCompressor.get_value_from_registry(scheme["format"])
-    return {
-        name: tensor.contiguous() for name, tensor in compressor.compress(state, QuantizationScheme(**scheme)).items()
-    }
+    return compressor.compress(state, QuantizationScheme(**scheme))
 
 
 def _converted(model: Any, key: str, pending: dict[str, tuple[CtLayer, dict[str, Any]]]) -> dict[str, torch.Tensor]:
