@@ -36,6 +36,7 @@ MODULES = [
     "bench_effect",
     "bench_calibration",
     "bench_recipe",
+    "bench_float_grid",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

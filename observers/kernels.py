@@ -21,9 +21,10 @@ dtypes, non-contiguous views (e.g. per-input-channel or 2-D block layouts), runs
 ``MIN_RUN`` or tensors smaller than ``MIN_ELEMENTS``. ``status()`` says which path is in use and
 why. Both paths give the same numbers (the min and max are selections, not sums).
 
-Other kernels (``observers.hist_kernel``, ``observers.mse_kernel``, ``observers.metrics_kernel``)
-ask ``in_use(name)`` whether to run, call ``function(name, isa, argtypes)``, keep an eager path
-that gives the same numbers, and are bypassed inside ``disabled()`` like this one. Every source is compiled with
+Other kernels (``observers.hist_kernel``, ``observers.mse_kernel``, ``observers.float_grid_kernel``,
+``observers.metrics_kernel``) ask ``in_use(name)`` whether to run, call ``function(name, isa,
+argtypes)``, keep an eager path that gives the same numbers, and are bypassed inside
+``disabled()`` like this one. Every source is compiled with
 ``-ffp-contract=off``, so a multiply-add rounds twice unless the C asks for ``fma``: the
 kernels can then round exactly as the eager torch path does.
 """
@@ -102,11 +103,11 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, name: str) -> Path:
-    """Compile ``csrc/<name>.c`` (with ``csrc/simd_level.h``, which every kernel includes) once
+    """Compile ``csrc/<name>.c`` (with the headers of ``csrc/``, which kernels include) once
     per (source, compiler); concurrent builders each write a private temporary file and rename
     it into place, so a reader never sees a half-written library."""
     source_path = CSRC / f"{name}.c"
-    source = source_path.read_bytes() + (CSRC / "simd_level.h").read_bytes()
+    source = source_path.read_bytes() + b"".join(header.read_bytes() for header in sorted(CSRC.glob("*.h")))
     build = " ".join([compiler, *_FLAGS, sys.platform, platform.machine()])
     key = hashlib.sha256(source + build.encode()).hexdigest()
     library = _cache_dir() / f"{name}-{key[:16]}.so"

@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from observers import mse_kernel
+from observers import float_grid_kernel, mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
 from observers.granularity import Flat, all_finite, reduce_min_max
@@ -74,6 +74,10 @@ def candidate_errors(
     """
     if spec.format.kind == "int" and hessian is None:
         native = _native_squared_errors(flat, spec, scale, zero_point)
+        if native is not None:
+            return native
+    if hessian is None:
+        native = _native_float_errors(flat, spec, scale)
         if native is not None:
             return native
     data = flat.data.float()
@@ -122,6 +126,73 @@ def _native_squared_errors(
     if errors is None:
         return None
     return errors.mul_(step.square()).reshape(count, *flat.qparam_shape)
+
+
+def best_candidates(
+    flat: Flat,
+    spec: QuantSpec,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    max_working_bytes: int,
+    hessian: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``candidate_errors(...).argmin(dim=0)``: each group's first candidate of least error,
+    ``(*qparam_shape)``. Float element grids on one observation of fp32 CPU data take the kernel's
+    pick (``float_grid_kernel.candidate_picks``), which never writes the ``(C, Q)`` errors: for the
+    FP8 sweep's 126 candidates that table and its scan cost more than the errors. The errors are
+    never NaN here (finite data, positive steps), where the pick and ``argmin`` would differ."""
+    if hessian is None and float_grid_kernel.covers(spec.format):
+        groups = math.prod(flat.qparam_shape)
+        data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1]).contiguous()
+        weight = None
+        if flat.valid is not None:
+            weight = flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+        count = scale.shape[0]
+        step = scale.float().reshape(count) if scale.ndim == 1 else scale.float().reshape(count, groups)
+        picked = float_grid_kernel.candidate_picks(data, weight, step, spec.format, 2.0, direct=True)
+        if picked is not None:
+            return picked[1].reshape(flat.qparam_shape)
+    return candidate_errors(flat, spec, scale, zero_point, max_working_bytes, hessian).argmin(dim=0)
+
+
+def _nvfp4_picks(
+    flat: Flat, spec: QuantSpec, amax: torch.Tensor, multipliers: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor | None:
+    """``modelopt_mse``'s NVFP4 pick with the kernel computing every candidate's block scale itself,
+    ``e4m3_block_scales(m·amax, global_scale) / global_scale`` in the same fp32 operations (the E4M3
+    cast inside the candidate loop), or None when it does not take the data. Why: the ``(C, Q)``
+    step table (39 multipliers over every block) costs more to build than the errors."""
+    groups = math.prod(flat.qparam_shape)
+    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1]).contiguous()
+    weight = None
+    if flat.valid is not None:
+        weight = flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+    if not float_grid_kernel.pickable(data, weight, spec.format):
+        return None
+    count = multipliers.numel()
+    global_scale = global_scale.float().reshape(1).expand(count)
+    rule = float_grid_kernel.StepRule(
+        "e4m3", amax.reshape(-1), multipliers, spec.format.max_value, global_scale=global_scale
+    )
+    picked = float_grid_kernel.candidate_picks(data, weight, rule, spec.format, 2.0, direct=True)
+    return None if picked is None else picked[1].reshape(flat.qparam_shape)
+
+
+def _native_float_errors(flat: Flat, spec: QuantSpec, scale: torch.Tensor) -> torch.Tensor | None:
+    """``candidate_errors`` for float element grids (FP8, FP4, NVFP4's E2M1 with its E4M3 block
+    scales already in ``scale``) through ``observers.float_grid_kernel``, or None when it does not
+    take the data. The kernel measures ``(grid(x/s)·s - x)²`` directly, with the codes and
+    dequantized values of ``fake_quantize`` and an exact square; only the fp32 sums run in another
+    order. A ``(C,)`` scale (the FP8 sweep's one step per candidate) is read once per candidate."""
+    if not float_grid_kernel.covers(spec.format):
+        return None
+    groups = math.prod(flat.qparam_shape)
+    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1])
+    count = scale.shape[0]
+    step = scale.float().reshape(count) if scale.ndim == 1 else scale.float().reshape(count, -1).expand(count, groups)
+    weight = None if flat.valid is None else flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+    errors = float_grid_kernel.candidate_errors(data.contiguous(), weight, step, spec.format, 2.0, direct=True)
+    return None if errors is None else errors.reshape(count, *flat.qparam_shape)
 
 
 def _hessian_error(diff: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
@@ -193,10 +264,14 @@ class ModelOptMSEObserver(Observer):
             low = -high
         self.global_amax = high.max().clamp(min=self.spec.eps)
         multipliers = multiplier_candidates(self.start_multiplier, self.stop_multiplier, self.step_size, low.device)
-        factor = multipliers.reshape(-1, *([1] * low.ndim))
-        scale, zero_point = self._candidate_steps(low.unsqueeze(0) * factor, high.unsqueeze(0) * factor)
-        errors = candidate_errors(flat, self.spec, scale, zero_point, self.max_working_bytes)
-        best = multipliers[errors.argmin(dim=0)]
+        picks = None
+        if self.spec.format.scale_kind == "e4m3":
+            picks = _nvfp4_picks(flat, self.spec, high, multipliers, self._global_scale())
+        if picks is None:
+            factor = multipliers.reshape(-1, *([1] * low.ndim))
+            scale, zero_point = self._candidate_steps(low.unsqueeze(0) * factor, high.unsqueeze(0) * factor)
+            picks = best_candidates(flat, self.spec, scale, zero_point, self.max_working_bytes)
+        best = multipliers[picks]
         self.min_val, self.max_val = low * best, high * best
 
     def _candidate_steps(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,10 +326,10 @@ class _NVFP4SweepBase(Observer):
         self.global_amax = _amax(low, high).max().clamp(min=self.spec.eps)
         global_scale = E4M3_MAX * fmt.max_value / self.global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)
         candidates = fp8_scale_candidates(low.device)
-        errors = candidate_errors(
+        picks = best_candidates(
             flat, self.spec, candidates / global_scale, None, self.max_working_bytes, self._hessian(flat)
         )
-        self.block_scale = candidates[errors.argmin(dim=0)]
+        self.block_scale = candidates[picks]
 
     def _qparams(self) -> QParams:
         amax = self.global_amax * (self.block_scale / E4M3_MAX)  # ModelOpt's global_amax · candidate

@@ -14,8 +14,9 @@ error per candidate that flips near-tie groups).
 Speed (CPU, 4096x4096 int4 g128, 2 AVX-512 cores: ~110 ms, ~35x llm-compressor's loop, ~6x one
 clone of the weight; the eager path ~330 ms): int formats on fp32 CPU data go through the native
 kernel of ``observers.mse_kernel``, which reads each piece of the data once per chunk of
-candidates and evaluates them all while it sits in L1, with vectorized log2/exp2. Float
-elements (FP8, FP4, MXFP, NVFP4), CUDA tensors and ``kernels.disabled()`` take the eager path:
+candidates and evaluates them all while it sits in L1, with vectorized log2/exp2; float elements
+(FP8, FP6, FP4, MXFP, NVFP4) go through its sibling ``observers.float_grid_kernel`` (the same
+codes as ``round_to_float_grid_``). CUDA tensors and ``kernels.disabled()`` take the eager path:
 the data walked in cache-sized blocks, each through all candidates of a chunk, with ``|e|^norm``
 as ``exp(norm·log|e|)`` because ``torch.pow`` with a fractional exponent is a scalar libm call
 per element. After each chunk the early stop is replayed candidate by candidate (``_replay``), so
@@ -32,8 +33,9 @@ from collections.abc import Iterator
 
 import torch
 
-from observers import mse_kernel
+from observers import float_grid_kernel, mse_kernel
 from observers.base import Observer, register
+from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, all_finite, as_2d, flatten
 from observers.knobs import Knob
@@ -100,6 +102,53 @@ def _candidate_steps(
     qmin, qmax = spec.int_range if spec.format.kind == "int" else (0, 0)
     zero_points = zero_points.expand(shape).reshape(count, -1).float()
     return steps.expand(shape).reshape(count, -1).float(), qmin - zero_points, qmax - zero_points
+
+
+def _float_candidate_steps(
+    base_min: torch.Tensor, base_max: torch.Tensor, factors: list[float], spec: QuantSpec
+) -> torch.Tensor | None:
+    """The ``(C, Q)`` steps of ``_candidate_steps`` for float element grids, every candidate in
+    one pass (None for scale rules other than the free fp32 one and NVFP4's): NVFP4's rule
+    (``blocks.e4m3_qparams``: a global scale per candidate from its tensor amax, E4M3 block scales)
+    is written out here over a leading candidate axis with the very same fp32 operations, so the
+    steps are bit for bit those of one ``calculate_qparams`` call per candidate, at a fraction of
+    the cost (tests check both)."""
+    count = len(factors)
+    p = torch.tensor(factors, dtype=torch.float32, device=base_min.device).reshape(count, *[1] * base_min.ndim)
+    if spec.format.scale_kind == "float":
+        return (
+            calculate_qparams(base_min * p, base_max * p, spec)
+            .effective_scale.expand(count, *base_min.shape)
+            .reshape(count, -1)
+        )
+    if spec.format.scale_kind != "e4m3":
+        return None
+    fmt = spec.format
+    amax = _amax(base_min * p, base_max * p).reshape(count, -1)
+    tensor_amax = amax.amax(dim=1, keepdim=True).clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
+    global_scale = E4M3_MAX * fmt.max_value / tensor_amax
+    raw = (amax / fmt.max_value * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    return raw.to(torch.float8_e4m3fn).float() / global_scale
+
+
+def _float_candidate_rule(
+    base_min: torch.Tensor, base_max: torch.Tensor, factors: list[float], spec: QuantSpec, norm: float
+) -> torch.Tensor | float_grid_kernel.StepRule:
+    """What ``float_grid_kernel.shrink_search`` reads for a chunk: NVFP4's rule for the kernel to
+    compute (the block amaxes ``p·amax`` exactly, as in ``_float_candidate_steps``; per candidate the
+    global scale of ``e4m3_qparams`` and ``s^norm`` for each E4M3 code, the same ``torch.pow`` of the
+    same step values the eager path multiplies by), else the ``(C, Q)`` steps."""
+    if spec.format.scale_kind != "e4m3":
+        return _float_candidate_steps(base_min, base_max, factors, spec)
+    fmt = spec.format
+    count = len(factors)
+    p = torch.tensor(factors, dtype=torch.float32, device=base_min.device)
+    amax = _amax(base_min, base_max).reshape(-1)
+    tensor_amax = (amax.amax() * p).reshape(count, 1).clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
+    global_scale = E4M3_MAX * fmt.max_value / tensor_amax
+    codes = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().reshape(1, 128)
+    power = (codes / global_scale).pow(norm)
+    return float_grid_kernel.StepRule("e4m3", amax, p, fmt.max_value, global_scale=global_scale, power=power)
 
 
 def _blocks(observations: int, groups: int, group: int, elements: int) -> Iterator[tuple[slice, slice, slice]]:
@@ -186,18 +235,20 @@ def _chunk_errors(
 ) -> torch.Tensor:
     """``Σ weight·|fake_quant(x) - x|^norm`` per group for each factor, (C, Q).
 
-    ``data`` and ``weight`` are (N, Q, K). Int formats go through ``mse_kernel`` when it runs;
-    otherwise the data is walked in cache-sized blocks, each through every candidate of the chunk
-    at once, so each element is read from memory once per chunk and the elementwise passes run on
-    cache-resident buffers.
+    ``data`` and ``weight`` are (N, Q, K). Int formats go through ``mse_kernel`` when it runs,
+    float grids through ``float_grid_kernel``; otherwise the data is walked in cache-sized blocks,
+    each through every candidate of the chunk at once, so each element is read from memory once
+    per chunk and the elementwise passes run on cache-resident buffers.
     """
     count = len(factors)
     observations, groups, group = data.shape
     step, low, high = _candidate_steps(base_min, base_max, factors, spec)
     if spec.format.kind == "int":
         native = mse_kernel.candidate_errors(data, weight, step, low, high, norm)
-        if native is not None:
-            return native.mul_(step.pow_(norm))
+    else:
+        native = float_grid_kernel.candidate_errors(data, weight, step, spec.format, norm)
+    if native is not None:
+        return native.mul_(step.pow_(norm))
     shape = (count, 1, groups, 1)
     step, low, high = step.reshape(shape), _uniform_or(low.reshape(shape)), _uniform_or(high.reshape(shape))
     errors = torch.zeros(count, groups, dtype=torch.float32, device=data.device)
@@ -248,8 +299,10 @@ def _chunk_size(
 ) -> int:
     """Candidates per chunk (between early-stop checks) for ``(N, Q, K)`` data: as many as fit
     ``working_bytes`` of candidate errors on the eager path, ``mse_kernel.chunk_size`` on the
-    native one (which needs no buffers)."""
+    native ones (int and float grids; neither needs buffers)."""
     if spec.format.kind == "int" and mse_kernel.usable(data, weight):
+        return mse_kernel.chunk_size(count, patience)
+    if float_grid_kernel.usable(data, weight, spec.format):
         return mse_kernel.chunk_size(count, patience)
     return max(1, min(count, working_bytes // max(1, data.numel() * 8)))
 
@@ -296,6 +349,20 @@ def mse_grid_search(
     if weight is not None:
         weight = _as_groups(weight.float().expand(flat.data.shape))
     factors = shrink_factors(maxshrink, grid)
+    if reduce is None and spec.format.kind == "float" and spec.format.scale_kind in ("float", "e4m3"):
+        picked = float_grid_kernel.shrink_search(
+            data,
+            weight,
+            spec.format,
+            factors,
+            lambda chunk: _float_candidate_rule(base_min, base_max, chunk, spec, norm),
+            norm,
+            patience,
+            direct=False,
+        )
+        if picked is not None:
+            best_factor = picked.reshape(base_min.shape)
+            return base_min * best_factor, base_max * best_factor
     chunk = _chunk_size(data, weight, spec, len(factors), patience, max_working_bytes)
     if reduce is not None:
         chunk = int(reduce(torch.tensor([chunk], device=data.device), Op.MIN))

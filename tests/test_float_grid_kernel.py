@@ -1,0 +1,296 @@
+"""The native candidate-error kernel of the float element searches (observers/float_grid_kernel.py,
+csrc/group_float_grid.c): the eager codes exactly (one element per group, norm 1), the eager sums
+to a few ulps for every float grid, norm, weight and step layout on every variant this CPU runs,
+its pick equal to argmin over its sums, NVFP4's batched candidate steps bit for bit; and every
+observer it serves giving the eager scales, with the eager fallback wherever it cannot run."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import observers as ob
+from bench.common import llm_weight
+from observers import float_grid_kernel, kernels
+from observers.formats import FORMATS, round_to_float_grid_
+from observers.granularity import flatten, reduce_min_max
+from observers.lc_search import free_scale_spec
+from observers.mse_grid import _candidate_steps, _float_candidate_rule, _float_candidate_steps, shrink_factors
+from observers.qparams import calculate_qparams
+
+needs_kernel = pytest.mark.skipif(
+    not kernels.available_isas(float_grid_kernel.NAME),
+    reason=f"kernel not in use here: {kernels.status(float_grid_kernel.NAME)}",
+)
+GRIDS = ["fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _cpu_has_avx2() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return " avx2" in cpuinfo.read()
+
+
+def test_kernel_is_built_and_used_where_a_compiler_and_avx2_exist():
+    line = kernels.status(float_grid_kernel.NAME)
+    if any(shutil.which(name) for name in ("cc", "gcc", "clang")) and _cpu_has_avx2():
+        assert line.startswith("native ("), line
+    else:
+        assert line.startswith("eager: "), line
+
+
+def _eager(data, weight, step, fmt, norm, direct) -> torch.Tensor:
+    """The eager sums for the same candidates, (C, Q): fake_quantize's division and grid rounding."""
+    s = step.reshape(step.shape[0], 1, -1, 1) if step.ndim == 2 else step.reshape(-1, 1, 1, 1)
+    scaled = data.unsqueeze(0) / s
+    codes = round_to_float_grid_(scaled.clone(), fmt.exp_bits, fmt.man_bits, fmt.max_value)
+    err = (codes * s - data) if direct else (codes - scaled)
+    err = err.abs().pow(norm)
+    if weight is not None:
+        err = err * weight
+    return err.sum(dim=(1, 3))
+
+
+def _special_values(fmt) -> torch.Tensor:
+    """Zeros of both signs, fp32 subnormals, every grid point and every midpoint between neighbours
+    (ties to even), the largest value and beyond it (saturation), both signs."""
+    grid = torch.arange(0, 2 ** (fmt.exp_bits + fmt.man_bits), dtype=torch.float32)
+    grid = round_to_float_grid_(grid * 2.0 ** (1 - 2 ** (fmt.exp_bits - 1) - fmt.man_bits), *_bits(fmt)).unique()
+    grid = grid[grid <= fmt.max_value]
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    extra = torch.tensor([0.0, 1e-40, 1e-45, 3e-39, fmt.max_value * 1.01, fmt.max_value * 7, 1e30])
+    values = torch.cat([grid, midpoints, midpoints.nextafter(torch.tensor(0.0)), extra])
+    return torch.cat([values, -values, torch.tensor([-0.0])])
+
+
+def _bits(fmt):
+    return fmt.exp_bits, fmt.man_bits, fmt.max_value
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", GRIDS)
+def test_codes_are_the_eager_codes_on_every_special_value(name):
+    """One element per group and norm 1: each sum is |grid(x/s) - x/s| of one element, so equal
+    sums mean equal codes; steps 1 (the values themselves) and 0.75 (an inexact division)."""
+    fmt = FORMATS[name]
+    values = _special_values(fmt)
+    data = values.reshape(1, -1, 1).contiguous()
+    step = torch.tensor([1.0, 0.75, 3.0]).reshape(3, 1).expand(3, values.numel())
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        for direct in (False, True):
+            got = float_grid_kernel.candidate_errors(data, None, step, fmt, 1.0, direct, isa=isa)
+            assert torch.equal(got, _eager(data, None, step, fmt, 1.0, direct)), (isa, direct)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", GRIDS)
+@pytest.mark.parametrize("norm", [1.0, 2.0, 2.4, 3.0])
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("shape", [(2, 37, 70), (1, 64, 16), (3, 32, 32), (1, 48, 7)])
+def test_sums_match_eager_to_a_few_ulps(name, norm, direct, shape):
+    """Long rows, and short ones in whole sixteens of groups (the AVX-512 lane-per-row path), with
+    per-group steps and with one step per candidate."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(3)
+    data = torch.randn(*shape, generator=g) * torch.rand(1, shape[1], 1, generator=g) * 4
+    data[0, 0] = 0.0
+    weight = torch.rand(*shape, generator=g)
+    for step in (torch.rand(9, shape[1], generator=g) * 0.3 + 1e-3, torch.rand(9, generator=g) + 0.01):
+        for isa in kernels.available_isas(float_grid_kernel.NAME):
+            for w in (None, weight):
+                got = float_grid_kernel.candidate_errors(data, w, step, fmt, norm, direct, isa=isa)
+                want = _eager(data, w, step, fmt, norm, direct)
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+
+
+@needs_kernel
+def test_one_step_per_candidate_equals_the_expanded_table_and_long_rows_are_pieced(monkeypatch):
+    fmt = FORMATS["fp4_e2m1"]
+    data = torch.randn(1, 5, 300)
+    step = torch.rand(7) + 0.01
+    one = float_grid_kernel.candidate_errors(data, None, step, fmt, 2.0, True)
+    table = float_grid_kernel.candidate_errors(data, None, step.reshape(7, 1).repeat(1, 5), fmt, 2.0, True)
+    assert torch.equal(one, table)
+    monkeypatch.setattr(float_grid_kernel, "PIECE", 64)
+    pieced = float_grid_kernel.candidate_errors(data, None, step, fmt, 2.0, True)
+    torch.testing.assert_close(pieced, one, rtol=2e-6, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("groups", [300, 320])
+def test_pick_is_argmin_of_the_sums_times_factor(direct, groups):
+    fmt = FORMATS["fp8_e4m3"]
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(1, groups, 16, generator=g)
+    weight = torch.rand(1, groups, 16, generator=g)
+    step = torch.rand(50, groups, generator=g) * 0.3 + 1e-3
+    step[10] = step[3]  # exact ties: the first is kept
+    factor = step.pow(2.4)
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        for f in (None, factor):
+            for w in (None, weight):
+                sums = float_grid_kernel.candidate_errors(data, w, step, fmt, 2.4, direct, isa=isa)
+                sums = sums if f is None else sums * f
+                least, index = float_grid_kernel.candidate_picks(data, w, step, fmt, 2.4, direct, f, isa=isa)
+                assert torch.equal(index, sums.argmin(dim=0)) and torch.equal(least, sums.amin(dim=0))
+        shared = step[:, 0].contiguous()
+        sums = float_grid_kernel.candidate_errors(data, None, shared, fmt, 2.0, True, isa=isa)
+        _, index = float_grid_kernel.candidate_picks(data, None, shared, fmt, 2.0, True, isa=isa)
+        assert torch.equal(index, sums.argmin(dim=0))
+
+
+def test_nvfp4_batched_candidate_steps_equal_one_rule_call_per_candidate():
+    spec = ob.QuantSpec("nvfp4")
+    flat = flatten(llm_weight(64, 256), spec, "weight")
+    low, high = reduce_min_max(flat)
+    factors = shrink_factors(0.2, 100)
+    batched = _float_candidate_steps(low, high, factors, spec)
+    assert torch.equal(batched, _candidate_steps(low, high, factors, spec)[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("groups_of", [16, 20])
+def test_step_rules_give_the_step_tables_results(groups_of):
+    """The steps the kernel computes (NVFP4's E4M3 block scales per candidate, the free fp32 rule)
+    give the very sums and picks of the torch-built ``(C, Q)`` tables, on every variant (rows of
+    whole sixteens of groups take the AVX-512 lane-per-row path, the others the row loop)."""
+    spec = ob.QuantSpec("nvfp4")
+    w = llm_weight(groups_of, 256, seed=5)
+    w[1] = 0.0
+    flat = flatten(w, spec, "weight")
+    low, high = reduce_min_max(flat)
+    data = flat.data.reshape(1, -1, 16).contiguous()
+    factors = [1.8 * p for p in shrink_factors(0.55, 200)]
+    table = _float_candidate_steps(low, high, factors, spec)
+    rule = _float_candidate_rule(low, high, factors, spec, 2.4)
+    free = free_scale_spec(spec)
+    free_table = calculate_qparams(
+        low.unsqueeze(0) * torch.tensor(factors).reshape(-1, 1, 1),
+        high.unsqueeze(0) * torch.tensor(factors).reshape(-1, 1, 1),
+        free,
+    ).effective_scale.reshape(len(factors), -1)
+    amax = torch.maximum(torch.neg(low), high).reshape(-1)
+    free_rule = float_grid_kernel.StepRule("free", amax, torch.tensor(factors), free.format.max_value, free.eps)
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        for steps, by_rule, direct in ((table, rule, False), (free_table, free_rule, True)):
+            want = float_grid_kernel.candidate_errors(data, None, steps, spec.format, 2.4, direct, isa=isa)
+            assert torch.equal(
+                float_grid_kernel.candidate_errors(data, None, by_rule, spec.format, 2.4, direct, isa=isa), want
+            )
+            factor = None if direct else steps.pow(2.4)
+            picked = float_grid_kernel.candidate_picks(data, None, steps, spec.format, 2.4, direct, factor, isa=isa)
+            by = float_grid_kernel.candidate_picks(data, None, by_rule, spec.format, 2.4, direct, isa=isa)
+            assert torch.equal(picked[0], by[0]) and torch.equal(picked[1], by[1])
+
+
+def _both(name: str, w: torch.Tensor, spec: ob.QuantSpec, kind: str = "weight", **knobs):
+    """The observer's qparams with the kernels and inside ``kernels.disabled()`` (eager)."""
+
+    def run():
+        observer = ob.create(name, spec, kind=kind, **knobs)
+        observer.observe(w)
+        return observer.qparams()
+
+    native = run()
+    with kernels.disabled():
+        eager = run()
+    return native, eager
+
+
+OBSERVER_CASES = [
+    ("mse_grid", ob.QuantSpec("nvfp4"), {}),
+    ("mse_grid", ob.QuantSpec("fp8_e4m3", strategy="channel"), {}),
+    ("mse_grid", ob.QuantSpec("fp8_e5m2", strategy="channel"), {}),
+    ("mse_grid", ob.QuantSpec("fp4_e2m1", strategy="group", group_size=32), {"patience": 1}),
+    ("mse_grid", ob.QuantSpec("fp6_e3m2", strategy="group", group_size=64), {"norm": 2.0}),
+    ("mse_grid", ob.QuantSpec("fp6_e2m3", strategy="tensor"), {}),
+    ("mse_grid", ob.QuantSpec("mxfp4"), {}),
+    ("nvfp4_expanded_mse", ob.QuantSpec("nvfp4"), {}),
+    ("nvfp4_expanded_mse", ob.QuantSpec("nvfp4"), {"patience": 3}),
+    ("nvfp4_expanded_mse", ob.QuantSpec("fp8_e4m3", strategy="channel"), {}),
+    ("nvfp4_fp8_sweep", ob.QuantSpec("nvfp4"), {}),
+    ("modelopt_mse", ob.QuantSpec("nvfp4"), {}),
+    ("modelopt_mse", ob.QuantSpec("fp8_e4m3", strategy="channel"), {}),
+]
+
+
+def _group_errors(w: torch.Tensor, qp: ob.QParams, spec: ob.QuantSpec, norm: float) -> torch.Tensor:
+    """Each group's ``Σ|fake_quant(w) - w|^norm`` in float64, in the qparam shape."""
+    diff = flatten((ob.fake_quantize(w, qp, spec).double() - w.double()).abs().pow(norm), spec, "weight")
+    return diff.data.sum(dim=(0, -1))
+
+
+def assert_same_or_near_tie(w, native, eager, spec, norm):
+    """Identical scales, except groups whose two picks' exact errors tie to 1e-6 relative (fp32 sums
+    in another order can flip those either way; at most 0.1 % of the groups)."""
+    differ = native.scale != eager.scale
+    assert int(differ.sum()) <= max(1, differ.numel() // 1000)
+    if bool(differ.any()):
+        mine, theirs = _group_errors(w, native, spec, norm), _group_errors(w, eager, spec, norm)
+        torch.testing.assert_close(mine[differ], theirs[differ], rtol=1e-6, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("name", "spec", "knobs"), OBSERVER_CASES, ids=lambda v: getattr(v, "dtype", None) or str(v))
+def test_observers_give_the_eager_qparams(name, spec, knobs):
+    w = llm_weight(96, 512, seed=2)
+    w[7] = 0.0  # all-zero groups
+    native, eager = _both(name, w, spec, **knobs)
+    norm = knobs.get("norm", 2.0 if name in ("modelopt_mse", "nvfp4_fp8_sweep") else 2.4)
+    assert_same_or_near_tie(w, native, eager, spec, norm)
+    assert torch.equal(native.zero_point, eager.zero_point)
+    assert (native.global_scale is None) == (eager.global_scale is None)
+    if native.global_scale is not None:
+        assert torch.equal(native.global_scale, eager.global_scale)
+
+
+@needs_kernel
+def test_ragged_groups_weigh_padding_zero():
+    w = llm_weight(32, 80, seed=4)
+    for name in ("mse_grid", "nvfp4_expanded_mse", "modelopt_mse"):
+        native, eager = _both(name, w, ob.QuantSpec("fp4_e2m1", strategy="group", group_size=32))
+        assert torch.equal(native.scale, eager.scale), name
+
+
+@needs_kernel
+def test_searches_use_the_kernel_and_disabled_bypasses_it(monkeypatch):
+    calls = []
+    real = float_grid_kernel._call
+    monkeypatch.setattr(float_grid_kernel, "_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = llm_weight(32, 256)
+    for name in ("mse_grid", "nvfp4_expanded_mse", "nvfp4_fp8_sweep", "modelopt_mse"):
+        calls.clear()
+        with kernels.disabled():
+            ob.create(name, ob.QuantSpec("nvfp4")).observe(w)
+            assert not calls, name
+        observer = ob.create(name, ob.QuantSpec("nvfp4"))
+        observer.observe(w)
+        observer.qparams()
+        assert calls, name
+
+
+def test_bad_inputs_fall_back_to_eager():
+    fmt = FORMATS["fp8_e4m3"]
+    data = torch.randn(1, 4, 32)
+    step = torch.ones(3, 4)
+    assert float_grid_kernel.candidate_errors(data.double(), None, step, fmt, 2.0) is None
+    assert float_grid_kernel.candidate_errors(data.transpose(1, 2), None, step, fmt, 2.0) is None
+    assert float_grid_kernel.candidate_errors(data, torch.ones(1, 4, 31), step, fmt, 2.0) is None
+    assert float_grid_kernel.candidate_errors(data, None, step, FORMATS["int4"], 2.0) is None
+    assert float_grid_kernel.candidate_picks(torch.randn(2, 4, 32), None, step, fmt, 2.0) is None
+    assert not float_grid_kernel.covers(FORMATS["fp16"]) and not float_grid_kernel.covers(FORMATS["mxint8"])
+    with kernels.disabled():
+        assert float_grid_kernel.candidate_errors(data, None, step, fmt, 2.0) is None
+        assert float_grid_kernel.candidate_picks(data, None, step, fmt, 2.0) is None
+
+
+@needs_kernel
+def test_token_observations_take_the_table_path_with_the_eager_answer():
+    """Several observations per group (per-channel activations): no per-unit pick, the (C, Q) sums."""
+    x = torch.randn(64, 48) * torch.rand(1, 48) * 3
+    spec = ob.QuantSpec("fp8_e4m3", strategy="channel")
+    for name in ("mse_grid", "nvfp4_expanded_mse"):
+        native, eager = _both(name, x, spec, kind="activation")
+        assert torch.equal(native.scale, eager.scale), name
