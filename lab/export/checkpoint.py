@@ -40,6 +40,7 @@ from lab.export.chosen import of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_json import LabFile, apply_choices
 from lab.export.recipe import config_groups_of
+from lab.results import unusable_scales
 from lab.vocab import KV_TENSORS
 from sample_models.sequential import return_freed_memory
 
@@ -101,20 +102,10 @@ def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
         apply_choices(lab_file, facts)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
-    bad = [
-        f"{e.layer} {e.tensor}"
-        for e in lab_file.entries
-        if any(_not_positive(s) for s in (e.qparams.scale, e.qparams.global_scale) if s is not None)
-    ]
+    bad = [f"{e.layer} {e.tensor}: {why}" for e in lab_file.entries for why in unusable_scales(e.qparams)]
     if bad:
-        raise CheckpointError(f"scales that are NaN, infinite, zero or negative: {', '.join(bad)}")
+        raise CheckpointError(f"scales that are NaN, infinite, zero or negative: {'; '.join(bad)}")
     return facts
-
-
-def _not_positive(scale: torch.Tensor) -> bool:
-    """Whether a scale holds a NaN, an infinity, a zero or a negative value."""
-    values = scale.float()
-    return bool(values.numel()) and not bool((torch.isfinite(values) & (values > 0)).all())
 
 
 def _plan(lab_file: LabFile, facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
