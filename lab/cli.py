@@ -203,7 +203,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         written.append(args.ct_dir)
         for note in built.notes:
             err.write(f"note: {note}\n")
-    written += _deploy(args, lab_json.load_file(args.out), model, err)
+    if args.checkpoint or args.recipe:
+        written += _deploy(args, lab_json.load_file(args.out), model, err)
     for (layer, tensor), observer in choices.items():
         entry = analysis.entry(layer, tensor)
         out.write(
@@ -236,9 +237,11 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
         err.write(f"warning: {warning}\n")
     if outcome.resumed:
         err.write(f"note: {outcome.resumed} of {len(plan.units())} layers came from the interrupted sweep\n")
-    from lab.export import lab_json
+    deployed = []
+    if args.checkpoint or args.recipe:
+        from lab.export import lab_json
 
-    deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err)
+        deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err)
     for entry in outcome.document["entries"]:
         value = entry["chosen"]["metrics"][args.choose_by]
         out.write(_choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value))
@@ -246,23 +249,26 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
 
 
 def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str]) -> list[str]:
-    """``--checkpoint`` and ``--recipe`` from a choices file: what ``run`` and ``export`` write."""
+    """``--checkpoint`` and/or ``--recipe`` (at least one given) from a choices file: what ``run`` and
+    ``export`` write."""
     from lab.export import checkpoint, recipe
     from lab.export.chosen import of_lab_file
 
+    facts = checkpoint.check_fits(lab_file, model)  # once: it hashes every weight file
     written = []
+    if args.checkpoint:
+        bar = None if getattr(args, "quiet", False) else ProgressBar(err, "tensors")
+        options = {"overwrite": args.overwrite, "progress": bar, "facts": facts}
+        result = checkpoint.write(lab_file, model, args.checkpoint, **options)
+        written.append(args.checkpoint)
+        for note in result.notes:
+            err.write(f"note: checkpoint: {note}\n")
     if args.recipe:
-        built = recipe.of_chosen(of_lab_file(lab_file.entries), checkpoint.check_fits(lab_file, model))
+        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts)
         built.write(args.recipe)
         written.append(args.recipe)
         for note in built.notes:
             err.write(f"note: recipe: {note}\n")
-    if args.checkpoint:
-        bar = None if getattr(args, "quiet", False) else ProgressBar(err, "tensors")
-        result = checkpoint.write(lab_file, model, args.checkpoint, overwrite=args.overwrite, progress=bar)
-        written.append(args.checkpoint)
-        for note in result.notes:
-            err.write(f"note: checkpoint: {note}\n")
     return written
 
 

@@ -35,12 +35,9 @@ import torch
 
 from observers import kernels
 from observers.formats import ElementFormat
+from observers.mse_kernel import PIECE, WORK_PER_THREAD, readable
 
 NAME = "group_float_grid"
-PIECE = 4096
-"""Longest run of one row a kernel work unit takes (16 KiB: stays in L1 through all candidates)."""
-WORK_PER_THREAD = 1 << 18
-"""Element-candidate errors below which another thread costs more to wake than it saves."""
 _ARGUMENTS = [
     ctypes.c_void_p,  # x
     ctypes.c_void_p,  # weight or NULL
@@ -112,12 +109,7 @@ def covers(fmt: ElementFormat) -> bool:
 
 def usable(data: torch.Tensor, weight: torch.Tensor | None, fmt: ElementFormat) -> bool:
     """Whether ``candidate_errors`` runs the kernel on this ``(N, Q, K)`` data, weight and format."""
-    tensors = [data] if weight is None else [data, weight]
-    readable = all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.shape == data.shape
-        for t in tensors
-    )
-    return readable and data.ndim == 3 and data.numel() > 0 and covers(fmt) and kernels.in_use(NAME) is not None
+    return readable(data, weight) and covers(fmt) and kernels.in_use(NAME) is not None
 
 
 def _rule(rule: StepRule, groups: int) -> StepRule:

@@ -64,14 +64,20 @@ def chunk_size(count: int, patience: int) -> int:
     return count if patience == 0 else min(count, 2 * (patience + 1))
 
 
-def usable(data: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether ``candidate_errors`` runs the kernel on this ``(N, Q, K)`` data and weight."""
+def readable(data: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether a candidate-error kernel can read this data and weight: non-empty ``(N, Q, K)``
+    contiguous fp32 CPU tensors of one shape (this kernel's and ``float_grid_kernel``'s rule)."""
     tensors = [data] if weight is None else [data, weight]
-    readable = all(
+    laid_out = all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.shape == data.shape
         for t in tensors
     )
-    return readable and data.ndim == 3 and data.numel() > 0 and kernels.in_use(NAME) is not None
+    return laid_out and data.ndim == 3 and data.numel() > 0
+
+
+def usable(data: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether ``candidate_errors`` runs the kernel on this ``(N, Q, K)`` data and weight."""
+    return readable(data, weight) and kernels.in_use(NAME) is not None
 
 
 def _bounds(

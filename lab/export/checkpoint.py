@@ -36,7 +36,7 @@ import torch
 
 import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
-from lab.export.chosen import of_lab_file
+from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_json import LabFile, apply_choices
 from lab.export.recipe import config_groups_of
@@ -108,11 +108,11 @@ def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
     return facts
 
 
-def _plan(lab_file: LabFile, facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
+def _plan(chosen: list[Chosen], facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
     """The chosen layers compressed-tensors can express; the rest, and layers that are not
     ``Linear`` (the type its compressors take), stay dense with a note."""
     linear = []
-    for entry in of_lab_file(lab_file.entries):
+    for entry in chosen:
         kind = facts.layer_types.get(entry.layer)
         where = f"{entry.layer} {entry.tensor}"
         if entry.tensor == "weight" and entry.spec.format.kind == "int" and not entry.spec.symmetric:
@@ -132,24 +132,26 @@ def _plan(lab_file: LabFile, facts: ModelFacts, notes: list[str]) -> list[CtLaye
     return layers
 
 
-def quantization_config(lab_file: LabFile, facts: ModelFacts) -> tuple[dict[str, Any], list[CtLayer], list[str]]:
-    """The ``quantization_config`` the checkpoint's ``config.json`` gets, the layers it packs and
-    the notes (what stays dense and why). Groups are the recipe's (``lab.export.recipe``): one
-    per scheme, observer and knobs, exact layer names; each group's ``format`` is the compressor
-    compressed-tensors itself picks for a Linear layer with that scheme."""
+def quantization_config(
+    lab_file: LabFile, facts: ModelFacts
+) -> tuple[dict[str, Any], list[CtLayer], dict[str, torch.Tensor], list[str]]:
+    """The ``quantization_config`` the checkpoint's ``config.json`` gets, the layers it packs, the
+    key/value scale tensors and the notes (what stays dense and why). Groups are the recipe's
+    (``lab.export.recipe``): one per scheme, observer and knobs, exact layer names; each group's
+    ``format`` is the compressor compressed-tensors itself picks for a Linear layer with that scheme."""
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationScheme
 
     notes: list[str] = []
-    layers = _plan(lab_file, facts, notes)
+    chosen = of_lab_file(lab_file.entries)
+    layers = _plan(chosen, facts, notes)
     config_groups, _ = config_groups_of(layers, facts.layer_shapes, notes)
     layers = [layer for layer in layers if layer.args]
     formats = set()
     for scheme in config_groups.values():
         scheme["format"] = infer_module_format(torch.nn.Linear, QuantizationScheme(**scheme)).value
         formats.add(scheme["format"])
-    kv = [e for e in of_lab_file(lab_file.entries) if e.tensor in KV_TENSORS]
-    kv_scheme, _ = kv_cache_scheme(kv, notes, facts.attention_blocks)
+    kv_scheme, kv_tensors = kv_cache_scheme(chosen, notes, facts.attention_blocks)
     if not config_groups and kv_scheme is None:
         raise CheckpointError("nothing chosen has a compressed-tensors form:\n  - " + "\n  - ".join(notes))
     packed = {layer.layer for layer in layers}
@@ -162,7 +164,7 @@ def quantization_config(lab_file: LabFile, facts: ModelFacts) -> tuple[dict[str,
         "ignore": [name for name, kind in facts.layer_types.items() if kind == "Linear" and name not in packed],
         "kv_cache_scheme": kv_scheme,
     }
-    return config, layers, list(dict.fromkeys(notes))
+    return config, layers, kv_tensors, list(dict.fromkeys(notes))
 
 
 def _compress_layer(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -310,22 +312,29 @@ def _prepare(out_dir: Path, overwrite: bool) -> None:
 
 
 def write(
-    lab_file: LabFile, model: Any, out_dir: str | Path, *, overwrite: bool = False, progress: Progress | None = None
+    lab_file: LabFile,
+    model: Any,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    facts: ModelFacts | None = None,
 ) -> Written:
     """Write the compressed checkpoint of ``lab_file``'s choices on ``model`` into ``out_dir``.
 
     Refused (``CheckpointError``, nothing written): a non-empty ``out_dir`` without ``overwrite``,
     choices made for other weights, qparams that do not fit the model, a non-positive or
-    non-finite scale. ``progress(done, total, key)`` is called after each stored tensor."""
+    non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
+    ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
+    (it hashes every weight file)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     _prepare(out, overwrite)
-    facts = check_fits(lab_file, model)
-    config, layers, notes = quantization_config(lab_file, facts)
+    facts = check_fits(lab_file, model) if facts is None else facts
+    config, layers, kv_tensors, notes = quantization_config(lab_file, facts)
     scheme_of = {name: scheme for scheme in config["config_groups"].values() for name in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
-    _, kv_tensors = kv_cache_scheme([e for e in of_lab_file(lab_file.entries) if e.tensor in KV_TENSORS], [], None)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model_config = _side_files(model, staging)

@@ -131,12 +131,11 @@ def ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, Any
 
 @dataclass
 class CtLayer:
-    """One layer's exportable tensors: args, chosen observer and knobs, entry, by tensor kind."""
+    """One layer's exportable tensors: compressed-tensors args and the chosen tensor (observer,
+    knobs, qparams), by tensor kind."""
 
     layer: str
     args: dict[str, dict[str, Any] | None]
-    observers: dict[str, str]
-    knobs: dict[str, dict[str, Any]]
     entries: dict[str, Chosen]
 
 
@@ -146,7 +145,7 @@ def ct_layers(chosen: list[Chosen], notes: list[str]) -> list[CtLayer]:
     for entry in chosen:
         if entry.tensor in KV_TENSORS:
             continue
-        item = layers.setdefault(entry.layer, CtLayer(entry.layer, {}, {}, {}, {}))
+        item = layers.setdefault(entry.layer, CtLayer(entry.layer, {}, {}))
         args, reasons = ct_args(entry.spec, entry.tensor)
         if args is not None and entry.g_idx is not None:
             args, reasons = None, ["activation-ordered groups (g_idx) were removed from compressed-tensors 0.20"]
@@ -156,8 +155,6 @@ def ct_layers(chosen: list[Chosen], notes: list[str]) -> list[CtLayer]:
         if args is None:
             continue
         item.args[entry.tensor] = args
-        item.observers[entry.tensor] = entry.observer
-        item.knobs[entry.tensor] = entry.knobs
         item.entries[entry.tensor] = entry
     return [item for item in layers.values() if item.args]
 
@@ -173,7 +170,7 @@ def _scheme(members: list[CtLayer], targets: list[str], notes: list[str]) -> dic
         if args is None:
             scheme[CT_ARG_NAMES[tensor]] = None
             continue
-        chosen = [(f"{m.layer} {tensor}", m.observers[tensor], m.knobs[tensor]) for m in members]
+        chosen = [(f"{m.layer} {tensor}", m.entries[tensor].observer, m.entries[tensor].knobs) for m in members]
         scheme[CT_ARG_NAMES[tensor]] = _record_observer(
             args, chosen, tensor, "its config group", "compressed-tensors has one observer per group", notes
         )

@@ -171,8 +171,8 @@ def config_groups_of(
             if args is None:
                 scheme[arg_name] = None
                 continue
-            where = f"{item.layer} {tensor}"
-            mapped[arg_name] = _mapped(args, item.observers[tensor], item.knobs[tensor], tensor, where, notes)
+            chosen, where = item.entries[tensor], f"{item.layer} {tensor}"
+            mapped[arg_name] = _mapped(args, chosen.observer, chosen.knobs, tensor, where, notes)
             scheme[arg_name] = _plain(mapped[arg_name].args)
         group = groups.setdefault(json.dumps(scheme, sort_keys=True), _Group(scheme, [], {}))
         group.targets.append(item.layer)
