@@ -17,7 +17,11 @@ Two llm-compressor conventions that ``mse_grid`` does not follow are reproduced 
 chunk) and replays llm-compressor's sequential early stop over each chunk's errors. Int formats
 on fp32 CPU data take the native kernel of ``observers.mse_kernel`` in its ``direct`` mode
 (the same codes, dequantized values and exact powers for norms 1, 2 and 3; imatrix_mse on a
-4096x4096 int4 g128 weight: ~0.1 s instead of ~2.3 s).
+4096x4096 int4 g128 weight: ~0.1 s instead of ~2.3 s). Float element grids (FP4, FP6, FP8, NVFP4
+searched as FP4 with free scales) on fp32 CPU data in one process take
+``observers.float_grid_kernel.shrink_search`` in its direct mode, which runs the same loop and
+early stop on the kernel's per-group picks without writing any candidate table
+(``_native_float_search``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import math
 
 import torch
 
-from observers import mse_kernel
+from observers import float_grid_kernel, mse_kernel
 from observers.granularity import Flat
 from observers.qparams import QParams, calculate_qparams
 from observers.quantize import element_codes
@@ -107,6 +111,48 @@ def _replay_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patie
     return errors.shape[0], int(run[-1]), False
 
 
+def _native_float_search(
+    flat: Flat,
+    spec: QuantSpec,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    factors: list[float],
+    norm: float,
+    patience: int,
+    weight: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Each group's kept factor from ``float_grid_kernel.shrink_search`` (float element grids), or
+    None when the kernel does not take the data.
+
+    The same candidates and steps: free fp32 scales as a rule the kernel evaluates (``max(p·amax /
+    max, eps)`` in the fp32 operations of ``calculate_qparams``, since ``max(-p·low, p·high) =
+    p·max(-low, high)`` exactly for ``p > 0``), other scale rules (MX's powers of two) as each
+    chunk's ``(C, Q)`` steps from the very ``calculate_qparams`` call of ``_candidate_errors``.
+    Errors ``Σ weight·|grid(x/s)·s - x|^norm`` with the eager codes and dequantized values,
+    llm-compressor's early stop, each group's first lowest error. ``weight`` already carries the
+    padding mask of ragged groups.
+    """
+    fmt = spec.format
+    if fmt.kind != "float":
+        return None
+    rows = _rows(flat.data.float()).contiguous()
+    if weight is not None:
+        weight = _rows(weight.float().expand(flat.data.shape)).contiguous()
+    if not float_grid_kernel.pickable(rows, weight, fmt):
+        return None
+    amax = torch.maximum(torch.neg(low), high).reshape(-1)
+
+    def steps(chunk: list[float]) -> torch.Tensor | float_grid_kernel.StepRule:
+        p = torch.tensor(chunk, dtype=torch.float32)
+        if fmt.scale_kind == "float":
+            return float_grid_kernel.StepRule("free", amax, p, fmt.max_value, spec.eps)
+        shape = (-1, *([1] * low.ndim))
+        qp = calculate_qparams(low.unsqueeze(0) * p.reshape(shape), high.unsqueeze(0) * p.reshape(shape), spec)
+        return qp.effective_scale.expand(len(chunk), *low.shape).reshape(len(chunk), -1)
+
+    return float_grid_kernel.shrink_search(rows, weight, fmt, factors, steps, norm, patience, direct=True)
+
+
 def lc_grid_search(
     flat: Flat,
     spec: QuantSpec,
@@ -126,9 +172,14 @@ def lc_grid_search(
     """
     low, high = shared_min_max(*part_min_max(flat), reduce)
     low, high = low * expand, high * expand
-    data = flat.data.float()
     if flat.valid is not None:
         weight = flat.valid.float() if weight is None else weight * flat.valid
+    if reduce is None:
+        native = _native_float_search(flat, spec, low, high, factors, norm, patience, weight)
+        if native is not None:
+            native = native.reshape(low.shape)
+            return low * native, high * native
+    data = flat.data.float()
     candidates = torch.tensor(factors, dtype=torch.float32, device=low.device)
     if spec.format.kind == "int" and mse_kernel.usable(_rows(data), None):
         chunk = mse_kernel.chunk_size(len(factors), patience)

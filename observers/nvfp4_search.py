@@ -17,18 +17,12 @@ names are ours for other rules.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-import torch
-
-from observers import float_grid_kernel
 from observers.base import register, register_alias
 from observers.granularity import Flat
 from observers.lc_search import free_scale_spec, lc_grid_search
 from observers.mse_grid import IMatrixMSEObserver, MSEGridObserver, shrink_factors
-from observers.shared import Reduce, part_min_max
-from observers.spec import QuantSpec
 
 EXPAND = 1.8
 MAXSHRINK = 1 - 0.8 / EXPAND
@@ -46,64 +40,6 @@ def _nvfp4_defaults(knobs: dict, patience_doc: str) -> dict:
         "patience": replace(knobs["patience"], default=1000, doc=patience_doc),
         "norm": replace(knobs["norm"], default=2.4),
     }
-
-
-def native_grid_search(
-    flat: Flat, spec: QuantSpec, factors: list[float], norm: float, patience: int, expand: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``lc_grid_search`` (one process) for float element grids with free scales, through
-    ``float_grid_kernel.shrink_search``, or None when the kernel does not take the data.
-
-    The same candidates (one call of the free-scale rule over every candidate of a chunk, so the
-    same steps), errors ``Σ|grid(x/s)·s - x|^norm`` measured directly with the eager codes and
-    dequantized values, llm-compressor's early stop and each group's first lowest error; padding
-    of ragged groups weighs zero.
-    """
-    fmt = spec.format
-    if fmt.scale_kind != "float":
-        return None
-    data = flat.data.float()
-    groups = math.prod(data.shape[1:-1])
-    rows = data.reshape(data.shape[0], groups, data.shape[-1]).contiguous()
-    weight = None
-    if flat.valid is not None:
-        weight = flat.valid.float().expand(flat.data.shape).reshape(rows.shape).contiguous()
-    if not float_grid_kernel.pickable(rows, weight, fmt):
-        return None
-    low, high = part_min_max(flat)
-    low, high = low * expand, high * expand
-    amax = torch.maximum(torch.neg(low), high).reshape(-1)
-
-    def steps(chunk: list[float]) -> float_grid_kernel.StepRule:
-        """The free rule of ``calculate_qparams`` on ``p·(low, high)`` for each ``p``, computed in the
-        kernel: ``max(-p·low, p·high) = p·max(-low, high)`` exactly (``p > 0``, rounding monotonic)."""
-        factors = torch.tensor(chunk, dtype=torch.float32)
-        return float_grid_kernel.StepRule("free", amax, factors, fmt.max_value, spec.eps)
-
-    best_factor = float_grid_kernel.shrink_search(rows, weight, fmt, factors, steps, norm, patience, direct=True)
-    if best_factor is None:
-        return None
-    best_factor = best_factor.reshape(low.shape)
-    return low * best_factor, high * best_factor
-
-
-def _expanded_search(
-    flat: Flat,
-    spec: QuantSpec,
-    factors: list[float],
-    norm: float,
-    patience: int,
-    expand: float,
-    working_bytes: int,
-    reduce: Reduce | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native search when it applies (one process), else llm-compressor's loop of ``lc_search``."""
-    search_spec = free_scale_spec(spec)
-    if reduce is None:
-        native = native_grid_search(flat, search_spec, factors, norm, patience, expand)
-        if native is not None:
-            return native
-    return lc_grid_search(flat, search_spec, factors, norm, patience, expand, working_bytes, reduce=reduce)
 
 
 @register
@@ -126,17 +62,17 @@ class NVFP4ExpandedMSEObserver(MSEGridObserver):
     knobs = _nvfp4_defaults(MSEGridObserver.knobs, "Stop after this many candidates that improved no group")
 
     def _observe(self, flat: Flat) -> None:
-        """llm-compressor's loop, errors measured directly (``observers.lc_search``); float element
-        grids on fp32 CPU data through the native kernel (``native_grid_search``)."""
-        self.min_val, self.max_val = _expanded_search(
+        """llm-compressor's loop, errors measured directly (``observers.lc_search``, which takes the
+        native float-grid kernel on fp32 CPU data)."""
+        self.min_val, self.max_val = lc_grid_search(
             flat,
-            self.spec,
+            free_scale_spec(self.spec),
             shrink_factors(self.maxshrink, self.grid),
             self.norm,
             self.patience,
             self.expand,
             self.max_working_bytes,
-            self._across,
+            reduce=self._across,
         )
 
 

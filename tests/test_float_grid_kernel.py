@@ -294,3 +294,52 @@ def test_token_observations_take_the_table_path_with_the_eager_answer():
     for name in ("mse_grid", "nvfp4_expanded_mse"):
         native, eager = _both(name, x, spec, kind="activation")
         assert torch.equal(native.scale, eager.scale), name
+
+
+IMATRIX_CASES = [
+    ("nvfp4_expanded_imatrix", ob.QuantSpec("nvfp4")),
+    ("imatrix_mse", ob.QuantSpec("nvfp4")),
+    ("imatrix_mse", ob.QuantSpec("fp8_e4m3", strategy="channel")),
+    ("imatrix_mse", ob.QuantSpec("mxfp4")),
+    ("imatrix_mse", ob.QuantSpec("fp4_e2m1", strategy="group", group_size=48)),  # ragged: 512 = 10·48 + 32
+]
+
+
+def _weighted_search_errors(w, observer, importance) -> torch.Tensor:
+    """The search's own objective for the observer's chosen ranges, per group, in float64: free-scale
+    fake quantization (``free_scale_spec``), ``Σ imp·|fq(w) - w|^norm`` with ``imp`` the importance
+    over its mean, as llm-compressor's imatrix observers weigh it."""
+    spec = free_scale_spec(observer.spec)
+    qp = calculate_qparams(observer.min_val, observer.max_val, spec)
+    error = (ob.fake_quantize(w, qp, spec).double() - w.double()).abs().pow(observer.norm)
+    error = error * (importance / importance.mean()).double()
+    return flatten(error, spec, "weight").data.sum(dim=(0, -1))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("name", "spec"), IMATRIX_CASES, ids=lambda v: getattr(v, "dtype", None) or str(v))
+def test_importance_weighted_searches_give_the_eager_ranges(name, spec, monkeypatch):
+    """imatrix_mse and nvfp4_expanded_imatrix on float grids take the kernel (llm-compressor's loop
+    with the importance as each element's weight) and keep the eager ranges, but for groups whose
+    two picks' objectives tie to 1e-6 (the weighted fp32 sums run in another order)."""
+    w = llm_weight(96, 512, seed=3)
+    importance = torch.rand(512, generator=torch.Generator().manual_seed(5)) * 4
+    importance[:7] = 0.0
+    calls = []
+    real = float_grid_kernel._call
+    monkeypatch.setattr(float_grid_kernel, "_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        observer = ob.create(name, spec, importance=importance)
+        observer.observe(w)
+        return observer
+
+    native = run()
+    assert calls, "the kernel did not run"
+    with kernels.disabled():
+        eager = run()
+    differ = (native.max_val != eager.max_val) | (native.min_val != eager.min_val)
+    assert int(differ.sum()) <= max(1, differ.numel() // 1000)
+    if bool(differ.any()):
+        mine, theirs = _weighted_search_errors(w, native, importance), _weighted_search_errors(w, eager, importance)
+        torch.testing.assert_close(mine[differ], theirs[differ], rtol=1e-6, atol=0)
