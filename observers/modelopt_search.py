@@ -22,6 +22,9 @@ block-scale sweep, its local-Hessian variant, and the NVFP4 activation global sc
 Every candidate is scored by this library's fake quantization (``observers.quantize``), so the
 errors are those of the qparams the observer reports; ModelOpt multiplies by ``bound / amax``
 where we divide by the scale, which can only flip a pick whose two best errors tie to an ulp.
+On fp32 CPU data the picks come from the native kernels (``float_grid_kernel``; for ``local_hessian``
+``block_hessian_kernel``) where they take the data: the same codes bit for bit, the errors summed in
+another order (a few ulps), the eager torch path otherwise.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import warnings
 
 import torch
 
-from observers import float_grid_kernel, mse_kernel
+from observers import block_hessian_kernel, float_grid_kernel, mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
 from observers.granularity import Flat, all_finite, reduce_min_max
@@ -139,9 +142,14 @@ def best_candidates(
     """``candidate_errors(...).argmin(dim=0)``: each group's first candidate of least error,
     ``(*qparam_shape)``. Float element grids on one observation of fp32 CPU data take the kernel's
     pick (``float_grid_kernel.candidate_picks``), which never writes the ``(C, Q)`` errors: for the
-    FP8 sweep's 126 candidates that table and its scan cost more than the errors. The errors are
+    FP8 sweep's 126 candidates that table and its scan cost more than the errors. With a Hessian
+    (``local_hessian``) the pick is ``block_hessian_kernel``'s when it takes the data. The errors are
     never NaN here (finite data, positive steps), where the pick and ``argmin`` would differ."""
-    if hessian is None and float_grid_kernel.covers(spec.format):
+    if hessian is not None:
+        picked = _native_hessian_picks(flat, spec, scale, hessian)
+        if picked is not None:
+            return picked
+    elif float_grid_kernel.covers(spec.format):
         groups = math.prod(flat.qparam_shape)
         data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1]).contiguous()
         weight = None
@@ -153,6 +161,20 @@ def best_candidates(
         if picked is not None:
             return picked[1].reshape(flat.qparam_shape)
     return candidate_errors(flat, spec, scale, zero_point, max_working_bytes, hessian).argmin(dim=0)
+
+
+def _native_hessian_picks(
+    flat: Flat, spec: QuantSpec, scale: torch.Tensor, hessian: torch.Tensor
+) -> torch.Tensor | None:
+    """``local_hessian``'s pick through ``block_hessian_kernel`` (the form ``dwᵀ H_b dw`` of every
+    candidate per row and block, without the ``(C, rows, blocks)`` errors), or None when it does not
+    take the data: one observation of whole blocks (no padding) and one step per candidate."""
+    if flat.data.shape[0] != 1 or flat.valid is not None or scale.ndim != 1:
+        return None
+    blocks, size = flat.data.shape[-2:]
+    data = flat.data.float().reshape(-1, blocks, size)
+    picked = block_hessian_kernel.hessian_picks(data, hessian.float(), scale.float(), spec.format)
+    return None if picked is None else picked[1].reshape(flat.qparam_shape)
 
 
 def _nvfp4_picks(

@@ -105,6 +105,25 @@ def test_sums_match_eager_to_a_few_ulps(name, norm, direct, shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(1, 16, 16), (1, 3, 70)])
+def test_quotients_that_would_overflow_take_the_divide(shape):
+    """1e15 / 2^-120 overflows fp32: the divide gives inf, which the grid clamps to its largest value, as
+    eager does; the divide-free quotient v·(1/s) corrected by an fma would give NaN there. Both the
+    lane-per-row path (sixteen 16-value groups) and the row path."""
+    fmt = FORMATS["fp4_e2m1"]
+    data = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
+    data[0, 0, 3] = 1e15
+    step = torch.tensor([2.0**-120, 0.5])
+    want = _eager(data, None, step, fmt, 1.0, True)
+    assert torch.isfinite(want).all()
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        got = float_grid_kernel.candidate_errors(data, None, step, fmt, 1.0, True, isa=isa)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+        least, index = float_grid_kernel.candidate_picks(data, None, step, fmt, 1.0, True, isa=isa)
+        torch.testing.assert_close(least, want.min(dim=0).values, rtol=2e-6, atol=0)
+
+
+@needs_kernel
 def test_one_step_per_candidate_equals_the_expanded_table_and_long_rows_are_pieced(monkeypatch):
     fmt = FORMATS["fp4_e2m1"]
     data = torch.randn(1, 5, 300)

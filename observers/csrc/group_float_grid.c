@@ -5,9 +5,9 @@
  * run a dozen torch passes per candidate (divide, clamp, exponent bits, multiply, round, divide,
  * subtract, abs, power, sum), each a round trip through a buffer; the float grid rounding alone is six.
  * This kernel is group_mse_grid.c with the integer clamp-and-round replaced by the float grid rounding
- * of observers/formats.py (round_to_float_grid_), bit for bit: clamp to +-max_value, take the step
- * 2^(e - man_bits) of the binade from the exponent field (at least the subnormal step), multiply by its
- * reciprocal, round half to even, multiply back (both exact: powers of two).
+ * of observers/formats.py (round_to_float_grid_), bit for bit, from float_grid.h: clamp to +-max_value,
+ * round to a multiple of the binade's step 2^(e - man_bits), half to even (one add and one subtract of a
+ * constant whose ulp is the step).
  *
  * group_float_grid_<isa>(x, weight, rows, run, piece, groups, count, step, step_c, step_q, exp_bits,
  *                        man_bits, max_value, norm, direct, factor, best_value, best_index, rule, amax,
@@ -39,17 +39,16 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
+#include "float_grid.h"
 #include "simd_power.h"
 
-/* What the exported functions share with the per-unit loops; out is (count, units). The float grid:
- * max_value, the smallest exponent field (the subnormal binade's), and the bits that turn an exponent
- * field into the step's reciprocal 2^(man - e) (recip_bias - field) and the step 2^(e - man)
- * (field - man_shift), modulo 2^32 as the eager int32 arithmetic. */
+/* What the exported functions share with the per-unit loops; out is (count, units). `elements` is the
+ * element grid (float_grid.h), `e4m3` the block scales' grid of rule 2. */
 struct grid {
     const float *step;
     int64_t step_c, step_q, count, units;
-    float norm, max_value;
-    int32_t min_field, recip_bias, man_shift;
+    float norm;
+    struct float_grid elements, e4m3;
     int direct;
     /* the step rule: 0 the step table; 1 free, s = max(amax[q]*p[c] / divisor, eps); 2 NVFP4,
      * s = e4m3(clamp(amax[q]*p[c] / divisor * global[c], 2^-9, 448)) / global[c], with power[c*128 + code]
@@ -60,29 +59,6 @@ struct grid {
 };
 
 enum { RULE_TABLE = 0, RULE_FREE = 1, RULE_E4M3 = 2 };
-
-static inline float bits_float(uint32_t u) {
-    union {
-        uint32_t u;
-        float f;
-    } b = {u};
-    return b.f;
-}
-
-static inline uint32_t float_bits(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } b = {f};
-    return b.u;
-}
-
-/* E4M3 rounding (round half to even) of a value already clamped to [2^-9, 448], as torch's cast. */
-static inline float round_e4m3(float v) {
-    uint32_t field = float_bits(v) & 0x7F800000u;
-    if (field < (121u << 23)) field = 121u << 23;
-    return __builtin_rintf(v * bits_float((127u << 23) + (130u << 23) - field)) * bits_float(field - (3u << 23));
-}
 
 /* The E4M3 code (1..126) of an E4M3 value >= 2^-9. */
 static inline int e4m3_code(float e) {
@@ -101,7 +77,7 @@ static inline float step_of(const struct grid *g, int64_t c, int64_t q, int *cod
     }
     float raw = a / g->divisor * g->global[c];
     raw = raw < 0x1p-9f ? 0x1p-9f : (raw > 448.0f ? 448.0f : raw);
-    const float e = round_e4m3(raw);
+    const float e = float_grid_round(raw, &g->e4m3); /* torch's cast: round half to even */
     if (code) *code = e4m3_code(e);
     return e / g->global[c];
 }
@@ -126,10 +102,8 @@ static struct grid make_grid(const float *step, int64_t step_c, int64_t step_q, 
     g.count = count;
     g.units = units;
     g.norm = (float)norm;
-    g.max_value = (float)max_value;
-    g.min_field = (int32_t)((uint32_t)(2 - (1 << (exp_bits - 1)) + 127) << 23);
-    g.recip_bias = (int32_t)(((uint32_t)127u << 23) + ((uint32_t)(127 + man_bits) << 23));
-    g.man_shift = (int32_t)((uint32_t)man_bits << 23);
+    g.elements = float_grid_of(exp_bits, man_bits, max_value);
+    g.e4m3 = float_grid_of(4, 3, 448.0);
     g.direct = direct;
     g.rule = 0;
     g.amax = g.p = g.global = g.power = 0;
@@ -175,61 +149,72 @@ static void pick(const float *sums, const struct grid *g, const float *factor, i
 
 
 
-/* 1/s of each candidate's steps, and whether every step is in [2^-125, 2^125], where the reciprocal is
- * a normal number and v*(1/s) corrected by one fma is the correctly rounded v/s (Markstein's theorem:
- * 1/s rounded to nearest, the first quotient within an ulp; checked against the divide on 6.4e8
- * random pairs); the rare other steps (infinite, zero, huge) take the divide. */
+/* 1/s of each candidate's steps, and whether the divide-free quotient is exact for every lane and value
+ * up to `amax` (float_grid_fast_quotient's rule, lane by lane: s in [2^-125, 2^125] and no quotient
+ * reaching 2^126, where v*(1/s) could overflow and the correction make it NaN); the rare other steps
+ * (infinite, zero, huge, tiny beside the data) take the divide. */
 __attribute__((target("avx512f"), always_inline)) static inline int
-reciprocals_avx512(const __m512 *s, int width, __m512 *rs) {
+reciprocals_avx512(const __m512 *s, __m512 amax, int width, __m512 *rs) {
     __mmask16 safe = 0xFFFF;
     EACH {
         rs[j] = _mm512_div_ps(_mm512_set1_ps(1.0f), s[j]);
         const __m512 size = _mm512_abs_ps(s[j]);
         safe &= _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ) &
-                _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p125f), _CMP_LE_OQ);
+                _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p125f), _CMP_LE_OQ) &
+                _mm512_cmp_ps_mask(_mm512_mul_ps(amax, _mm512_abs_ps(rs[j])), _mm512_set1_ps(0x1p126f), _CMP_LT_OQ);
     }
     return safe == 0xFFFF;
 }
 
-/* err[j] = |grid(v/s[j]) - v/s[j]|^norm for the `width` candidates j (with
- * `direct`, |grid(v/s[j])*s[j] - v|^norm), grid() the float grid rounding of formats.py.
- * Written stage by stage across the candidates, so the out-of-order core always has `width`
- * independent operations at hand. The grid value: clamp to +-max (second operands: NaN propagates),
- * r = 2^(man - e) from the exponent field (at least the subnormal binade's), rint(a*r) * 2^(e - man):
- * both products are exact (powers of two, no underflow: e - man >= -17), so this is eager's
- * round(a*r)/r. |e|^norm: exact for norm 1 and 2, else 2^(norm*log2 e), 0 -> 0. */
+/* err[j] = |grid(v/s[j]) - v/s[j]|^norm for the `width` candidates j (with `direct`,
+ * |grid(v/s[j])*s[j] - v|^norm), grid() the float grid rounding of formats.py (float_grid.h) after the
+ * correctly rounded v/s. Written stage by stage across the candidates, so the out-of-order core always
+ * has `width` independent operations at hand. |e|^norm: exact for norm 1 and 2, else 2^(norm*log2 e),
+ * 0 -> 0. */
 __attribute__((target("avx512f"), always_inline)) static inline void
 errors_avx512(__m512 v, const __m512 *s, const __m512 *rs, int fast, const struct grid *g, __m512 norm, int width,
               int kind, __m512 *err) {
     __m512 scaled[WIDTH_AVX512], a[WIDTH_AVX512];
-    __m512i slice[WIDTH_AVX512];
-    if (fast) { /* v/s correctly rounded without a divide (Markstein): q = v*(1/s), q + (v - q*s)*(1/s) */
-        EACH a[j] = _mm512_mul_ps(v, rs[j]);
-        EACH scaled[j] = _mm512_fmadd_ps(_mm512_fnmadd_ps(a[j], s[j], v), rs[j], a[j]);
+    if (fast) {
+        EACH scaled[j] = float_grid_quotient_avx512(v, s[j], rs[j]);
     } else {
         EACH scaled[j] = _mm512_div_ps(v, s[j]);
     }
-    const __m512 top = _mm512_set1_ps(g->max_value), bottom = _mm512_set1_ps(-g->max_value);
-    const __m512i field_mask = _mm512_set1_epi32(0x7F800000), min_field = _mm512_set1_epi32(g->min_field);
-    const __m512i recip_bias = _mm512_set1_epi32(g->recip_bias), man_shift = _mm512_set1_epi32(g->man_shift);
-    EACH a[j] = _mm512_min_ps(top, _mm512_max_ps(bottom, scaled[j]));
-    EACH slice[j] = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(a[j]), field_mask), min_field);
-    EACH a[j] = _mm512_mul_ps(a[j], _mm512_castsi512_ps(_mm512_sub_epi32(recip_bias, slice[j])));
-    EACH a[j] = _mm512_roundscale_ps(a[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    EACH a[j] = _mm512_mul_ps(a[j], _mm512_castsi512_ps(_mm512_sub_epi32(slice[j], man_shift)));
-    if (g->direct) { /* |code*s - v| = |fake_quant(v) - v|, rounded as the eager dequantization */
-        EACH err[j] = _mm512_abs_ps(_mm512_sub_ps(_mm512_mul_ps(a[j], s[j]), v));
+    EACH a[j] = float_grid_round_avx512(scaled[j], &g->elements);
+    /* code*s - v = fake_quant(v) - v, rounded as the eager dequantization; only the odd powers take its
+     * magnitude here (the square and the general power read |e| themselves) */
+    if (g->direct) {
+        EACH err[j] = _mm512_sub_ps(_mm512_mul_ps(a[j], s[j]), v);
     } else {
-        EACH err[j] = _mm512_abs_ps(_mm512_sub_ps(a[j], scaled[j]));
+        EACH err[j] = _mm512_sub_ps(a[j], scaled[j]);
     }
-    power_avx512(err, norm, width, kind);
+    if (kind == POWER_ONE || kind == POWER_THREE) {
+        EACH err[j] = _mm512_abs_ps(err[j]);
+    }
+    if (width == 8) { /* in halves: eight candidates' powers at once spill more than they overlap */
+        power_avx512(err, norm, 4, kind);
+        power_avx512(err + 4, norm, 4, kind);
+    } else {
+        power_avx512(err, norm, width, kind);
+    }
+}
+
+/* The largest |v| of a piece (what bounds its quotients). */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 piece_amax_avx512(const float *x,
+                                                                                        int64_t length) {
+    __m512 amax = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= length; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    if (i < length)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << (length - i)) - 1u), x + i)));
+    return _mm512_set1_ps(_mm512_reduce_max_ps(amax));
 }
 
 /* Errors of `width` candidates (first c) over one piece, each summed in its own accumulator;
  * out points at this unit's entry of candidate 0. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-candidates_avx512(const float *x, const float *w, int64_t length, const struct grid *g, int64_t q, int64_t c,
-                  int width, int kind, float *out) {
+candidates_avx512(const float *x, const float *w, int64_t length, __m512 amax, const struct grid *g, int64_t q,
+                  int64_t c, int width, int kind, float *out) {
     const __m512 norm = _mm512_set1_ps(g->norm);
     __m512 s[WIDTH_AVX512], sum[WIDTH_AVX512];
     EACH {
@@ -237,7 +222,7 @@ candidates_avx512(const float *x, const float *w, int64_t length, const struct g
         sum[j] = _mm512_setzero_ps();
     }
     __m512 err[WIDTH_AVX512], rs[WIDTH_AVX512];
-    const int fast = reciprocals_avx512(s, width, rs);
+    const int fast = reciprocals_avx512(s, amax, width, rs);
     int64_t i = 0;
     for (; i + 16 <= length; i += 16) {
         errors_avx512(_mm512_loadu_ps(x + i), s, rs, fast, g, norm, width, kind, err);
@@ -261,10 +246,11 @@ candidates_avx512(const float *x, const float *w, int64_t length, const struct g
 __attribute__((target("avx512f"), always_inline)) static inline void
 unit_errors_avx512(const float *x, const float *w, int64_t length, const struct grid *g, int64_t q, int kind,
                    float *out) {
+    const __m512 amax = piece_amax_avx512(x, length);
     int64_t c = 0;
-    for (; c + 8 <= g->count; c += 8) candidates_avx512(x, w, length, g, q, c, 8, kind, out);
-    for (; c + 4 <= g->count; c += 4) candidates_avx512(x, w, length, g, q, c, 4, kind, out);
-    for (; c < g->count; ++c) candidates_avx512(x, w, length, g, q, c, 1, kind, out);
+    for (; c + 8 <= g->count; c += 8) candidates_avx512(x, w, length, amax, g, q, c, 8, kind, out);
+    for (; c + 4 <= g->count; c += 4) candidates_avx512(x, w, length, amax, g, q, c, 4, kind, out);
+    for (; c < g->count; ++c) candidates_avx512(x, w, length, amax, g, q, c, 1, kind, out);
 }
 
 /* Short groups (run <= 32: NVFP4's 16, MX's 32), sixteen rows at a time, one row per lane: element k
@@ -274,8 +260,9 @@ unit_errors_avx512(const float *x, const float *w, int64_t length, const struct 
  * one-row loop, the same for every candidate). Needs groups % 16 == 0 (the sixteen rows are sixteen
  * consecutive groups) and step_q 0 or 1. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, const struct grid *g, const float *factor,
-                        int64_t q, int64_t c, int width, int kind, float *out, __m512 *best, __m512i *index) {
+block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
+                        const float *factor, int64_t q, int64_t c, int width, int kind, float *out, __m512 *best,
+                        __m512i *index) {
     const __m512 norm = _mm512_set1_ps(g->norm);
     __m512 s[WIDTH_AVX512], err[WIDTH_AVX512], sum[WIDTH_AVX512];
     __m512i code[WIDTH_AVX512];
@@ -295,11 +282,7 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, const st
         const __m512 global = _mm512_set1_ps(g->global[c + j]);
         __m512 raw = _mm512_mul_ps(_mm512_div_ps(a, _mm512_set1_ps(g->divisor)), global);
         raw = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(0x1p-9f), raw));
-        const __m512i field = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(raw), _mm512_set1_epi32(0x7F800000)),
-                                               _mm512_set1_epi32(121 << 23));
-        raw = _mm512_mul_ps(raw, _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32((int)((127u << 23) + (130u << 23))), field)));
-        raw = _mm512_roundscale_ps(raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 e = _mm512_mul_ps(raw, _mm512_castsi512_ps(_mm512_sub_epi32(field, _mm512_set1_epi32(3 << 23))));
+        const __m512 e = float_grid_round_avx512(raw, &g->e4m3); /* torch's cast: round half to even */
         s[j] = _mm512_div_ps(e, global);
         const __m512i bits = _mm512_castps_si512(e);
         const __m512i normal = _mm512_or_si512(
@@ -309,7 +292,7 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, const st
                                         _mm512_cvttps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(512.0f))));
     }
     __m512 rs[WIDTH_AVX512];
-    const int fast = reciprocals_avx512(s, width, rs);
+    const int fast = reciprocals_avx512(s, amax, width, rs);
     for (int64_t k = 0; k < run; ++k) {
         errors_avx512(t[k], s, rs, fast, g, norm, width, kind, err);
         if (tw) {
@@ -343,9 +326,11 @@ block_avx512(const float *x, const float *weight, int64_t run, const struct grid
     __m512 t[32], tw[32];
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)run));
+    __m512 amax = _mm512_setzero_ps(); /* each row's largest |v|: what bounds its quotients */
     for (int64_t k = 0; k < run; ++k) {
         const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)k));
         t[k] = _mm512_i32gather_ps(at, x + r0 * run, 4);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(t[k]));
         if (weight) tw[k] = _mm512_i32gather_ps(at, weight + r0 * run, 4);
     }
     const __m512 *w = weight ? tw : 0;
@@ -355,9 +340,11 @@ block_avx512(const float *x, const float *weight, int64_t run, const struct grid
     __m512i *picks = best_index ? &index : 0;
     float *o = out ? out + r0 : 0;
     int64_t c = 0;
-    for (; c + 8 <= g->count; c += 8) block_candidates_avx512(t, w, run, g, factor, q, c, 8, kind, o, &best, picks);
-    for (; c + 4 <= g->count; c += 4) block_candidates_avx512(t, w, run, g, factor, q, c, 4, kind, o, &best, picks);
-    for (; c < g->count; ++c) block_candidates_avx512(t, w, run, g, factor, q, c, 1, kind, o, &best, picks);
+    for (; c + 8 <= g->count; c += 8)
+        block_candidates_avx512(t, w, run, amax, g, factor, q, c, 8, kind, o, &best, picks);
+    for (; c + 4 <= g->count; c += 4)
+        block_candidates_avx512(t, w, run, amax, g, factor, q, c, 4, kind, o, &best, picks);
+    for (; c < g->count; ++c) block_candidates_avx512(t, w, run, amax, g, factor, q, c, 1, kind, o, &best, picks);
     if (best_index) {
         _mm512_storeu_ps(best_value + r0, best);
         _mm512_storeu_si512((void *)(best_index + r0), _mm512_cvtepi32_epi64(_mm512_castsi512_si256(index)));
@@ -421,17 +408,9 @@ group_float_grid_avx512(const float *x, const float *weight, int64_t rows, int64
  * applied in two halves (gradual underflow), and +inf/NaN errors pass through unchanged. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 errors_avx2(__m256 v, const __m256 *s, const struct grid *g, __m256 norm, int width, int kind, __m256 *err) {
-    const __m256 top = _mm256_set1_ps(g->max_value), bottom = _mm256_set1_ps(-g->max_value);
-    const __m256i field_mask = _mm256_set1_epi32(0x7F800000), min_field = _mm256_set1_epi32(g->min_field);
-    const __m256i recip_bias = _mm256_set1_epi32(g->recip_bias), man_shift = _mm256_set1_epi32(g->man_shift);
     __m256 scaled[WIDTH_AVX2], a[WIDTH_AVX2];
-    __m256i slice[WIDTH_AVX2];
     EACH scaled[j] = _mm256_div_ps(v, s[j]);
-    EACH a[j] = _mm256_min_ps(top, _mm256_max_ps(bottom, scaled[j])); /* second operands: NaN propagates */
-    EACH slice[j] = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a[j]), field_mask), min_field);
-    EACH a[j] = _mm256_mul_ps(a[j], _mm256_castsi256_ps(_mm256_sub_epi32(recip_bias, slice[j])));
-    EACH a[j] = _mm256_round_ps(a[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    EACH a[j] = _mm256_mul_ps(a[j], _mm256_castsi256_ps(_mm256_sub_epi32(slice[j], man_shift)));
+    EACH a[j] = float_grid_round_avx2(scaled[j], &g->elements);
     if (g->direct) {
         EACH a[j] = _mm256_sub_ps(_mm256_mul_ps(a[j], s[j]), v);
     } else {
