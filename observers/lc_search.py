@@ -32,7 +32,7 @@ import torch
 
 from observers import float_grid_kernel, mse_kernel
 from observers.granularity import Flat
-from observers.qparams import QParams, calculate_qparams
+from observers.qparams import QParams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -57,7 +57,7 @@ def _candidate_errors(
 ) -> torch.Tensor:
     """``Σ weight·|fake_quant(x) - x|^norm`` over each group for every factor, ``(C, *qparam_shape)``."""
     shape = (-1, *([1] * low.ndim))
-    qp = calculate_qparams(low.unsqueeze(0) * factors.reshape(shape), high.unsqueeze(0) * factors.reshape(shape), spec)
+    qp = range_rule(low.unsqueeze(0) * factors.reshape(shape), high.unsqueeze(0) * factors.reshape(shape), spec)
     if spec.format.kind == "int":
         native = _native_errors(data, weight, qp, spec, norm)
         if native is not None:
@@ -98,17 +98,38 @@ def _replay_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patie
     """The sequential early stop over one chunk's errors ``(C, Q)`` after ``best`` ``(Q,)``: returns
     (candidates the loop would evaluate, stale count after them, whether it stopped). A candidate
     improves when any group's error is strictly below that group's best so far; ``patience`` 0
-    never stops."""
+    never stops. Whole-chunk tensor ops and one host read (on a GPU, one sync per chunk)."""
+    count = errors.shape[0]
     previous = torch.cat([best.unsqueeze(0), errors[:-1]]).cummin(dim=0).values
     improved = (errors < previous).any(dim=1)
-    index = torch.arange(errors.shape[0], device=errors.device)
+    index = torch.arange(count, device=errors.device)
     last = torch.where(improved, index, -1).cummax(dim=0).values
     run = torch.where(last >= 0, index - last, stale + index + 1)
-    stops = torch.nonzero(run >= patience) if patience else run[:0]
-    if stops.numel():
-        stop = int(stops[0, 0])
-        return stop + 1, int(run[stop]), True
-    return errors.shape[0], int(run[-1]), False
+    stop = torch.where(run >= patience, index, count).amin() if patience else torch.tensor(count, device=index.device)
+    stop, stale = torch.stack([stop, run[stop.clamp(max=count - 1)]]).tolist()
+    return (stop + 1, stale, True) if stop < count else (count, stale, False)
+
+
+def replay_chunk(
+    errors: torch.Tensor,
+    factors: torch.Tensor,
+    best: torch.Tensor,
+    best_factor: torch.Tensor,
+    stale: int,
+    patience: int,
+) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """llm-compressor's sequential loop over one chunk's errors ``(C, Q)`` of the candidate
+    ``factors`` ``(C,)``, after each group's ``best`` error and ``best_factor`` ``(Q,)``: returns the
+    new best errors and factors, the stale count and whether the loop stopped in this chunk. Each
+    group keeps its first lowest error (the argmin over ``[best, evaluated candidates]``: its best
+    unless a candidate is strictly lower, the first of tied candidates). Whole-chunk tensor ops,
+    one host read (``_replay_patience``)."""
+    used, stale, stopped = _replay_patience(errors, best, stale, patience)
+    stacked = torch.cat([best.unsqueeze(0), errors[:used]])
+    pick = stacked.argmin(dim=0)
+    chosen = torch.cat([torch.ones(1, dtype=factors.dtype, device=factors.device), factors[:used]])[pick]
+    best_factor = torch.where(pick > 0, chosen, best_factor)
+    return stacked.gather(0, pick.unsqueeze(0)).squeeze(0), best_factor, stale, stopped
 
 
 def _native_float_search(
@@ -127,7 +148,7 @@ def _native_float_search(
     The same candidates and steps: free fp32 scales as a rule the kernel evaluates (``max(p·amax /
     max, eps)`` in the fp32 operations of ``calculate_qparams``, since ``max(-p·low, p·high) =
     p·max(-low, high)`` exactly for ``p > 0``), other scale rules (MX's powers of two) as each
-    chunk's ``(C, Q)`` steps from the very ``calculate_qparams`` call of ``_candidate_errors``.
+    chunk's ``(C, Q)`` steps from the very ``range_rule`` call of ``_candidate_errors``.
     Errors ``Σ weight·|grid(x/s)·s - x|^norm`` with the eager codes and dequantized values,
     llm-compressor's early stop, each group's first lowest error. ``weight`` already carries the
     padding mask of ragged groups.
@@ -147,7 +168,7 @@ def _native_float_search(
         if fmt.scale_kind == "float":
             return float_grid_kernel.StepRule("free", amax, p, fmt.max_value, spec.eps)
         shape = (-1, *([1] * low.ndim))
-        qp = calculate_qparams(low.unsqueeze(0) * p.reshape(shape), high.unsqueeze(0) * p.reshape(shape), spec)
+        qp = range_rule(low.unsqueeze(0) * p.reshape(shape), high.unsqueeze(0) * p.reshape(shape), spec)
         return qp.effective_scale.expand(len(chunk), *low.shape).reshape(len(chunk), -1)
 
     return float_grid_kernel.shrink_search(rows, weight, fmt, factors, steps, norm, patience, direct=True)
@@ -197,12 +218,7 @@ def lc_grid_search(
         if reduce is not None:
             errors = reduce(errors, Op.SUM)
         errors = torch.nan_to_num(errors, nan=torch.inf)
-        used, stale, stopped = _replay_patience(errors, best, stale, patience)
-        stacked = torch.cat([best.unsqueeze(0), errors[:used]])
-        pick = stacked.argmin(dim=0)
-        chosen = torch.cat([torch.ones(1, device=low.device), part[:used]])[pick]
-        best_factor = torch.where(pick > 0, chosen, best_factor)
-        best = stacked.gather(0, pick.unsqueeze(0)).squeeze(0)
+        best, best_factor, stale, stopped = replay_chunk(errors, part, best, best_factor, stale, patience)
         if stopped:
             break
     best_factor = best_factor.reshape(low.shape)

@@ -40,7 +40,7 @@ from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX
 from observers.granularity import Flat, all_finite, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
-from observers.qparams import QParams, calculate_qparams
+from observers.qparams import QParams, calculate_qparams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce
 from observers.spec import QuantSpec
@@ -304,7 +304,7 @@ class ModelOptMSEObserver(Observer):
             global_scale = self._global_scale()
             scale = e4m3_block_scales(high, global_scale, self.spec.format.max_value) / global_scale
             return scale, torch.zeros_like(scale, dtype=torch.int32)
-        qp = calculate_qparams(low, high, self.spec)
+        qp = range_rule(low, high, self.spec)
         return qp.effective_scale.expand_as(low), qp.zero_point.expand_as(low)
 
     def _global_scale(self) -> torch.Tensor:

@@ -16,11 +16,14 @@ clone of the weight; the eager path ~330 ms): int formats on fp32 CPU data go th
 kernel of ``observers.mse_kernel``, which reads each piece of the data once per chunk of
 candidates and evaluates them all while it sits in L1, with vectorized log2/exp2; float elements
 (FP8, FP6, FP4, MXFP, NVFP4) go through its sibling ``observers.float_grid_kernel`` (the same
-codes as ``round_to_float_grid_``). CUDA tensors and ``kernels.disabled()`` take the eager path:
-the data walked in cache-sized blocks, each through all candidates of a chunk, with ``|e|^norm``
-as ``exp(norm·log|e|)`` because ``torch.pow`` with a fractional exponent is a scalar libm call
-per element. After each chunk the early stop is replayed candidate by candidate (``_replay``), so
-the chunk sizes (``_chunk_size``) change the work, never the result. Either path's sums differ
+codes as ``round_to_float_grid_``). CUDA tensors and ``kernels.disabled()`` take the eager path,
+with ``|e|^norm`` as ``exp(norm·log|e|)`` because ``torch.pow`` with a fractional exponent is a
+scalar libm call per element. On CPU it walks the data in cache-sized blocks, each through all
+candidates of a chunk, and replays the early stop after each chunk candidate by candidate
+(``_replay``); off the CPU (``_vectorized``), where each op is a kernel launch and each ``bool``
+a host sync, a chunk is one pass over the whole data (within ``max_working_bytes``) and the replay
+is a few tensor ops (``_replay_vectorized``). Either way the chunk sizes (``_chunk_size``) change
+the work, never the result. Either path's sums differ
 from the sequential loop's by a few ulps, which can only flip a group whose best two candidates
 tie to ~1e-6 relative: on the benchmark weight 1 group in 131072 differs from llm-compressor
 (both follow its rule; the tests' cases agree exactly, and native and eager agree on >= 99.9 %).
@@ -39,9 +42,9 @@ from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, all_finite, as_2d, flatten
 from observers.knobs import Knob
-from observers.lc_search import free_scale_spec, lc_grid_search
+from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk
 from observers.minmax import AVERAGING_CONSTANT
-from observers.qparams import calculate_qparams
+from observers.qparams import range_rule
 from observers.quantize import element_codes
 from observers.shared import EXACT_GRID, Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -80,49 +83,38 @@ def shrink_factors(maxshrink: float, grid: float) -> list[float]:
 def _candidate_steps(
     base_min: torch.Tensor, base_max: torch.Tensor, factors: list[float], spec: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step and integer code bounds of each candidate, each (C, Q) for Q = number of groups.
+    """Step and integer code bounds of each candidate, each (C, Q) for Q = number of groups, every
+    candidate in one pass.
 
-    The plain fp32 scale rule (``scale_kind`` "float") is elementwise, so it gets every candidate
-    range in one call: a dozen tensor ops instead of a dozen per candidate. Other rules (block
-    scales, a per-tensor global scale) are called once per candidate, so that each sees exactly
-    one candidate range. The bounds are ``qmin - zero_point`` and ``qmax - zero_point``: codes
-    measured from the zero point, so ``clamp(round(x/s) + zp, qmin, qmax) - zp ==
-    clamp(round(x/s), low, high)`` exactly.
+    The range rules are elementwise per group (the fp32 scale, MX's E8M0 and BFP's power-of-two
+    exponents), so one call over a leading candidate axis gives each candidate's steps, except
+    NVFP4's, whose global scale comes from each candidate's tensor amax (``_nvfp4_candidate_steps``).
+    The bounds are ``qmin - zero_point`` and ``qmax - zero_point``: codes measured from the zero
+    point, so ``clamp(round(x/s) + zp, qmin, qmax) - zp == clamp(round(x/s), low, high)`` exactly.
     """
     count = len(factors)
-    if spec.format.scale_kind == "float":
-        p = torch.tensor(factors, dtype=torch.float32, device=base_min.device).reshape(count, *[1] * base_min.ndim)
-        qp = calculate_qparams(base_min * p, base_max * p, spec)
-        steps, zero_points = qp.effective_scale, qp.zero_point
-    else:
-        qps = [calculate_qparams(base_min * p, base_max * p, spec) for p in factors]
-        steps = torch.stack([qp.effective_scale.expand_as(base_min) for qp in qps])
-        zero_points = torch.stack([qp.zero_point.expand_as(base_min) for qp in qps])
     shape = (count, *base_min.shape)
+    if spec.format.scale_kind == "e4m3":
+        steps = _nvfp4_candidate_steps(base_min, base_max, factors, spec)
+        zero_points = torch.zeros_like(steps)
+    else:
+        p = torch.tensor(factors, dtype=torch.float32, device=base_min.device).reshape(count, *[1] * base_min.ndim)
+        qp = range_rule(base_min * p, base_max * p, spec)
+        steps = qp.effective_scale.expand(shape).reshape(count, -1)
+        zero_points = qp.zero_point.expand(shape).reshape(count, -1).float()
     qmin, qmax = spec.int_range if spec.format.kind == "int" else (0, 0)
-    zero_points = zero_points.expand(shape).reshape(count, -1).float()
-    return steps.expand(shape).reshape(count, -1).float(), qmin - zero_points, qmax - zero_points
+    return steps.float(), qmin - zero_points, qmax - zero_points
 
 
-def _float_candidate_steps(
+def _nvfp4_candidate_steps(
     base_min: torch.Tensor, base_max: torch.Tensor, factors: list[float], spec: QuantSpec
-) -> torch.Tensor | None:
-    """The ``(C, Q)`` steps of ``_candidate_steps`` for float element grids, every candidate in
-    one pass (None for scale rules other than the free fp32 one and NVFP4's): NVFP4's rule
-    (``blocks.e4m3_qparams``: a global scale per candidate from its tensor amax, E4M3 block scales)
-    is written out here over a leading candidate axis with the very same fp32 operations, so the
-    steps are bit for bit those of one ``calculate_qparams`` call per candidate, at a fraction of
-    the cost (tests check both)."""
+) -> torch.Tensor:
+    """NVFP4's ``(C, Q)`` element steps, every candidate in one pass: the rule of
+    ``blocks.e4m3_qparams`` (a global scale per candidate from its tensor amax, E4M3 block scales)
+    written out over a leading candidate axis with the very same fp32 operations, so the steps are
+    bit for bit those of one ``calculate_qparams`` call per candidate (tests check it)."""
     count = len(factors)
     p = torch.tensor(factors, dtype=torch.float32, device=base_min.device).reshape(count, *[1] * base_min.ndim)
-    if spec.format.scale_kind == "float":
-        return (
-            calculate_qparams(base_min * p, base_max * p, spec)
-            .effective_scale.expand(count, *base_min.shape)
-            .reshape(count, -1)
-        )
-    if spec.format.scale_kind != "e4m3":
-        return None
     fmt = spec.format
     amax = _amax(base_min * p, base_max * p).reshape(count, -1)
     tensor_amax = amax.amax(dim=1, keepdim=True).clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
@@ -135,11 +127,11 @@ def _float_candidate_rule(
     base_min: torch.Tensor, base_max: torch.Tensor, factors: list[float], spec: QuantSpec, norm: float
 ) -> torch.Tensor | float_grid_kernel.StepRule:
     """What ``float_grid_kernel.shrink_search`` reads for a chunk: NVFP4's rule for the kernel to
-    compute (the block amaxes ``p·amax`` exactly, as in ``_float_candidate_steps``; per candidate the
+    compute (the block amaxes ``p·amax`` exactly, as in ``_nvfp4_candidate_steps``; per candidate the
     global scale of ``e4m3_qparams`` and ``s^norm`` for each E4M3 code, the same ``torch.pow`` of the
     same step values the eager path multiplies by), else the ``(C, Q)`` steps."""
     if spec.format.scale_kind != "e4m3":
-        return _float_candidate_steps(base_min, base_max, factors, spec)
+        return _candidate_steps(base_min, base_max, factors, spec)[0]
     fmt = spec.format
     count = len(factors)
     p = torch.tensor(factors, dtype=torch.float32, device=base_min.device)
@@ -224,6 +216,25 @@ def _unit_errors(
     return err.sum(dim=(1, 3))
 
 
+def _vectorized(data: torch.Tensor) -> bool:
+    """Whether the eager search runs each chunk as a few whole-tensor passes (off the CPU) rather
+    than cache-sized blocks and a per-candidate replay (CPU). On a GPU every torch op is a kernel
+    launch and every ``bool`` a host sync, so a Python loop over blocks or candidates would cost
+    thousands of each; on CPU the blocks keep the candidate buffers in cache and the per-candidate
+    replay is cheaper than scans along the short candidate axis."""
+    return data.device.type != "cpu"
+
+
+def _block_elements(count: int, working_bytes: int, vectorized: bool) -> int:
+    """Data elements per block of a chunk of ``count`` candidates: about ``_BLOCK_ELEMENTS`` of
+    candidate values on CPU (cache-sized), else what ``working_bytes`` holds at 8 bytes per element
+    and candidate (the scaled values and their codes), so the whole data is one block whenever
+    ``_chunk_size`` fitted the chunk into the budget, and blocks only when one candidate cannot."""
+    if vectorized:
+        return max(1, working_bytes // (8 * count))
+    return max(1, _BLOCK_ELEMENTS // count)
+
+
 def _chunk_errors(
     data: torch.Tensor,
     weight: torch.Tensor | None,
@@ -232,13 +243,16 @@ def _chunk_errors(
     factors: list[float],
     spec: QuantSpec,
     norm: float,
+    working_bytes: int,
+    vectorized: bool,
 ) -> torch.Tensor:
     """``Σ weight·|fake_quant(x) - x|^norm`` per group for each factor, (C, Q).
 
     ``data`` and ``weight`` are (N, Q, K). Int formats go through ``mse_kernel`` when it runs,
-    float grids through ``float_grid_kernel``; otherwise the data is walked in cache-sized blocks,
-    each through every candidate of the chunk at once, so each element is read from memory once
-    per chunk and the elementwise passes run on cache-resident buffers.
+    float grids through ``float_grid_kernel``; otherwise the data is walked in blocks
+    (``_block_elements``), each through every candidate of the chunk at once, so each element is
+    read from memory once per chunk. ``vectorized`` (``_vectorized``) also keeps the code bounds as
+    tensors: ``_uniform_or``'s scalar clamp pays off on CPU but costs a host sync.
     """
     count = len(factors)
     observations, groups, group = data.shape
@@ -250,10 +264,11 @@ def _chunk_errors(
     if native is not None:
         return native.mul_(step.pow_(norm))
     shape = (count, 1, groups, 1)
-    step, low, high = step.reshape(shape), _uniform_or(low.reshape(shape)), _uniform_or(high.reshape(shape))
+    step, low, high = step.reshape(shape), low.reshape(shape), high.reshape(shape)
+    if not vectorized:
+        low, high = _uniform_or(low), _uniform_or(high)
     errors = torch.zeros(count, groups, dtype=torch.float32, device=data.device)
-    elements = max(1, _BLOCK_ELEMENTS // count)
-    for n, q, k in _blocks(observations, groups, group, elements):
+    for n, q, k in _blocks(observations, groups, group, _block_elements(count, working_bytes, vectorized)):
         block_weight = None if weight is None else weight[n, q, k].unsqueeze(0)
         block_low = low if isinstance(low, float) else low[:, :, q]
         block_high = high if isinstance(high, float) else high[:, :, q]
@@ -279,7 +294,8 @@ def _replay(
     whether it stopped. Five float passes over Q values per candidate (errors are never NaN here
     and ``best`` stays finite, so ``best - candidate > 0`` is exactly ``candidate < best``; ``lerp``
     with weights 0 and 1 selects exactly, torch computing ``end - (end - self)·(1 - w)`` for
-    ``w >= 0.5``): several times cheaper on CPU than boolean masks or scans along the short C axis.
+    ``w >= 0.5``): several times cheaper on CPU than boolean masks or scans along the short C axis,
+    but a host sync per candidate.
     """
     for candidate, factor in zip(errors, factors, strict=True):
         gain = best - candidate
@@ -292,6 +308,23 @@ def _replay(
             if stale >= patience:
                 return stale, True
     return stale, False
+
+
+def _replay_vectorized(
+    errors: torch.Tensor,
+    factors: list[float],
+    best: torch.Tensor,
+    best_factor: torch.Tensor,
+    stale: int,
+    patience: int,
+) -> tuple[int, bool]:
+    """``_replay`` in whole-chunk tensor ops (``lc_search.replay_chunk``, one host read per chunk),
+    for devices where a per-candidate sync is the cost: same arguments, in-place updates and result."""
+    candidates = torch.tensor(factors, dtype=best_factor.dtype, device=best.device)
+    kept, kept_factor, stale, stopped = replay_chunk(errors, candidates, best, best_factor, stale, patience)
+    best.copy_(kept)
+    best_factor.copy_(kept_factor)
+    return stale, stopped
 
 
 def _chunk_size(
@@ -369,13 +402,17 @@ def mse_grid_search(
     best = torch.full((data.shape[1],), torch.finfo(torch.float32).max, device=data.device)
     best_factor = torch.ones_like(best)
     stale = 0
+    vectorized = _vectorized(data)
+    replay = _replay_vectorized if vectorized else _replay
     for first in range(0, len(factors), chunk):
         chunk_factors = factors[first : first + chunk]
-        errors = _chunk_errors(data, weight, base_min, base_max, chunk_factors, spec, norm)
+        errors = _chunk_errors(
+            data, weight, base_min, base_max, chunk_factors, spec, norm, max_working_bytes, vectorized
+        )
         if reduce is not None:
             errors = reduce(errors, Op.SUM)
         errors.nan_to_num_(nan=torch.inf)
-        stale, stopped = _replay(errors, chunk_factors, best, best_factor, stale, patience)
+        stale, stopped = replay(errors, chunk_factors, best, best_factor, stale, patience)
         if stopped:
             break
     best_factor = best_factor.reshape(base_min.shape)

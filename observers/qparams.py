@@ -193,7 +193,13 @@ def calculate_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantS
     max_val = max_val.float()
     if not (all_finite(min_val) and all_finite(max_val)):
         raise ValueError("the range given to calculate_qparams is not finite; observe finite data first")
-    return SCALE_RULES[spec.format.scale_kind](min_val, max_val, spec)
+    return range_rule(min_val, max_val, spec)
+
+
+def range_rule(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """``calculate_qparams`` without its finiteness check, for the candidate ranges a search derives
+    from a range it has checked (on a GPU each check is a host sync, one per chunk of candidates)."""
+    return SCALE_RULES[spec.format.scale_kind](min_val.float(), max_val.float(), spec)
 
 
 def representable_range(qp: QParams, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from observers import float_grid_kernel, kernels
 from observers.formats import FORMATS, round_to_float_grid_
 from observers.granularity import flatten, reduce_min_max
 from observers.lc_search import free_scale_spec
-from observers.mse_grid import _candidate_steps, _float_candidate_rule, _float_candidate_steps, shrink_factors
+from observers.mse_grid import _candidate_steps, _float_candidate_rule, shrink_factors
 from observers.qparams import calculate_qparams
 
 needs_kernel = pytest.mark.skipif(
@@ -160,13 +160,26 @@ def test_pick_is_argmin_of_the_sums_times_factor(direct, groups):
         assert torch.equal(index, sums.argmin(dim=0))
 
 
-def test_nvfp4_batched_candidate_steps_equal_one_rule_call_per_candidate():
-    spec = ob.QuantSpec("nvfp4")
-    flat = flatten(llm_weight(64, 256), spec, "weight")
+@pytest.mark.parametrize("dtype", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxint8", "bfp16", "int4", "fp8_e4m3"])
+def test_batched_candidate_steps_equal_one_rule_call_per_candidate(dtype):
+    """Every candidate's steps and code bounds in one pass (NVFP4's global scale per candidate written
+    out, the other rules over a leading candidate axis) are those of one ``calculate_qparams`` call
+    per candidate range, bit for bit."""
+    spec = (
+        ob.QuantSpec(dtype, strategy="group", group_size=32) if dtype in ("int4", "fp8_e4m3") else ob.QuantSpec(dtype)
+    )
+    w = llm_weight(64, 256)
+    w[3] = 0.0
+    flat = flatten(w, spec, "weight")
     low, high = reduce_min_max(flat)
-    factors = shrink_factors(0.2, 100)
-    batched = _float_candidate_steps(low, high, factors, spec)
-    assert torch.equal(batched, _candidate_steps(low, high, factors, spec)[0])
+    factors = [1.8 * p for p in shrink_factors(0.55, 200)]
+    steps, lows, highs = _candidate_steps(low, high, factors, spec)
+    qmin, qmax = spec.int_range if spec.format.kind == "int" else (0, 0)
+    for c, p in enumerate(factors):
+        qp = calculate_qparams(low * p, high * p, spec)
+        assert torch.equal(steps[c], qp.effective_scale.expand_as(low).reshape(-1))
+        zero_point = qp.zero_point.expand_as(low).reshape(-1).float()
+        assert torch.equal(lows[c], qmin - zero_point) and torch.equal(highs[c], qmax - zero_point)
 
 
 @needs_kernel
@@ -182,7 +195,7 @@ def test_step_rules_give_the_step_tables_results(groups_of):
     low, high = reduce_min_max(flat)
     data = flat.data.reshape(1, -1, 16).contiguous()
     factors = [1.8 * p for p in shrink_factors(0.55, 200)]
-    table = _float_candidate_steps(low, high, factors, spec)
+    table = _candidate_steps(low, high, factors, spec)[0]
     rule = _float_candidate_rule(low, high, factors, spec, 2.4)
     free = free_scale_spec(spec)
     free_table = calculate_qparams(
