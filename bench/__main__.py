@@ -37,6 +37,7 @@ MODULES = [
     "bench_calibration",
     "bench_recipe",
     "bench_float_grid",
+    "bench_minilm_nvfp4",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

@@ -29,21 +29,42 @@ def _tensors(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return x if isinstance(x, list) else [x]
 
 
-def lc_observer_ref(name: str, x: torch.Tensor | list[torch.Tensor], args: dict, agree=None) -> Ref:
+def _linear_over(w: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free ``Linear`` whose weight is ``w`` itself (no copy, no random init): the module
+    an input-collecting reference hooks, as it would hook the real layer."""
+    layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+def lc_observer_ref(
+    name: str,
+    x: torch.Tensor | list[torch.Tensor],
+    args: dict,
+    agree=None,
+    inputs: torch.Tensor | None = None,
+) -> Ref:
     """llm-compressor's observer ``name`` on each weight in ``x`` with compressed-tensors
     ``QuantizationArgs(**args)`` (a fresh observer per weight, as llm-compressor calibrates);
-    returns the scales, flattened and concatenated."""
+    returns the scales, flattened and concatenated. With ``inputs`` (one weight), the observer
+    collects its importance as in a calibration: attached to the layer, one forward of
+    ``inputs`` through its own hook, detached, then the weight observed."""
     tensors = _tensors(x)
 
     def build(lc):
         from compressed_tensors.quantization import QuantizationArgs
 
         quant_args = QuantizationArgs(**args)
+        layers = [_linear_over(t) for t in tensors] if inputs is not None else []
 
         def run() -> torch.Tensor:
             scales = []
-            for t in tensors:
+            for i, t in enumerate(tensors):
                 obs = lc.Observer.load_from_registry(name, base_name="weight", args=quant_args)
+                if layers:
+                    obs.attach(layers[i])
+                    layers[i](inputs)
+                    obs.detach(layers[i])
                 obs(t)
                 scales.append(obs.get_qparams()["scale"].flatten())
             return torch.cat(scales)
@@ -178,3 +199,95 @@ def tao_histogram_ref(groups: list[list[torch.Tensor]]) -> Ref:
         return f"scale ratio ours/torch.ao {_span(ratios)}; quantization MSE ours/torch.ao {_span(errors)}"
 
     return Ref("torch.ao HistogramObserver", run, agree)
+
+
+def _fp4_round_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """ModelOpt 0.47's ``fp4_round_magnitude`` (``kernels/quantization/common/nvfp4_quant.py``, a
+    Triton function) transcribed: ``|x| / scale`` to the nearest E2M1 magnitude, ties to the even
+    code, with its exact ``<`` / ``<=`` boundaries."""
+    q = torch.where(a <= 5.0, 4.0, 6.0)
+    q = torch.where(a < 3.5, 3.0, q)
+    q = torch.where(a <= 2.5, 2.0, q)
+    q = torch.where(a < 1.75, 1.5, q)
+    q = torch.where(a <= 1.25, 1.0, q)
+    q = torch.where(a < 0.75, 0.5, q)
+    return torch.where(a <= 0.25, 0.0, q)
+
+
+def modelopt_static_nvfp4(global_amax: torch.Tensor):
+    """``quant_func(blocks, amax)`` of ModelOpt's static NVFP4 weight quantizer on CPU.
+
+    Why: the quantizer's fake quantization (``static_blockwise_fp4_fake_quant``) is a Triton
+    kernel and refuses to run without it (tensor_quant.py: "static_blockwise_fp4_fake_quant requires
+    triton"), and the dynamic NVFP4 path asserts "amax must be a CUDA tensor". This is that
+    kernel's arithmetic on CPU: the block scales from ModelOpt's own ``compute_fp4_scales`` steps
+    (``scaled_e4m3_impl(amax / 6, global_amax / 6)``, its eager FP8 path) and each element rounded
+    by ``nvfp4_scalar_quant`` (a zero scale zeroes the block)."""
+    from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
+
+    def quant(blocks: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        scale = scaled_e4m3_impl(amax.float() / 6.0, global_amax.float() / 6.0).reshape(-1, 1)
+        safe = torch.where((scale == 0) | scale.isnan() | scale.isinf(), 1.0, scale)
+        q = _fp4_round_magnitude(blocks.abs() / safe) * safe
+        return torch.where(scale == 0, 0.0, torch.where(blocks >= 0, q, -q))
+
+    return quant
+
+
+def _block_amax_agree(blocks: torch.Tensor):
+    """Our per-block amax (``max_val``) against ModelOpt's calibrated ``amax``; the blocks where they
+    differ are checked for exact ties: ModelOpt's own quantization of the block gives the same
+    values at both amaxes (so any error metric ties, and the pick is a rounding matter)."""
+
+    def agree(ours: ob.QParams, theirs: torch.Tensor) -> str:
+        mine = ours.max_val.flatten()
+        text = scales_agree(mine, theirs).replace("scales", "block amax")
+        differ = (mine != theirs).nonzero().flatten()
+        if differ.numel():
+            quant = modelopt_static_nvfp4(blocks.abs().max())
+            picked = blocks[differ]
+            same = (quant(picked, mine[differ]) == quant(picked, theirs[differ])).all(dim=1)
+            text += f"; {int(same.sum())} of the {differ.numel()} other blocks are exact ties in ModelOpt's arithmetic"
+        return text
+
+    return agree
+
+
+def modelopt_nvfp4_ref(search: str, w: torch.Tensor, inputs: torch.Tensor | None = None) -> Ref:
+    """ModelOpt 0.47's weight search for a static NVFP4 weight quantizer (block 16, E4M3 scales), as
+    ``mse_calibrate`` / ``local_hessian_calibrate`` build it (``_make_weight_mse_calibrator``): the
+    max-calibrated block amax ``(blocks, 1)`` on axis 0 and ``global_amax = max|w|``, the weight in
+    blocks of 16, ``collect`` then ``compute_amax``. ``search``: "mse" (``MseCalibrator``, 39
+    multipliers), "fp8_sweep" (``NVFP4MSECalibrator``, 126 E4M3 values; on CPU its Python reference
+    sweep), "local_hessian" (the sweep with ``_LocalHessianAccumulator``'s error on ``inputs``).
+    Returns the chosen block amax."""
+    blocks = w.reshape(-1, 16)
+
+    def error():
+        if search != "local_hessian":
+            return None
+        from modelopt.torch.quantization.model_calib import _LocalHessianAccumulator
+
+        accumulator = _LocalHessianAccumulator(w.shape[0], w.shape[1], 16)
+        accumulator.accumulate(inputs)
+        return accumulator.build_error_func()
+
+    def build(calib):
+        def run() -> torch.Tensor:
+            amax, global_amax = blocks.abs().amax(1, keepdim=True), blocks.abs().max()
+            quant = modelopt_static_nvfp4(global_amax)
+            if search == "mse":
+                cal = calib.MseCalibrator(amax, axis=(0,), quant_func=quant)
+            else:
+                cal = calib.NVFP4MSECalibrator(amax, global_amax, axis=(0,), quant_func=quant, error_func=error())
+            cal.collect(blocks)
+            return cal.compute_amax().flatten()
+
+        return run
+
+    label = {
+        "mse": "ModelOpt MseCalibrator (static NVFP4 quant_func on CPU)",
+        "fp8_sweep": "ModelOpt NVFP4MSECalibrator reference sweep",
+        "local_hessian": "ModelOpt NVFP4MSECalibrator + _LocalHessianAccumulator error",
+    }[search]
+    return ref_or_missing(label, "modelopt.torch.quantization.calib", build, _block_amax_agree(blocks))
