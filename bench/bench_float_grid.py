@@ -25,20 +25,12 @@ import torch
 
 import observers as ob
 from bench.common import Ref, activation_batches, llm_weight, measure, observe, rows_for, scales_agree
-from bench.refs import lc_observer_ref, modelopt_nvfp4_ref
+from bench.refs import LC_NVFP4_ARGS, lc_observer_ref, modelopt_nvfp4_ref
 from observers import kernels
 
 INT4_G128 = ob.QuantSpec("int4", strategy="group", group_size=128)
 NVFP4 = ob.QuantSpec("nvfp4")
 FP8_CHANNEL = ob.QuantSpec("fp8_e4m3", strategy="channel")
-NVFP4_ARGS = {
-    "num_bits": 4,
-    "type": "float",
-    "symmetric": True,
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
 SEARCHES = [
     ("mse_grid", NVFP4),
     ("mse_grid", FP8_CHANNEL),
@@ -73,7 +65,7 @@ def _lc(name: str, w: torch.Tensor, inputs: torch.Tensor | None) -> Ref:
     def agree(ours: ob.QParams, theirs: torch.Tensor) -> str:
         return scales_agree(ours.scale.flatten(), theirs)
 
-    return lc_observer_ref(name, w, NVFP4_ARGS, agree, inputs=inputs)
+    return lc_observer_ref(name, w, LC_NVFP4_ARGS, agree, inputs=inputs)
 
 
 def _search(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor) -> Callable[[], ob.QParams]:

@@ -20,21 +20,13 @@ import torch
 
 import observers as ob
 from bench.common import SETTINGS, Ref, case, measure, scales_agree
-from bench.refs import lc_observer_ref
+from bench.refs import LC_NVFP4_ARGS, lc_observer_ref
 from lab.analyse.run_config import default_observers
 from lab.calibrate.observed import INPUT_STATISTICS
 from observers import kernels
 from sample_models import open_model
 
 NVFP4 = ob.QuantSpec("nvfp4")
-NVFP4_ARGS = {
-    "num_bits": 4,
-    "type": "float",
-    "symmetric": True,
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
 EAGER = "ours, eager path (kernels.disabled())"
 
 
@@ -106,7 +98,7 @@ def _reference_rows(label: str, subset: list[torch.Tensor], knobs: list[dict], d
         return scales_agree(torch.cat([qp.scale.flatten() for qp in ours]), theirs)
 
     run = _sweep("nvfp4_expanded_mse", subset, [{}] * len(subset))
-    ref = lc_observer_ref("nvfp4_expanded_mse", subset, NVFP4_ARGS, agree)
+    ref = lc_observer_ref("nvfp4_expanded_mse", subset, LC_NVFP4_ARGS, agree)
     return rows + measure(f"{label}: nvfp4_expanded_mse nvfp4", run, None, device, [ref])
 
 

@@ -25,6 +25,18 @@ def agree_scales(ours: ob.QParams | list[ob.QParams], theirs: torch.Tensor) -> s
     return scales_agree(torch.cat([qp.scale.flatten() for qp in mine]), theirs)
 
 
+LC_NVFP4_ARGS = {
+    "num_bits": 4,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "scale_dtype": torch.float8_e4m3fn,
+}
+"""compressed-tensors ``QuantizationArgs`` of an NVFP4 weight (E4M3 block scales), as llm-compressor's
+NVFP4 scheme sets them: what its NVFP4 observers are compared under."""
+
+
 def _tensors(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return x if isinstance(x, list) else [x]
 
