@@ -154,7 +154,7 @@ def _native_float_search(
     padding mask of ragged groups.
     """
     fmt = spec.format
-    if fmt.kind != "float":
+    if fmt.kind != "float" or flat.data.device.type != "cpu":
         return None
     rows = _rows(flat.data.float()).contiguous()
     if weight is not None:
