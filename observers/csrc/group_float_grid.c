@@ -49,6 +49,7 @@ struct grid {
     int64_t step_c, step_q, count, units;
     float norm;
     struct float_grid elements, e4m3;
+    float log_table[POWER_LOG_TABLE]; /* power_avx512's */
     int direct;
     /* the step rule: 0 the step table; 1 free, s = max(amax[q]*p[c] / divisor, eps); 2 NVFP4,
      * s = e4m3(clamp(amax[q]*p[c] / divisor * global[c], 2^-9, 448)) / global[c], with power[c*128 + code]
@@ -104,6 +105,7 @@ static struct grid make_grid(const float *step, int64_t step_c, int64_t step_q, 
     g.norm = (float)norm;
     g.elements = float_grid_of(exp_bits, man_bits, max_value);
     g.e4m3 = float_grid_of(4, 3, 448.0);
+    power_log_table(g.norm, g.log_table);
     g.direct = direct;
     g.rule = 0;
     g.amax = g.p = g.global = g.power = 0;
@@ -192,10 +194,10 @@ errors_avx512(__m512 v, const __m512 *s, const __m512 *rs, int fast, const struc
         EACH err[j] = _mm512_abs_ps(err[j]);
     }
     if (width == 8) { /* in halves: eight candidates' powers at once spill more than they overlap */
-        power_avx512(err, norm, 4, kind);
-        power_avx512(err + 4, norm, 4, kind);
+        power_avx512(err, norm, 4, kind, g->log_table);
+        power_avx512(err + 4, norm, 4, kind, g->log_table);
     } else {
-        power_avx512(err, norm, width, kind);
+        power_avx512(err, norm, width, kind, g->log_table);
     }
 }
 

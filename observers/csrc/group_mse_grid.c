@@ -41,6 +41,7 @@ struct grid {
     int64_t groups, count, bound_c, bound_q, units;
     float norm;
     int direct;
+    const float *log_table; /* power_avx512's */
 };
 
 /* The powers computed exactly, as the eager paths do: _power_ (steps) squares for norm 2;
@@ -57,7 +58,7 @@ struct grid {
  * 2^22, which the clamp ensures. |e|^norm: exact for norm 1 and 2, else 2^(norm*log2 e), 0 -> 0. */
 __attribute__((target("avx512f"), always_inline)) static inline void
 errors_avx512(__m512 v, const __m512 *s, const __m512 *lo, const __m512 *hi, __m512 norm, int direct, int width,
-              int kind, __m512 *err) {
+              int kind, const float *log_table, __m512 *err) {
     const __m512 round_magic = _mm512_set1_ps(0x1.8p23f);
     __m512 scaled[WIDTH_AVX512], a[WIDTH_AVX512];
     EACH scaled[j] = _mm512_div_ps(v, s[j]);
@@ -68,7 +69,7 @@ errors_avx512(__m512 v, const __m512 *s, const __m512 *lo, const __m512 *hi, __m
     } else {
         EACH err[j] = _mm512_abs_ps(_mm512_sub_ps(a[j], scaled[j]));
     }
-    power_avx512(err, norm, width, kind);
+    power_avx512(err, norm, width, kind, log_table);
 }
 
 /* Errors of `width` candidates (first c) over one piece, each summed in its own accumulator;
@@ -88,7 +89,7 @@ candidates_avx512(const float *x, const float *w, int64_t length, const struct g
     __m512 err[WIDTH_AVX512];
     int64_t i = 0;
     for (; i + 16 <= length; i += 16) {
-        errors_avx512(_mm512_loadu_ps(x + i), s, lo, hi, norm, g->direct, width, kind, err);
+        errors_avx512(_mm512_loadu_ps(x + i), s, lo, hi, norm, g->direct, width, kind, g->log_table, err);
         if (w) {
             EACH err[j] = _mm512_mul_ps(err[j], _mm512_loadu_ps(w + i));
         }
@@ -96,7 +97,8 @@ candidates_avx512(const float *x, const float *w, int64_t length, const struct g
     }
     if (i < length) {
         const __mmask16 tail = (__mmask16)((1u << (length - i)) - 1u);
-        errors_avx512(_mm512_maskz_loadu_ps(tail, x + i), s, lo, hi, norm, g->direct, width, kind, err);
+        errors_avx512(_mm512_maskz_loadu_ps(tail, x + i), s, lo, hi, norm, g->direct, width, kind, g->log_table,
+                      err);
         if (w) {
             EACH err[j] = _mm512_mul_ps(err[j], _mm512_maskz_loadu_ps(tail, w + i));
         }
@@ -121,7 +123,10 @@ __attribute__((target("avx512f"))) void group_mse_grid_avx512(const float *x, co
                                                               const float *high, int64_t bound_c, int64_t bound_q,
                                                               double norm, int direct, int threads, float *out) {
     const int64_t pieces = (run + piece - 1) / piece;
-    const struct grid g = {step, low, high, groups, count, bound_c, bound_q, rows * pieces, (float)norm, direct};
+    float log_table[POWER_LOG_TABLE];
+    power_log_table((float)norm, log_table);
+    const struct grid g = {step,  low,   high, groups, count, bound_c, bound_q, rows * pieces, (float)norm,
+                           direct, log_table};
     const int kind = power_kind(norm, direct);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < rows * pieces; ++u) {
@@ -208,7 +213,7 @@ __attribute__((target("avx2,fma"))) void group_mse_grid_avx2(const float *x, con
                                                             int64_t bound_c, int64_t bound_q, double norm, int direct,
                                                             int threads, float *out) {
     const int64_t pieces = (run + piece - 1) / piece;
-    const struct grid g = {step, low, high, groups, count, bound_c, bound_q, rows * pieces, (float)norm, direct};
+    const struct grid g = {step, low, high, groups, count, bound_c, bound_q, rows * pieces, (float)norm, direct, 0};
     const int kind = power_kind(norm, direct);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < rows * pieces; ++u) {

@@ -73,10 +73,22 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float sum_avx2(
 #define WIDTH_AVX2 4
 #define EACH _Pragma("GCC unroll 8") for (int j = 0; j < width; ++j)
 
+/* What power_avx512 reads besides norm: norm*L[i] for the 32 slices, then norm*B1, norm*B2, norm*B3,
+ * so that norm*log2(m) comes out of the polynomial itself and t takes one fused multiply-add. */
+enum { POWER_LOG_TABLE = 35 };
+
+static inline void power_log_table(float norm, float *table) {
+    for (int i = 0; i < 32; ++i) table[i] = norm * LOG2_L32[i];
+    table[32] = norm * B1;
+    table[33] = norm * B2;
+    table[34] = norm * B3;
+}
+
 /* err[j] <- err[j]^norm for the `width` vectors of |e| (kind: power_kind's); exact for norms 1, 2
- * (and 3), else 2^(norm*log2 e) as the kernels' headers describe, 0^norm = 0, +inf/NaN kept. */
+ * (and 3), else 2^(norm*log2 e) as the kernels' headers describe, 0^norm = 0, +inf/NaN kept;
+ * log_table from power_log_table(norm). */
 __attribute__((target("avx512f"), always_inline)) static inline void power_avx512(__m512 *err, __m512 norm, int width,
-                                                                                 int kind) {
+                                                                                 int kind, const float *log_table) {
     const __m512 table_magic = _mm512_set1_ps(0x1.8p19f);
     __m512 scaled[WIDTH_AVX512], a[WIDTH_AVX512], b[WIDTH_AVX512];
     __m512i slice[WIDTH_AVX512];
@@ -86,17 +98,17 @@ __attribute__((target("avx512f"), always_inline)) static inline void power_avx51
         EACH err[j] = kind == POWER_TWO ? a[j] : _mm512_mul_ps(a[j], err[j]);
         return;
     }
-    /* log2 e = exponent + L[i] + log2(1 + f), f = mantissa * R[i] - 1 */
+    /* norm*log2 e = norm*exponent + norm*L[i] + norm*log2(1 + f), f = mantissa * R[i] - 1 */
     const __m512 r_low = _mm512_loadu_ps(LOG2_R32), r_high = _mm512_loadu_ps(LOG2_R32 + 16);
-    const __m512 l_low = _mm512_loadu_ps(LOG2_L32), l_high = _mm512_loadu_ps(LOG2_L32 + 16);
+    const __m512 l_low = _mm512_loadu_ps(log_table), l_high = _mm512_loadu_ps(log_table + 16);
     EACH a[j] = _mm512_getmant_ps(err[j], _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
     EACH slice[j] = _mm512_srli_epi32(_mm512_castps_si512(a[j]), 18); /* low 5 bits: top mantissa bits */
     EACH a[j] = _mm512_fmsub_ps(a[j], _mm512_permutex2var_ps(r_low, slice[j], r_high), _mm512_set1_ps(1.0f));
-    EACH b[j] = _mm512_fmadd_ps(_mm512_set1_ps(B3), a[j], _mm512_set1_ps(B2));
-    EACH b[j] = _mm512_fmadd_ps(b[j], a[j], _mm512_set1_ps(B1));
+    EACH b[j] = _mm512_fmadd_ps(_mm512_set1_ps(log_table[34]), a[j], _mm512_set1_ps(log_table[33]));
+    EACH b[j] = _mm512_fmadd_ps(b[j], a[j], _mm512_set1_ps(log_table[32]));
     EACH b[j] = _mm512_fmadd_ps(a[j], b[j], _mm512_permutex2var_ps(l_low, slice[j], l_high));
     /* t = norm*exponent + norm*fraction, rounded once: as exact as one fp32 rounding allows */
-    EACH b[j] = _mm512_fmadd_ps(norm, _mm512_getexp_ps(err[j]), _mm512_mul_ps(norm, b[j]));
+    EACH b[j] = _mm512_fmadd_ps(norm, _mm512_getexp_ps(err[j]), b[j]);
     /* within [-1000, 200] (2^t is 0 or +inf beyond): the table trick needs |t| < 2^18; second
      * operands, so a NaN stays NaN */
     EACH b[j] = _mm512_max_ps(_mm512_set1_ps(-1000.0f), _mm512_min_ps(_mm512_set1_ps(200.0f), b[j]));
