@@ -1,11 +1,13 @@
 """Native candidate errors of the searches over float element grids (``csrc/group_float_grid.c``).
 
 Why: the eager float searches (``mse_grid`` on FP8/FP6/FP4/MX/NVFP4, ``nvfp4_expanded_mse``,
-``nvfp4_fp8_sweep``, ``modelopt_mse``) run a dozen torch passes per candidate, six of them the
-float grid rounding of ``formats.round_to_float_grid_``; the kernel reads each piece of the data
-once per call and evaluates every candidate while it sits in L1, the rounding done bit for bit
-as the eager one (clamp, step from the exponent field, round half to even, exact power-of-two
-products) after the same correctly rounded ``x/s``, so the codes are the eager codes.
+``nvfp4_expanded_imatrix`` and ``imatrix_mse`` on float grids, ``nvfp4_fp8_sweep``,
+``modelopt_mse``) run a dozen torch passes per candidate, six of them the float grid rounding of
+``formats.round_to_float_grid_``; the kernel reads each piece of the data once per call and
+evaluates every candidate while it sits in L1, the rounding done bit for bit as the eager one
+(``csrc/float_grid.h``: clamp, then round half to even to the binade's step by adding and
+subtracting a constant whose ulp is that step) after the same correctly rounded ``x/s``, so the
+codes are the eager codes.
 
 How: ``candidate_errors`` takes ``(N, Q, K)`` data and the candidates' steps and returns per
 candidate and group ``Σ weight·|grid(x/s) - x/s|^norm`` (in steps, what ``mse_grid`` sums) or,
