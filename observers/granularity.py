@@ -267,6 +267,19 @@ def reduce_min_max(flat: Flat) -> tuple[torch.Tensor, torch.Tensor]:
     return low.reshape(flat.qparam_shape), high.reshape(flat.qparam_shape)
 
 
+def as_groups(values: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
+    """``values`` ``(N, *qparam_shape, K)`` (broadcast to ``shape`` when given: an element weight or
+    mask) as contiguous fp32 ``(N, Q, K)``, every qparam group on one axis: the native kernels'
+    layout (N may be 0; no copy when already so)."""
+    values = values.float() if shape is None else values.float().expand(shape)
+    return values.reshape(values.shape[0], math.prod(values.shape[1:-1]), values.shape[-1]).contiguous()
+
+
+def group_rows(flat: Flat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``flat``'s data and its padding mask (None without padding) in ``as_groups``' layout."""
+    return as_groups(flat.data), None if flat.valid is None else as_groups(flat.valid, flat.data.shape)
+
+
 def _count_tokens(x: torch.Tensor, kind: str) -> int:
     if kind == "weight":
         return x.shape[0] if x.ndim > 1 else 1

@@ -26,12 +26,10 @@ early stop on the kernel's per-group picks without writing any candidate table
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from observers import float_grid_kernel, mse_kernel
-from observers.granularity import Flat
+from observers.granularity import Flat, as_groups
 from observers.qparams import QParams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce, part_min_max, shared_min_max
@@ -72,11 +70,6 @@ def _candidate_errors(
     return error.sum(dim=(1, error.ndim - 1))
 
 
-def _rows(values: torch.Tensor) -> torch.Tensor:
-    """``(N, *qparam_shape, K)`` viewed as ``(N, Q, K)``, the layout of ``observers.mse_kernel``."""
-    return values.reshape(values.shape[0], math.prod(values.shape[1:-1]), values.shape[-1])
-
-
 def _native_errors(
     data: torch.Tensor, weight: torch.Tensor | None, qp: QParams, spec: QuantSpec, norm: float
 ) -> torch.Tensor | None:
@@ -87,9 +80,15 @@ def _native_errors(
     step = qp.effective_scale.expand(count, *groups).reshape(count, -1)
     zero_point = qp.zero_point.float().expand(count, *groups).reshape(count, -1)
     qmin, qmax = spec.int_range
-    rows = _rows(data)
+    rows = as_groups(data)
     errors = mse_kernel.candidate_errors(
-        rows, None if weight is None else _rows(weight), step, qmin - zero_point, qmax - zero_point, norm, direct=True
+        rows,
+        None if weight is None else as_groups(weight),
+        step,
+        qmin - zero_point,
+        qmax - zero_point,
+        norm,
+        direct=True,
     )
     return None if errors is None else errors.reshape(count, *groups)
 
@@ -156,9 +155,9 @@ def _native_float_search(
     fmt = spec.format
     if fmt.kind != "float" or flat.data.device.type != "cpu":
         return None
-    rows = _rows(flat.data.float()).contiguous()
+    rows = as_groups(flat.data)
     if weight is not None:
-        weight = _rows(weight.float().expand(flat.data.shape)).contiguous()
+        weight = as_groups(weight, flat.data.shape)
     if not float_grid_kernel.pickable(rows, weight, fmt):
         return None
     amax = torch.maximum(torch.neg(low), high).reshape(-1)
@@ -202,7 +201,7 @@ def lc_grid_search(
             return low * native, high * native
     data = flat.data.float()
     candidates = torch.tensor(factors, dtype=torch.float32, device=low.device)
-    if spec.format.kind == "int" and mse_kernel.usable(_rows(data), None):
+    if spec.format.kind == "int" and mse_kernel.usable(as_groups(data), None):
         chunk = mse_kernel.chunk_size(len(factors), patience)
         weight = None if weight is None else weight.float().expand(data.shape).contiguous()
     else:

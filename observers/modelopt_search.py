@@ -37,7 +37,7 @@ import torch
 from observers import block_hessian_kernel, float_grid_kernel, mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
-from observers.granularity import Flat, all_finite, reduce_min_max
+from observers.granularity import Flat, all_finite, group_rows, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
 from observers.qparams import QParams, calculate_qparams, range_rule
@@ -114,8 +114,8 @@ def _native_squared_errors(
     measures ``Σ (code - x/s)²`` in steps with the codes of ``fake_quantize``; times ``s²`` that
     is the squared error up to fp32 rounding, which can only flip a pick whose two best
     candidates tie to a few ulps."""
-    groups = math.prod(flat.qparam_shape)
-    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1])
+    data, weight = group_rows(flat)
+    groups = data.shape[1]
     count = scale.shape[0]
     step = scale.float().reshape(count, -1).expand(count, groups).contiguous()
     qmin, qmax = spec.int_range
@@ -124,8 +124,7 @@ def _native_squared_errors(
     else:
         zero = zero_point.float().reshape(count, -1).expand(count, groups)
         low, high = (qmin - zero).contiguous(), (qmax - zero).contiguous()
-    weight = None if flat.valid is None else flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
-    errors = mse_kernel.candidate_errors(data.contiguous(), weight, step, low, high, 2.0)
+    errors = mse_kernel.candidate_errors(data, weight, step, low, high, 2.0)
     if errors is None:
         return None
     return errors.mul_(step.square()).reshape(count, *flat.qparam_shape)
@@ -150,13 +149,9 @@ def best_candidates(
         if picked is not None:
             return picked
     elif float_grid_kernel.covers(spec.format):
-        groups = math.prod(flat.qparam_shape)
-        data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1]).contiguous()
-        weight = None
-        if flat.valid is not None:
-            weight = flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+        data, weight = group_rows(flat)
         count = scale.shape[0]
-        step = scale.float().reshape(count) if scale.ndim == 1 else scale.float().reshape(count, groups)
+        step = scale.float().reshape(count) if scale.ndim == 1 else scale.float().reshape(count, data.shape[1])
         picked = float_grid_kernel.candidate_picks(data, weight, step, spec.format, 2.0, direct=True)
         if picked is not None:
             return picked[1].reshape(flat.qparam_shape)
@@ -184,11 +179,7 @@ def _nvfp4_picks(
     ``e4m3_block_scales(m·amax, global_scale) / global_scale`` in the same fp32 operations (the E4M3
     cast inside the candidate loop), or None when it does not take the data. Why: the ``(C, Q)``
     step table (39 multipliers over every block) costs more to build than the errors."""
-    groups = math.prod(flat.qparam_shape)
-    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1]).contiguous()
-    weight = None
-    if flat.valid is not None:
-        weight = flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
+    data, weight = group_rows(flat)
     if not float_grid_kernel.pickable(data, weight, spec.format):
         return None
     count = multipliers.numel()
@@ -208,12 +199,14 @@ def _native_float_errors(flat: Flat, spec: QuantSpec, scale: torch.Tensor) -> to
     order. A ``(C,)`` scale (the FP8 sweep's one step per candidate) is read once per candidate."""
     if not float_grid_kernel.covers(spec.format):
         return None
-    groups = math.prod(flat.qparam_shape)
-    data = flat.data.float().reshape(flat.data.shape[0], groups, flat.data.shape[-1])
+    data, weight = group_rows(flat)
     count = scale.shape[0]
-    step = scale.float().reshape(count) if scale.ndim == 1 else scale.float().reshape(count, -1).expand(count, groups)
-    weight = None if flat.valid is None else flat.valid.float().expand(flat.data.shape).reshape(data.shape).contiguous()
-    errors = float_grid_kernel.candidate_errors(data.contiguous(), weight, step, spec.format, 2.0, direct=True)
+    step = (
+        scale.float().reshape(count)
+        if scale.ndim == 1
+        else scale.float().reshape(count, -1).expand(count, data.shape[1])
+    )
+    errors = float_grid_kernel.candidate_errors(data, weight, step, spec.format, 2.0, direct=True)
     return None if errors is None else errors.reshape(count, *flat.qparam_shape)
 
 

@@ -40,7 +40,7 @@ from observers import float_grid_kernel, mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
 from observers.formats import round_to_float_grid_
-from observers.granularity import Flat, all_finite, as_2d, flatten
+from observers.granularity import Flat, all_finite, as_2d, as_groups, flatten
 from observers.knobs import Knob
 from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk
 from observers.minmax import AVERAGING_CONSTANT
@@ -340,14 +340,6 @@ def _chunk_size(
     return max(1, min(count, working_bytes // max(1, data.numel() * 8)))
 
 
-def _as_groups(values: torch.Tensor) -> torch.Tensor:
-    """``(N, *qparam_shape, K)`` -> contiguous ``(N, Q, K)``: the groups on one axis (N may be 0)."""
-    groups = 1
-    for size in values.shape[1:-1]:
-        groups *= size
-    return values.reshape(values.shape[0], groups, values.shape[-1]).contiguous()
-
-
 def mse_grid_search(
     flat: Flat,
     spec: QuantSpec,
@@ -378,9 +370,9 @@ def mse_grid_search(
     base_min, base_max = low * expand, high * expand
     if flat.valid is not None:
         weight = flat.valid.float() if weight is None else weight * flat.valid
-    data = _as_groups(flat.data.float())
+    data = as_groups(flat.data)
     if weight is not None:
-        weight = _as_groups(weight.float().expand(flat.data.shape))
+        weight = as_groups(weight, flat.data.shape)
     factors = shrink_factors(maxshrink, grid)
     if reduce is None and spec.format.kind == "float" and spec.format.scale_kind in ("float", "e4m3"):
         picked = float_grid_kernel.shrink_search(

@@ -13,8 +13,8 @@ import observers.lc_search as lc_search
 import observers.mse_grid as mse_grid
 from bench.common import llm_weight
 from observers import kernels
-from observers.granularity import flatten, reduce_min_max
-from observers.mse_grid import _as_groups, _blocks, _chunk_errors, mse_grid_search, shrink_factors
+from observers.granularity import flatten, group_rows, reduce_min_max
+from observers.mse_grid import _blocks, _chunk_errors, mse_grid_search, shrink_factors
 
 SPECS = [
     ob.QuantSpec("int4", symmetric=True, strategy="group", group_size=128),
@@ -144,8 +144,7 @@ def test_device_mode_picks_what_the_cpu_mode_and_the_sequential_loop_pick(monkey
     flat = flatten(x, spec, "weight")
     low, high = reduce_min_max(flat)
     factors = shrink_factors(SEARCH["maxshrink"], SEARCH["grid"])
-    data = _as_groups(flat.data.float())
-    weight_mask = None if flat.valid is None else _as_groups(flat.valid.float())
+    data, weight_mask = group_rows(flat)
     with kernels.disabled():
         table = _chunk_errors(data, weight_mask, low, high, factors, spec, 2.4, 1 << 40, True).nan_to_num_(
             nan=torch.inf

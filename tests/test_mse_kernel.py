@@ -15,7 +15,7 @@ import observers.lc_search as lc_search
 import observers.mse_grid as mse_grid
 from bench.common import llm_weight
 from observers import kernels, mse_kernel
-from observers.granularity import flatten, reduce_min_max
+from observers.granularity import as_groups, flatten, reduce_min_max
 from observers.mse_grid import _candidate_steps, _uniform_or, _unit_errors, mse_grid_search, shrink_factors
 
 needs_kernel = pytest.mark.skipif(
@@ -140,7 +140,7 @@ def test_observations_and_long_rows_cut_into_pieces_give_the_eager_sums(monkeypa
     x = torch.randn(6, 1, 200, generator=torch.Generator().manual_seed(2)) + 0.3
     flat = flatten(x.reshape(6, 200), spec, "activation")
     low, high = reduce_min_max(flat)
-    data = mse_grid._as_groups(flat.data)
+    data = as_groups(flat.data)
     step, lows, highs = _candidate_steps(low, high, shrink_factors(0.2, 100), spec)
     weight = torch.rand(data.shape, generator=torch.Generator().manual_seed(3))
     for w in (None, weight):
