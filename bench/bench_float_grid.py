@@ -107,7 +107,8 @@ def cases(device: str = "cpu") -> list[dict]:
         if name.startswith("nvfp4_expanded"):
             refs.append(_lc(name, w, x if name == "nvfp4_expanded_imatrix" else None))
         label = f"{spec.dtype} channel" if spec.strategy == "channel" else spec.dtype
-        rows += measure(f"{name} {label} {shape} (float-grid kernel)", ours, w.sum, device, refs)
+        path = "float-grid kernel" if device == "cpu" else f"eager torch on {device}"  # the kernels serve the CPU
+        rows += measure(f"{name} {label} {shape} ({path})", ours, w.sum, device, refs)
         if name in MODELOPT_SEARCH:
             rows += _modelopt_rows(name, spec, w, x, device)
     return rows

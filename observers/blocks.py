@@ -41,7 +41,7 @@ from observers.base import Observer, register
 from observers.formats import ElementFormat
 from observers.granularity import Flat
 from observers.knobs import Knob
-from observers.qparams import SCALE_RULES, QParams
+from observers.qparams import SCALE_RULES, QParams, exact_divisor
 from observers.quantize import element_codes
 from observers.shared import EXACT_MIN_MAX, Op, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -158,7 +158,7 @@ def e4m3_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) 
     amax = _amax(min_val, max_val)
     tensor_amax = amax.max().clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
     global_scale = (E4M3_MAX * fmt.max_value / tensor_amax).reshape(1)
-    raw = (amax / fmt.max_value * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    raw = (amax / exact_divisor(fmt.max_value, amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
     scale = raw.to(torch.float8_e4m3fn).float()
     zero_point = torch.zeros_like(scale, dtype=torch.int32)
     return QParams(scale, zero_point, min_val, max_val, global_scale=global_scale)

@@ -40,7 +40,7 @@ from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX
 from observers.granularity import Flat, all_finite, group_rows, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
-from observers.qparams import QParams, calculate_qparams, range_rule
+from observers.qparams import QParams, calculate_qparams, exact_divisor, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce
 from observers.spec import QuantSpec
@@ -231,7 +231,7 @@ def nvfp4_qparams(
 
 def e4m3_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor, fmt_max: float) -> torch.Tensor:
     """``cast_e4m3(amax / max · global_scale)``, clamped to [2^-9, 448] (the NVFP4 rule of ``blocks``)."""
-    raw = (block_amax / fmt_max * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    raw = (block_amax / exact_divisor(fmt_max, block_amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
     return raw.to(torch.float8_e4m3fn).float()
 
 

@@ -44,7 +44,7 @@ from observers.granularity import Flat, all_finite, as_2d, as_groups, flatten
 from observers.knobs import Knob
 from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk
 from observers.minmax import AVERAGING_CONSTANT
-from observers.qparams import range_rule
+from observers.qparams import exact_divisor, range_rule
 from observers.quantize import element_codes
 from observers.shared import EXACT_GRID, Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -119,7 +119,7 @@ def _nvfp4_candidate_steps(
     amax = _amax(base_min * p, base_max * p).reshape(count, -1)
     tensor_amax = amax.amax(dim=1, keepdim=True).clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
     global_scale = E4M3_MAX * fmt.max_value / tensor_amax
-    raw = (amax / fmt.max_value * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    raw = (amax / exact_divisor(fmt.max_value, amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
     return raw.to(torch.float8_e4m3fn).float() / global_scale
 
 

@@ -151,6 +151,17 @@ class QParams:
         )
 
 
+def exact_divisor(value: float, like: torch.Tensor) -> float | torch.Tensor:
+    """``value`` as the divisor of a division of ``like`` that is rounded as IEEE division on every
+    device: torch on CUDA turns ``tensor / number`` into a multiplication by the number's
+    reciprocal, which for divisors like 448, 127.5 or 6 lands one ulp from the quotient in about
+    half the scales, so the same observer gave CPU and GPU runs different qparams. A 0-dim tensor
+    on the device divides exactly; on CPU the number already does."""
+    if like.device.type == "cpu":
+        return value
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def _free_scale(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
     """fp32 scale for integer and float elements (the section-2 rules).
 
@@ -168,7 +179,7 @@ def _free_scale(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -
             divisor = fmt.max_value
         else:
             divisor = (qmax - qmin) / 2 if spec.scale_rule == "half_range" else float(qmax)
-        scale.div_(divisor).clamp_(min=spec.eps)
+        scale.div_(exact_divisor(divisor, scale)).clamp_(min=spec.eps)
         if fmt.kind == "float" or fmt.signed:
             middle = 0
         elif spec.has_custom_range:
@@ -178,7 +189,7 @@ def _free_scale(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -
         return QParams(scale, torch.full_like(scale, middle, dtype=torch.int32), min_val, max_val)
     min_neg = torch.clamp(min_val, max=0.0)
     scale = torch.clamp(max_val, min=0.0).sub_(min_neg)
-    scale.div_(float(qmax - qmin)).clamp_(min=spec.eps)
+    scale.div_(exact_divisor(float(qmax - qmin), scale)).clamp_(min=spec.eps)
     zero_point = min_neg.div_(scale).round_().neg_().add_(qmin).clamp_(qmin, qmax).to(torch.int32)
     return QParams(scale, zero_point, min_val, max_val)
 

@@ -24,7 +24,7 @@ from observers.base import register
 from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
-from observers.qparams import QParams
+from observers.qparams import QParams, exact_divisor
 
 MINIMUM_SCALE = float(torch.finfo(torch.float32).eps)
 """AIMET's smallest delta (fp32 machine epsilon)."""
@@ -48,16 +48,17 @@ def sqnr_candidates(
     high = torch.clamp(data_max.float(), min=0.0)
     high = torch.maximum(high, low + MINIMUM_SCALE * steps)
     search = torch.arange(1, delta_candidates + 1, dtype=torch.float32, device=low.device)
+    last_candidate = exact_divisor(delta_candidates - 1.0, high)
     if symmetric:
-        max_delta = 2 * torch.maximum(high, -low) / steps
-        delta = (max_delta[:, None] * search[None, :] / (delta_candidates - 1)).clamp(min=MINIMUM_SCALE)
+        max_delta = 2 * torch.maximum(high, -low) / exact_divisor(float(steps), high)
+        delta = (max_delta[:, None] * search[None, :] / last_candidate).clamp(min=MINIMUM_SCALE)
         offset = torch.full_like(delta, float((-steps) // 2))
         return delta.unsqueeze(2), offset.unsqueeze(2)
-    max_delta = (high - low) / steps
+    max_delta = (high - low) / exact_divisor(float(steps), high)
     observed_offset = torch.round(low / max_delta)
     observed_min = max_delta * observed_offset
     observed_max = observed_min + max_delta * steps
-    delta = max_delta[:, None] * search[None, :] / (delta_candidates - 1)
+    delta = max_delta[:, None] * search[None, :] / last_candidate
     count = min(steps + 2, offset_candidates)
     offset_step = steps / (count - 2)
     spread = torch.round(torch.arange(-steps, offset_step, offset_step, dtype=torch.float32, device=low.device))

@@ -405,3 +405,19 @@ def test_single_nan_is_detected_at_every_granularity(name, strategy):
         obs.observe(x)
     before = obs.qparams().scale.clone()
     assert torch.isfinite(before).all()
+
+
+def test_exact_divisor_divides_as_the_cpu_on_every_device():
+    """Scale rules divide by numbers like 448 or 127.5: on the CPU the number itself (torch divides
+    exactly), elsewhere a 0-dim tensor on the data's device, since CUDA multiplies a tensor by the
+    reciprocal of a Python number (one ulp off in about half the scales; tests/test_cuda.py checks
+    the scales of both devices against each other)."""
+    from observers.qparams import exact_divisor
+
+    cpu = torch.rand(1000) * 10
+    assert exact_divisor(448.0, cpu) == 448.0
+    torch.testing.assert_close(cpu / exact_divisor(448.0, cpu), cpu.double().div(448.0).float(), rtol=0, atol=0)
+    meta = torch.empty(4, device="meta", dtype=torch.float32)
+    divisor = exact_divisor(127.5, meta)
+    assert isinstance(divisor, torch.Tensor) and divisor.device == meta.device and divisor.ndim == 0
+    assert divisor.dtype == torch.float32

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import observers as ob
+from bench.common import llm_weight
 from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import open_model
 
@@ -34,3 +35,42 @@ def test_streamed_calibration_on_cuda_matches_the_cpu(sequential):
             assert a.error is None, (gpu.layer, gpu.tensor, a.name, a.error)
             assert a.qparams.scale.device.type == "cuda"
             torch.testing.assert_close(a.qparams.scale.cpu(), b.qparams.scale, rtol=2e-3, atol=1e-6)
+
+
+FLOAT_SEARCHES = [
+    ("mse_grid", ob.QuantSpec("nvfp4")),
+    ("mse_grid", ob.QuantSpec("fp8_e4m3", strategy="channel")),
+    ("mse_grid", ob.QuantSpec("mxfp4")),
+    ("nvfp4_expanded_mse", ob.QuantSpec("nvfp4")),
+    ("nvfp4_expanded_imatrix", ob.QuantSpec("nvfp4")),
+    ("imatrix_mse", ob.QuantSpec("fp8_e4m3", strategy="channel")),
+    ("nvfp4_fp8_sweep", ob.QuantSpec("nvfp4")),
+    ("modelopt_mse", ob.QuantSpec("nvfp4")),
+    ("local_hessian", ob.QuantSpec("nvfp4")),
+]
+
+
+def _float_search(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor) -> ob.QParams:
+    """The search as a user runs it, on the device of ``w`` and ``x``."""
+    knobs = {"hessian": ob.local_hessian(x)} if name == "local_hessian" else {}
+    obs = ob.create(name, spec, **knobs)
+    if hasattr(obs, "observe_inputs") and name != "local_hessian":
+        obs.observe_inputs(x)
+    obs.observe(w)
+    return obs.qparams()
+
+
+@pytest.mark.parametrize(("name", "spec"), FLOAT_SEARCHES, ids=lambda v: getattr(v, "dtype", v))
+def test_float_searches_on_cuda_pick_what_the_cpu_kernels_pick(name, spec):
+    """Issue 26: on a GPU every float search runs its eager torch path on the device (the native
+    kernels serve the CPU); it must pick the CPU kernels' scales, up to groups whose two best
+    candidates tie to float noise, and keep its results on the device."""
+    w = llm_weight(256, 1024)
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)) * 0.1
+    on_cpu = _float_search(name, spec, w, x)
+    on_gpu = _float_search(name, spec, w.cuda(), x.cuda())
+    assert on_gpu.scale.device.type == "cuda"
+    same = on_gpu.scale.cpu() == on_cpu.scale
+    assert same.float().mean() >= 0.999, (name, float(same.float().mean()))
+    if on_cpu.global_scale is not None:
+        torch.testing.assert_close(on_gpu.global_scale.cpu(), on_cpu.global_scale)
