@@ -53,6 +53,7 @@ def _ao_ref(label: str, observer, x: torch.Tensor) -> Ref:
 
     def run() -> torch.Tensor:
         observer.reset_min_max_vals()
+        observer.to(x.device)  # the per-channel reset makes its empty min/max on the CPU
         observer(x)
         return observer.calculate_qparams()[0]
 
