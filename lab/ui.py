@@ -51,15 +51,17 @@ def bound(fn: Callable[..., Any], label: str, name: str, value: Any, **kwargs: A
     Streamlit forgets a widget's state when a page without it runs, and a widget of the same key
     on another page does not take it over; its key ``w:<name>`` is therefore seeded from
     ``value`` whenever it is missing, was last drawn on another page, or holds a value no longer
-    among ``options``.
+    among ``options``. Otherwise it is assigned the value it holds: a widget whose value the
+    browser alone remembers is redrawn from its declared default when the browser mounts it anew,
+    and the next rerun reports that default back (after a model switch, all four "What to
+    analyse" boxes came back unticked); an assigned value travels with the widget on every run.
     Callers assign the result back to the workspace field.
     """
     key = f"w:{name}"
     owners = st.session_state.setdefault(WIDGET_PAGES, {})
     page = _page_id()
     stale = owners.get(key) != page or not _valid(st.session_state.get(key), kwargs.get("options"))
-    if key not in st.session_state or stale:
-        st.session_state[key] = value
+    st.session_state[key] = value if key not in st.session_state or stale else st.session_state[key]
     owners[key] = page
     return fn(label, key=key, **kwargs)
 
