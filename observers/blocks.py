@@ -152,14 +152,20 @@ def quark_bfp_exponent(min_val: torch.Tensor, max_val: torch.Tensor) -> torch.Te
     return exponent.clamp(E8M0_MIN_EXPONENT, E8M0_BIAS).to(torch.int32)
 
 
+def e4m3_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """NVFP4's block scales ``cast_e4m3(amax / max · global_scale)``, clamped to [2^-9, 448], as the
+    exact fp32 values of E4M3 numbers (the one place of this rule; the searches call it too)."""
+    raw = (block_amax / exact_divisor(fmt_max, block_amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    return raw.to(torch.float8_e4m3fn).float()
+
+
 def e4m3_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
     """NVFP4 rule: fp32 global scale per tensor, E4M3 scale per block (values exact in fp32)."""
     fmt = spec.format
     amax = _amax(min_val, max_val)
     tensor_amax = amax.max().clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
     global_scale = (E4M3_MAX * fmt.max_value / tensor_amax).reshape(1)
-    raw = (amax / exact_divisor(fmt.max_value, amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
-    scale = raw.to(torch.float8_e4m3fn).float()
+    scale = e4m3_block_scales(amax, global_scale, fmt.max_value)
     zero_point = torch.zeros_like(scale, dtype=torch.int32)
     return QParams(scale, zero_point, min_val, max_val, global_scale=global_scale)
 

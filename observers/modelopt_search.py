@@ -36,11 +36,11 @@ import torch
 
 from observers import block_hessian_kernel, float_grid_kernel, mse_kernel
 from observers.base import Observer, register
-from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
+from observers.blocks import E4M3_MAX, NVFP4_MAX_TENSOR_AMAX, _amax, e4m3_block_scales
 from observers.granularity import Flat, all_finite, group_rows, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
-from observers.qparams import QParams, calculate_qparams, exact_divisor, range_rule
+from observers.qparams import QParams, calculate_qparams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce
 from observers.spec import QuantSpec
@@ -227,12 +227,6 @@ def nvfp4_qparams(
     global_scale = (E4M3_MAX * fmt_max / global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)).reshape(1).float()
     zero_point = torch.zeros_like(block_scale, dtype=torch.int32)
     return QParams(block_scale, zero_point, min_val, max_val, global_scale=global_scale)
-
-
-def e4m3_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """``cast_e4m3(amax / max · global_scale)``, clamped to [2^-9, 448] (the NVFP4 rule of ``blocks``)."""
-    raw = (block_amax / exact_divisor(fmt_max, block_amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
-    return raw.to(torch.float8_e4m3fn).float()
 
 
 _MULTIPLIER_KNOBS = {

@@ -38,13 +38,13 @@ import torch
 
 from observers import float_grid_kernel, mse_kernel
 from observers.base import Observer, register
-from observers.blocks import E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4_MAX_TENSOR_AMAX, _amax
+from observers.blocks import E4M3_MAX, NVFP4_MAX_TENSOR_AMAX, _amax, e4m3_block_scales
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, all_finite, as_2d, as_groups, flatten
 from observers.knobs import Knob
 from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk
 from observers.minmax import AVERAGING_CONSTANT
-from observers.qparams import exact_divisor, range_rule
+from observers.qparams import range_rule
 from observers.quantize import element_codes
 from observers.shared import EXACT_GRID, Op, Reduce, part_min_max, shared_min_max
 from observers.spec import QuantSpec
@@ -119,8 +119,7 @@ def _nvfp4_candidate_steps(
     amax = _amax(base_min * p, base_max * p).reshape(count, -1)
     tensor_amax = amax.amax(dim=1, keepdim=True).clamp(min=spec.eps, max=NVFP4_MAX_TENSOR_AMAX)
     global_scale = E4M3_MAX * fmt.max_value / tensor_amax
-    raw = (amax / exact_divisor(fmt.max_value, amax) * global_scale).clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX)
-    return raw.to(torch.float8_e4m3fn).float() / global_scale
+    return e4m3_block_scales(amax, global_scale, fmt.max_value) / global_scale
 
 
 def _float_candidate_rule(
