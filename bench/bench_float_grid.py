@@ -68,21 +68,22 @@ def _lc(name: str, w: torch.Tensor, inputs: torch.Tensor | None) -> Ref:
     return lc_observer_ref(name, w, LC_NVFP4_ARGS, agree, inputs=inputs)
 
 
-def _search(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor) -> Callable[[], ob.QParams]:
-    """Our search as a user calls it: create, inputs or Hessian where it takes them, observe, qparams."""
+def user_search(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor) -> Callable[[], ob.QParams]:
+    """Our search as a user calls it: create, inputs (``observe_inputs``, the imatrix searches) or
+    Hessian (``local_hessian``'s knob, what the lab passes) where it takes them, observe, qparams.
+    ``tests/test_cuda.py`` runs the same calls on both devices."""
     if name == "local_hessian":
         hessian = ob.local_hessian(x)
         return lambda: observe(name, w, spec, hessian=hessian)
-    if name != "nvfp4_expanded_imatrix":
-        return lambda: observe(name, w, spec)
 
-    def with_inputs() -> ob.QParams:
+    def run() -> ob.QParams:
         obs = ob.create(name, spec)
-        obs.observe_inputs(x)
+        if hasattr(obs, "observe_inputs"):
+            obs.observe_inputs(x)
         obs.observe(w)
         return obs.qparams()
 
-    return with_inputs
+    return run
 
 
 def _modelopt_rows(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor, device: str) -> list[dict]:
@@ -91,7 +92,8 @@ def _modelopt_rows(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tens
     part = w[: rows_for(128)]
     shape = "x".join(map(str, part.shape))
     ref = modelopt_nvfp4_ref(MODELOPT_SEARCH[name], part, x)
-    return measure(f"{name} {spec.dtype} {shape} (first rows)", _search(name, spec, part, x), part.sum, device, [ref])
+    ours = user_search(name, spec, part, x)
+    return measure(f"{name} {spec.dtype} {shape} (first rows)", ours, part.sum, device, [ref])
 
 
 def cases(device: str = "cpu") -> list[dict]:
@@ -100,7 +102,7 @@ def cases(device: str = "cpu") -> list[dict]:
     shape = "x".join(map(str, w.shape))
     rows = []
     for name, spec in SEARCHES:
-        ours = _search(name, spec, w, x)
+        ours = user_search(name, spec, w, x)
         refs = [_yardstick(w)]
         if device == "cpu":
             refs.append(_eager(ours))

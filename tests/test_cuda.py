@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import observers as ob
+from bench.bench_float_grid import user_search
 from bench.common import llm_weight
 from lab.analyse.pipeline import RunConfig, analyse
 from sample_models import open_model
@@ -50,16 +51,6 @@ FLOAT_SEARCHES = [
 ]
 
 
-def _float_search(name: str, spec: ob.QuantSpec, w: torch.Tensor, x: torch.Tensor) -> ob.QParams:
-    """The search as a user runs it, on the device of ``w`` and ``x``."""
-    knobs = {"hessian": ob.local_hessian(x)} if name == "local_hessian" else {}
-    obs = ob.create(name, spec, **knobs)
-    if hasattr(obs, "observe_inputs") and name != "local_hessian":
-        obs.observe_inputs(x)
-    obs.observe(w)
-    return obs.qparams()
-
-
 @pytest.mark.parametrize(("name", "spec"), FLOAT_SEARCHES, ids=lambda v: getattr(v, "dtype", v))
 def test_float_searches_on_cuda_pick_what_the_cpu_kernels_pick(name, spec):
     """Issue 26: on a GPU every float search runs its eager torch path on the device (the native
@@ -67,8 +58,8 @@ def test_float_searches_on_cuda_pick_what_the_cpu_kernels_pick(name, spec):
     candidates tie to float noise, and keep its results on the device."""
     w = llm_weight(256, 1024)
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)) * 0.1
-    on_cpu = _float_search(name, spec, w, x)
-    on_gpu = _float_search(name, spec, w.cuda(), x.cuda())
+    on_cpu = user_search(name, spec, w, x)()
+    on_gpu = user_search(name, spec, w.cuda(), x.cuda())()
     assert on_gpu.scale.device.type == "cuda"
     same = on_gpu.scale.cpu() == on_cpu.scale
     assert same.float().mean() >= 0.999, (name, float(same.float().mean()))
