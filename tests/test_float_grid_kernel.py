@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import observers as ob
 from bench.common import llm_weight
@@ -158,6 +160,94 @@ def test_pick_is_argmin_of_the_sums_times_factor(direct, groups):
         sums = float_grid_kernel.candidate_errors(data, None, shared, fmt, 2.0, True, isa=isa)
         _, index = float_grid_kernel.candidate_picks(data, None, shared, fmt, 2.0, True, isa=isa)
         assert torch.equal(index, sums.argmin(dim=0))
+
+
+def _hard_rows(run: int, seed: int) -> torch.Tensor:
+    """(1, 160, run) rows a bound-pruned pick must get right, ten kinds of sixteen: Gaussian rows, rows on
+    the FP4 grid of one step (some candidate's error is zero), rows at 1e-30 and 1e30 of the usual size,
+    fp32 subnormals, all zeros, all one value (every candidate ties), a NaN or an infinity in a row,
+    heavy-tailed rows."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(16, run, generator=g)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    on_grid = grid[torch.randint(0, 8, (16, run), generator=g)] * torch.sign(base) * 0.037
+    nan, inf = base.clone(), base.clone()
+    nan[3, 5], inf[7, 2] = float("nan"), float("inf")
+    kinds = [base, on_grid, base * 1e-30, base * 1e30, base * 1e-40, torch.zeros(16, run)]
+    kinds += [torch.full((16, run), 0.75), nan, inf, torch.distributions.StudentT(2.0).sample((16, run))]
+    return torch.cat(kinds).reshape(1, -1, run).contiguous()
+
+
+def _want_pick(sums: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    values = sums if factor is None else sums * factor
+    values = torch.where(values.isnan(), float("inf"), values)  # the pick reads NaN as +inf
+    return values.amin(dim=0), values.argmin(dim=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("norm", [1.3, 2.4, 2.9])
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("run", [16, 32])
+def test_pick_with_a_fractional_norm_is_the_full_pick_on_hard_rows(norm, direct, run):
+    """A fractional norm's pick skips the candidates its bounds rule out (AVX-512, sixteen rows per
+    block) and must still give the very least value and first index of the full sums: zero-error and
+    all-tied candidates, tiny, huge, subnormal and non-finite rows, zero weights, negative and tiny
+    weights (which turn the bounds off), zero and NaN factors."""
+    fmt = FORMATS["fp4_e2m1"]
+    data = _hard_rows(run, seed=int(norm * 10) + run)
+    groups = data.shape[1]
+    g = torch.Generator().manual_seed(2)
+    weights = [None, torch.rand(data.shape, generator=g) * (torch.rand(data.shape, generator=g) > 0.3)]
+    negative = torch.rand(data.shape, generator=g)
+    negative[0, 4, 1] = -0.5
+    weights += [negative, torch.rand(data.shape, generator=g) * 1e-35]
+    amax = data.abs().amax(dim=-1).reshape(-1).nan_to_num(nan=1.0, posinf=1.0)
+    factors = torch.tensor([1.8 * p for p in shrink_factors(0.55, 200)])
+    rule = float_grid_kernel.StepRule("free", amax, factors, fmt.max_value, torch.finfo(torch.float32).eps)
+    table = torch.maximum(amax * factors.reshape(-1, 1) / fmt.max_value, torch.tensor(1e-38))
+    table[5] = table[9]  # two candidates with the same steps: exact ties
+    factor = table.pow(norm)
+    factor[:, 20:24] = 0.0
+    factor[3, 30] = float("nan")
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        for w in weights:
+            sums = float_grid_kernel.candidate_errors(data, w, rule, fmt, norm, direct, isa=isa)
+            got = float_grid_kernel.candidate_picks(data, w, rule, fmt, norm, direct, isa=isa)
+            want = _want_pick(sums, None)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (isa, w is None)
+            sums = float_grid_kernel.candidate_errors(data, w, table, fmt, norm, direct, isa=isa)
+            for f in (None, factor):
+                got = float_grid_kernel.candidate_picks(data, w, table, fmt, norm, direct, f, isa=isa)
+                want = _want_pick(sums, f)
+                assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (isa, w is None, f is None)
+    assert groups % 16 == 0
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    norm=st.floats(1.05, 2.95).filter(lambda n: abs(n - 2.0) > 1e-3),
+    direct=st.booleans(),
+    exponent=st.integers(-60, 60),
+    snapped=st.floats(0.0, 1.0),
+)
+def test_pick_with_a_fractional_norm_is_the_full_pick(seed, norm, direct, exponent, snapped):
+    """Property: on any scale, with any share of the values on a candidate's grid, the pick equals
+    argmin over the full sums (times the steps' power, as mse_grid picks), on every variant."""
+    fmt = FORMATS["fp4_e2m1"]
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(1, 32, 16, generator=g) * 2.0**exponent
+    amax = data.abs().amax(dim=-1).reshape(-1)
+    table = (amax * torch.linspace(1.8, 0.8, 50).reshape(-1, 1)) / fmt.max_value
+    grid = round_to_float_grid_(data / table[7].reshape(1, -1, 1), *_bits(fmt)) * table[7].reshape(1, -1, 1)
+    data = torch.where(torch.rand(data.shape, generator=g) < snapped, grid, data).contiguous()
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        sums = float_grid_kernel.candidate_errors(data, None, table, fmt, norm, direct, isa=isa)
+        for f in (None, table.pow(norm)):
+            got = float_grid_kernel.candidate_picks(data, None, table, fmt, norm, direct, f, isa=isa)
+            want = _want_pick(sums, f)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 @pytest.mark.parametrize("dtype", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxint8", "bfp16", "int4", "fp8_e4m3"])

@@ -79,6 +79,17 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 float_gri
     return _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
 }
 
+/* grid(a) of magnitudes a >= 0 (or NaN): float_grid_round_avx512 without the lower clamp. The rounding is
+ * symmetric (half to even about 0), so grid(|v|) = |grid(v)|. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 float_grid_round_magnitude_avx512(
+    __m512 a, const struct float_grid *g) {
+    a = _mm512_min_ps(_mm512_set1_ps(g->max_value), a);
+    const __m512i field = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7F800000)),
+                                           _mm512_set1_epi32(g->min_field));
+    const __m512 magic = _mm512_castsi512_ps(_mm512_add_epi32(field, _mm512_set1_epi32(g->magic_shift)));
+    return _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
+}
+
 /* v/s correctly rounded from r = 1/s where float_grid_fast_quotient allows: q = v*r, q + (v - q*s)*r. */
 __attribute__((target("avx512f"), always_inline)) static inline __m512 float_grid_quotient_avx512(__m512 v, __m512 s,
                                                                                                  __m512 r) {

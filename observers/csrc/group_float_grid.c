@@ -30,11 +30,15 @@
  *   or with rule 2 and `power`, power[c*128 + E4M3 code of the block scale]: s^norm for errors in steps)
  *   to best_value[u] and the first candidate reaching it to best_index[u], NaN read as +inf: the (C, Q)
  *   errors are never written or read back.
- *   AVX-512 also has a lane-per-row path for short groups (run <= 32, groups % 16 == 0: NVFP4, MX) and
- *   divides by one fma-corrected reciprocal multiply (exact; see reciprocals_avx512).
+ *   AVX-512 also has a lane-per-row path for short groups (run <= 32, groups % 16 == 0: NVFP4, MX),
+ *   whose pick with a fractional norm between 1 and 3 first bounds every candidate's value from three
+ *   cheap sums and computes the full sums only of the candidates that may be least (the same picks,
+ *   about 6 of 111 candidates per row; see "pick mode with a fractional norm"), and divides by one
+ *   fma-corrected reciprocal multiply (exact; see reciprocals_avx512).
  * simd_level() (simd_level.h) says which variants this CPU runs.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -151,42 +155,64 @@ static void pick(const float *sums, const struct grid *g, const float *factor, i
 
 
 
-/* 1/s of each candidate's steps, and whether the divide-free quotient is exact for every lane and value
- * up to `amax` (float_grid_fast_quotient's rule, lane by lane: s in [2^-125, 2^125] and no quotient
- * reaching 2^126, where v*(1/s) could overflow and the correction make it NaN); the rare other steps
- * (infinite, zero, huge, tiny beside the data) take the divide. */
-__attribute__((target("avx512f"), always_inline)) static inline int
-reciprocals_avx512(const __m512 *s, __m512 amax, int width, __m512 *rs) {
-    __mmask16 safe = 0xFFFF;
+/* The lanes where float_grid_fast_quotient allows the divide-free quotient for every value up to `amax`. */
+__attribute__((target("avx512f"), always_inline)) static inline __mmask16 float_grid_fast_avx512(__m512 s, __m512 r,
+                                                                                               __m512 amax) {
+    const __m512 size = _mm512_abs_ps(s);
+    return _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ) &
+           _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p125f), _CMP_LE_OQ) &
+           _mm512_cmp_ps_mask(_mm512_mul_ps(amax, _mm512_abs_ps(r)), _mm512_set1_ps(0x1p126f), _CMP_LT_OQ);
+}
+
+/* How a call's `width` candidates divide: rs[j] = 1/s[j], safe[j] the lanes where the divide-free quotient
+ * is exact (float_grid_fast_avx512 on the lane's own largest |v|), all: every lane of every candidate. */
+struct quotients {
+    __m512 rs[WIDTH_AVX512];
+    __mmask16 safe[WIDTH_AVX512];
+    int all;
+};
+
+/* The quotients of the steps s[j] for values up to amax[j * amax_step] (float_grid_fast_quotient's rule,
+ * lane by lane: s in [2^-125, 2^125] and no quotient reaching 2^126, where v*(1/s) could overflow and
+ * the correction make it NaN); the rare other lanes (infinite, zero, huge, tiny steps beside the data)
+ * take the divide. Lane by lane, so a lane's quotient depends on its own step and row only. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+reciprocals_avx512(const __m512 *s, const __m512 *amax, int amax_step, int width, struct quotients *qs) {
+    __mmask16 every = 0xFFFF;
     EACH {
-        rs[j] = _mm512_div_ps(_mm512_set1_ps(1.0f), s[j]);
-        const __m512 size = _mm512_abs_ps(s[j]);
-        safe &= _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ) &
-                _mm512_cmp_ps_mask(size, _mm512_set1_ps(0x1p125f), _CMP_LE_OQ) &
-                _mm512_cmp_ps_mask(_mm512_mul_ps(amax, _mm512_abs_ps(rs[j])), _mm512_set1_ps(0x1p126f), _CMP_LT_OQ);
+        qs->rs[j] = _mm512_div_ps(_mm512_set1_ps(1.0f), s[j]);
+        qs->safe[j] = float_grid_fast_avx512(s[j], qs->rs[j], amax[j * amax_step]);
+        every &= qs->safe[j];
     }
-    return safe == 0xFFFF;
+    qs->all = every == 0xFFFF;
+}
+
+/* scaled[j] = v[j * v_step] / s[j], correctly rounded: the divide-free form where safe, the divide elsewhere. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+quotients_avx512(const __m512 *v, int v_step, const __m512 *s, const struct quotients *qs, int width,
+                 __m512 *scaled) {
+    EACH scaled[j] = float_grid_quotient_avx512(v[j * v_step], s[j], qs->rs[j]);
+    if (qs->all) return;
+    EACH {
+        if (qs->safe[j] != 0xFFFF) scaled[j] = _mm512_mask_div_ps(scaled[j], (__mmask16)~qs->safe[j], v[j * v_step], s[j]);
+    }
 }
 
 /* err[j] = |grid(v/s[j]) - v/s[j]|^norm for the `width` candidates j (with `direct`,
- * |grid(v/s[j])*s[j] - v|^norm), grid() the float grid rounding of formats.py (float_grid.h) after the
- * correctly rounded v/s. Written stage by stage across the candidates, so the out-of-order core always
- * has `width` independent operations at hand. |e|^norm: exact for norm 1 and 2, else 2^(norm*log2 e),
- * 0 -> 0. */
+ * |grid(v/s[j])*s[j] - v|^norm), candidate j reading v = v[j*v_step] (v_step 0: one value for all),
+ * grid() the float grid rounding of formats.py (float_grid.h) after the correctly rounded v/s. Written
+ * stage by stage across the candidates, so the out-of-order core always has `width` independent
+ * operations at hand. |e|^norm: exact for norm 1 and 2, else 2^(norm*log2 e), 0 -> 0. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-errors_avx512(__m512 v, const __m512 *s, const __m512 *rs, int fast, const struct grid *g, __m512 norm, int width,
-              int kind, __m512 *err) {
+errors_avx512(const __m512 *v, int v_step, const __m512 *s, const struct quotients *qs, const struct grid *g,
+              __m512 norm, int width, int kind, __m512 *err) {
     __m512 scaled[WIDTH_AVX512], a[WIDTH_AVX512];
-    if (fast) {
-        EACH scaled[j] = float_grid_quotient_avx512(v, s[j], rs[j]);
-    } else {
-        EACH scaled[j] = _mm512_div_ps(v, s[j]);
-    }
+    quotients_avx512(v, v_step, s, qs, width, scaled);
     EACH a[j] = float_grid_round_avx512(scaled[j], &g->elements);
     /* code*s - v = fake_quant(v) - v, rounded as the eager dequantization; only the odd powers take its
      * magnitude here (the square and the general power read |e| themselves) */
     if (g->direct) {
-        EACH err[j] = _mm512_sub_ps(_mm512_mul_ps(a[j], s[j]), v);
+        EACH err[j] = _mm512_sub_ps(_mm512_mul_ps(a[j], s[j]), v[j * v_step]);
     } else {
         EACH err[j] = _mm512_sub_ps(a[j], scaled[j]);
     }
@@ -223,11 +249,13 @@ candidates_avx512(const float *x, const float *w, int64_t length, __m512 amax, c
         s[j] = _mm512_set1_ps(step_of(g, c + j, q, 0));
         sum[j] = _mm512_setzero_ps();
     }
-    __m512 err[WIDTH_AVX512], rs[WIDTH_AVX512];
-    const int fast = reciprocals_avx512(s, amax, width, rs);
+    __m512 err[WIDTH_AVX512];
+    struct quotients qs;
+    reciprocals_avx512(s, &amax, 0, width, &qs);
     int64_t i = 0;
     for (; i + 16 <= length; i += 16) {
-        errors_avx512(_mm512_loadu_ps(x + i), s, rs, fast, g, norm, width, kind, err);
+        const __m512 v = _mm512_loadu_ps(x + i);
+        errors_avx512(&v, 0, s, &qs, g, norm, width, kind, err);
         if (w) {
             EACH err[j] = _mm512_mul_ps(err[j], _mm512_loadu_ps(w + i));
         }
@@ -235,7 +263,8 @@ candidates_avx512(const float *x, const float *w, int64_t length, __m512 amax, c
     }
     if (i < length) {
         const __mmask16 tail = (__mmask16)((1u << (length - i)) - 1u);
-        errors_avx512(_mm512_maskz_loadu_ps(tail, x + i), s, rs, fast, g, norm, width, kind, err);
+        const __m512 v = _mm512_maskz_loadu_ps(tail, x + i);
+        errors_avx512(&v, 0, s, &qs, g, norm, width, kind, err);
         if (w) {
             EACH err[j] = _mm512_mul_ps(err[j], _mm512_maskz_loadu_ps(tail, w + i));
         }
@@ -261,6 +290,45 @@ unit_errors_avx512(const float *x, const float *w, int64_t length, const struct 
  * broadcast) and the pick is a vector compare. The sums run over k in order (another order than the
  * one-row loop, the same for every candidate). Needs groups % 16 == 0 (the sixteen rows are sixteen
  * consecutive groups) and step_q 0 or 1. */
+
+/* Candidate c's steps for rows q..q+15 (rule 2: and their E4M3 codes), step_of's operations lane by lane. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 block_step_avx512(const struct grid *g,
+                                                                                        int64_t q, int64_t c,
+                                                                                        __m512i *code) {
+    *code = _mm512_setzero_si512();
+    if (g->rule == RULE_TABLE) {
+        const float *at = g->step + c * g->step_c + q * g->step_q;
+        return g->step_q ? _mm512_loadu_ps(at) : _mm512_set1_ps(*at);
+    }
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(g->amax + q), _mm512_set1_ps(g->p[c]));
+    if (g->rule == RULE_FREE)
+        return _mm512_max_ps(_mm512_set1_ps(g->eps), _mm512_div_ps(a, _mm512_set1_ps(g->divisor)));
+    const __m512 global = _mm512_set1_ps(g->global[c]);
+    __m512 raw = _mm512_mul_ps(_mm512_div_ps(a, _mm512_set1_ps(g->divisor)), global);
+    raw = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(0x1p-9f), raw));
+    const __m512 e = float_grid_round_avx512(raw, &g->e4m3); /* torch's cast: round half to even */
+    const __m512i bits = _mm512_castps_si512(e);
+    const __m512i normal =
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(120)), 3),
+                        _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(7)));
+    *code = _mm512_mask_mov_epi32(normal, _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ),
+                                  _mm512_cvttps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(512.0f))));
+    return _mm512_div_ps(e, global);
+}
+
+/* Whether candidate sums are multiplied by a factor before the pick (factor_of's). */
+static inline int has_factor(const struct grid *g, const float *factor) {
+    return factor || (g->rule == RULE_E4M3 && g->power);
+}
+
+/* Candidate c's pick factors for rows q..q+15 (`code` from block_step_avx512), when has_factor. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512
+block_factor_avx512(const struct grid *g, const float *factor, int64_t q, int64_t c, __m512i code) {
+    if (g->rule == RULE_E4M3 && g->power) return _mm512_i32gather_ps(code, g->power + c * 128, 4);
+    const float *at = factor + c * g->step_c + q * g->step_q;
+    return g->step_q ? _mm512_loadu_ps(at) : _mm512_set1_ps(*at);
+}
+
 __attribute__((target("avx512f"), always_inline)) static inline void
 block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
                         const float *factor, int64_t q, int64_t c, int width, int kind, float *out, __m512 *best,
@@ -270,33 +338,12 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 a
     __m512i code[WIDTH_AVX512];
     EACH {
         sum[j] = _mm512_setzero_ps();
-        code[j] = _mm512_setzero_si512();
-        if (g->rule == RULE_TABLE) {
-            const float *at = g->step + (c + j) * g->step_c + q * g->step_q;
-            s[j] = g->step_q ? _mm512_loadu_ps(at) : _mm512_set1_ps(*at);
-            continue;
-        }
-        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(g->amax + q), _mm512_set1_ps(g->p[c + j]));
-        if (g->rule == RULE_FREE) {
-            s[j] = _mm512_max_ps(_mm512_set1_ps(g->eps), _mm512_div_ps(a, _mm512_set1_ps(g->divisor)));
-            continue;
-        }
-        const __m512 global = _mm512_set1_ps(g->global[c + j]);
-        __m512 raw = _mm512_mul_ps(_mm512_div_ps(a, _mm512_set1_ps(g->divisor)), global);
-        raw = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(0x1p-9f), raw));
-        const __m512 e = float_grid_round_avx512(raw, &g->e4m3); /* torch's cast: round half to even */
-        s[j] = _mm512_div_ps(e, global);
-        const __m512i bits = _mm512_castps_si512(e);
-        const __m512i normal = _mm512_or_si512(
-            _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(120)), 3),
-            _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(7)));
-        code[j] = _mm512_mask_mov_epi32(normal, _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ),
-                                        _mm512_cvttps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(512.0f))));
+        s[j] = block_step_avx512(g, q, c + j, &code[j]);
     }
-    __m512 rs[WIDTH_AVX512];
-    const int fast = reciprocals_avx512(s, amax, width, rs);
+    struct quotients qs;
+    reciprocals_avx512(s, &amax, 0, width, &qs);
     for (int64_t k = 0; k < run; ++k) {
-        errors_avx512(t[k], s, rs, fast, g, norm, width, kind, err);
+        errors_avx512(t + k, 0, s, &qs, g, norm, width, kind, err);
         if (tw) {
             EACH err[j] = _mm512_mul_ps(err[j], tw[k]);
         }
@@ -308,12 +355,7 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 a
     }
     for (int j = 0; j < width; ++j) { /* in candidate order: strict <, so the first least is kept */
         __m512 value = sum[j];
-        if (g->rule == RULE_E4M3 && g->power) {
-            value = _mm512_mul_ps(value, _mm512_i32gather_ps(code[j], g->power + (c + j) * 128, 4));
-        } else if (factor) {
-            const float *at = factor + (c + j) * g->step_c + q * g->step_q;
-            value = _mm512_mul_ps(value, g->step_q ? _mm512_loadu_ps(at) : _mm512_set1_ps(*at));
-        }
+        if (has_factor(g, factor)) value = _mm512_mul_ps(value, block_factor_avx512(g, factor, q, c + j, code[j]));
         value = _mm512_mask_mov_ps(value, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q),
                                    _mm512_set1_ps(__builtin_inff()));
         const __mmask16 lower = _mm512_cmp_ps_mask(value, *best, _CMP_LT_OQ);
@@ -322,9 +364,238 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 a
     }
 }
 
+/* ------------------------------------------------ pick mode with a fractional norm: bounds first
+ *
+ * A fractional norm 1 < p < 3 (llm-compressor's NVFP4 searches use 2.4) costs a logarithm and an
+ * exponential per element and candidate, two thirds of the work, while a row's least error is usually
+ * among a handful of its 111 candidates. So the pick runs in two passes over the block:
+ *   1. every candidate's S1, S2, S3 per row (S_k = sum of weight * |e|^k, e the error this kernel powers,
+ *      or one within a few parts in a million of it: block_bounds_avx512), which bound its sum S_p:
+ *      log S_p is convex in p (a log-sum-exp of p * log|e|), so it lies below the chord through
+ *      (2, log S2), (3, log S3) (through (1, .), (2, .) for p < 2) and above the chord through the other
+ *      pair, extended (Holder's and Lyapunov's inequalities). With the pick factor these give each
+ *      candidate an upper bound U and a lower bound L of its value, in log2.
+ *   2. the full sums only for the (row, candidate) pairs whose L does not exceed max(the row's least U
+ *      + slack, log2 of PRUNE_FLOOR), sixteen pairs per vector; any other candidate's value exceeds the
+ *      row's least value, so it can neither be the least nor tie it. About 6 of 111 candidates per row
+ *      remain on LLM-like weights.
+ * A pair's sum is the very sum of block_candidates_avx512 (the same step, lane-wise quotient, power and
+ * order over k), so the picks are those of the full pass. The slack covers the cubic log2
+ * (LOG2_CUBIC_ERROR), the fp32 roundings of S_k and the power's few ulps. Values below PRUNE_FLOOR are
+ * never pruned against each other: there fp32 sums lose their relative precision (subnormal terms,
+ * powers that underflow to 0). A candidate whose S_k or factor for a row is below the floor, NaN or
+ * infinite bounds nothing there and is kept (U = +inf, L = -inf). Weights must be 0 or at least
+ * PRUNE_FLOOR (weights_boundable_avx512), else the block takes the full pass. */
+
+#define LOG2_CUBIC_ERROR 0x1p-10f /* the cubic below is within 6.4e-4 of log2 on [1, 2) */
+#define PRUNE_FLOOR 0x1p-100f
+
+/* The chords' coefficients for log2 S1, log2 S2, log2 S3, and the slack of a comparison. */
+struct prune {
+    float upper[3], lower[3], slack;
+};
+
+/* Whether a pick over `count` candidates of a `kind` power prunes with bounds, and their coefficients: a
+ * norm strictly between 1 and 3 and not 2 (a general power, POWER_ANY), and at least PRUNE_COUNT
+ * candidates (about 6 per row remain whatever the count, so fewer leave too little to skip: mse_grid's
+ * chunks of 5 ran 35% slower pruned). */
+#define PRUNE_COUNT 32
+static int prune_of(double norm, int kind, int64_t count, struct prune *b) {
+    if (kind != POWER_ANY || !(norm > 1.0 && norm < 3.0) || norm == 2.0 || count < PRUNE_COUNT) return 0;
+    const float p = (float)norm;
+    if (p > 2.0f) { /* upper: chord (2, 3); lower: chord (1, 2) extended */
+        b->upper[0] = 0.0f, b->upper[1] = 3.0f - p, b->upper[2] = p - 2.0f;
+        b->lower[0] = -(p - 2.0f), b->lower[1] = p - 1.0f, b->lower[2] = 0.0f;
+    } else { /* upper: chord (1, 2); lower: chord (2, 3) extended back */
+        b->upper[0] = 2.0f - p, b->upper[1] = p - 1.0f, b->upper[2] = 0.0f;
+        b->lower[0] = 0.0f, b->lower[1] = 3.0f - p, b->lower[2] = -(2.0f - p);
+    }
+    float weight = 2.0f; /* the factor's log2, in both bounds */
+    for (int i = 0; i < 3; ++i) weight += __builtin_fabsf(b->upper[i]) + __builtin_fabsf(b->lower[i]);
+    b->slack = weight * LOG2_CUBIC_ERROR + 0x1p-12f;
+    return 1;
+}
+
+/* log2 x within LOG2_CUBIC_ERROR for normal x > 0: exponent plus a cubic in the mantissa. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 log2_cubic_avx512(__m512 x) {
+    const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(0.15823961f), m, _mm512_set1_ps(-1.05182488f));
+    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(3.04779769f));
+    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-2.15357394f));
+    return _mm512_add_ps(_mm512_getexp_ps(x), y);
+}
+
+/* The lanes of x within [PRUNE_FLOOR, +inf): where log2_cubic_avx512 and the bounds' relative slack hold. */
+__attribute__((target("avx512f"), always_inline)) static inline __mmask16 bounded_avx512(__m512 x) {
+    return _mm512_cmp_ps_mask(x, _mm512_set1_ps(PRUNE_FLOOR), _CMP_GE_OQ) &
+           _mm512_cmp_ps_mask(x, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
+}
+
+/* A thread's scratch for the two passes over one block: per candidate and row (c*16 + row) its step, pick
+ * factor and lower bound, then the pairs that remain (c*16 + row, padded to whole vectors) and their sums. */
+struct prune_scratch {
+    float *steps, *factors, *lower, *sums;
+    int32_t *pairs;
+};
+
+/* Pass 1 for `width` candidates from c: steps and factors kept, lower bounds stored, least upper bound per
+ * row updated. The errors are taken on |v| (the grid rounding is symmetric: the same |e|, one clamp less)
+ * and, with `direct`, from |v| * (1/s) with an approximate reciprocal (two operations less): a quotient an
+ * ulp or two off changes a code only next to a midpoint between two grid points, where both codes'
+ * errors agree to a few parts in a million. In steps the quotient is the exact one (e = code - v/s would
+ * carry its error absolutely). */
+__attribute__((target("avx512f"), always_inline)) static inline void
+block_bounds_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
+                    const float *factor, int64_t q, int64_t c, int width, const struct prune *b,
+                    const struct prune_scratch *scratch, __m512 *least_upper) {
+    __m512 s[WIDTH_AVX512], s1[WIDTH_AVX512], s2[WIDTH_AVX512], s3[WIDTH_AVX512];
+    const int factored = has_factor(g, factor);
+    EACH {
+        __m512i code;
+        s[j] = block_step_avx512(g, q, c + j, &code);
+        _mm512_storeu_ps(scratch->steps + (c + j) * 16, s[j]);
+        _mm512_storeu_ps(scratch->factors + (c + j) * 16,
+                         factored ? block_factor_avx512(g, factor, q, c + j, code) : _mm512_set1_ps(1.0f));
+        s1[j] = s2[j] = s3[j] = _mm512_setzero_ps();
+    }
+    struct quotients qs;
+    int approximate = 0;
+    if (g->direct) { /* 1/s within 2^-23: the first estimate and one Newton step */
+        __mmask16 every = 0xFFFF;
+        EACH {
+            const __m512 r = _mm512_rcp14_ps(s[j]);
+            qs.rs[j] = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(s[j], r, _mm512_set1_ps(1.0f)), r);
+            every &= float_grid_fast_avx512(s[j], qs.rs[j], amax);
+        }
+        approximate = every == 0xFFFF;
+    }
+    if (!approximate) reciprocals_avx512(s, &amax, 0, width, &qs);
+    for (int64_t k = 0; k < run; ++k) {
+        __m512 scaled[WIDTH_AVX512], e[WIDTH_AVX512], we[WIDTH_AVX512];
+        const __m512 v = _mm512_abs_ps(t[k]);
+        if (approximate) {
+            EACH scaled[j] = _mm512_mul_ps(v, qs.rs[j]);
+        } else {
+            quotients_avx512(&v, 0, s, &qs, width, scaled);
+        }
+        EACH e[j] = float_grid_round_magnitude_avx512(scaled[j], &g->elements);
+        if (g->direct) {
+            EACH e[j] = _mm512_sub_ps(_mm512_mul_ps(e[j], s[j]), v);
+        } else {
+            EACH e[j] = _mm512_sub_ps(e[j], scaled[j]);
+        }
+        EACH e[j] = _mm512_abs_ps(e[j]);
+        EACH we[j] = tw ? _mm512_mul_ps(e[j], tw[k]) : e[j];
+        EACH s1[j] = _mm512_add_ps(s1[j], we[j]);
+        EACH we[j] = _mm512_mul_ps(we[j], e[j]);
+        EACH s2[j] = _mm512_add_ps(s2[j], we[j]);
+        EACH s3[j] = _mm512_fmadd_ps(we[j], e[j], s3[j]);
+    }
+    EACH {
+        const __m512 f = _mm512_loadu_ps(scratch->factors + (c + j) * 16);
+        const __mmask16 small = ~(bounded_avx512(s1[j]) & bounded_avx512(s2[j]) & bounded_avx512(s3[j]) &
+                                  bounded_avx512(f));
+        const __m512 l1 = log2_cubic_avx512(s1[j]), l2 = log2_cubic_avx512(s2[j]), l3 = log2_cubic_avx512(s3[j]);
+        const __m512 lf = factored ? log2_cubic_avx512(f) : _mm512_setzero_ps();
+        __m512 upper = _mm512_fmadd_ps(_mm512_set1_ps(b->upper[0]), l1, lf);
+        upper = _mm512_fmadd_ps(_mm512_set1_ps(b->upper[1]), l2, upper);
+        upper = _mm512_fmadd_ps(_mm512_set1_ps(b->upper[2]), l3, upper);
+        __m512 lower = _mm512_fmadd_ps(_mm512_set1_ps(b->lower[0]), l1, lf);
+        lower = _mm512_fmadd_ps(_mm512_set1_ps(b->lower[1]), l2, lower);
+        lower = _mm512_fmadd_ps(_mm512_set1_ps(b->lower[2]), l3, lower);
+        upper = _mm512_mask_mov_ps(upper, small, _mm512_set1_ps(__builtin_inff()));
+        lower = _mm512_mask_mov_ps(lower, small, _mm512_set1_ps(-__builtin_inff()));
+        *least_upper = _mm512_min_ps(upper, *least_upper); /* a NaN bound gives the second operand */
+        _mm512_storeu_ps(scratch->lower + (c + j) * 16, lower);
+    }
+}
+
+/* Pass 2 for `width` vectors of sixteen pairs from pairs[0]: the sums of block_candidates_avx512, each
+ * lane reading its own row (a permute of t[k], and of amax, each row's largest |v|) and its candidate's
+ * step, so each lane's quotient, error and sum are those of the full pass. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+pair_sums_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
+                 const int32_t *pairs, const float *steps, int width, int kind, float *sums) {
+    const __m512 norm = _mm512_set1_ps(g->norm);
+    __m512 s[WIDTH_AVX512], v[WIDTH_AVX512], err[WIDTH_AVX512], sum[WIDTH_AVX512];
+    EACH {
+        const __m512i pair = _mm512_loadu_si512((const void *)(pairs + 16 * j));
+        s[j] = _mm512_i32gather_ps(pair, steps, 4);
+        v[j] = _mm512_permutexvar_ps(pair, amax); /* permutexvar reads the low four bits of c*16 + row: the row */
+        sum[j] = _mm512_setzero_ps();
+    }
+    struct quotients qs;
+    reciprocals_avx512(s, v, 1, width, &qs);
+    for (int64_t k = 0; k < run; ++k) {
+        EACH v[j] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)(pairs + 16 * j)), t[k]);
+        errors_avx512(v, 1, s, &qs, g, norm, width, kind, err);
+        if (tw) {
+            EACH err[j] = _mm512_mul_ps(err[j], _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)(pairs + 16 * j)), tw[k]));
+        }
+        EACH sum[j] = _mm512_add_ps(sum[j], err[j]);
+    }
+    EACH _mm512_storeu_ps(sums + 16 * j, sum[j]);
+}
+
+/* The pick of one block in the two passes; best and index as block_candidates_avx512 leaves them. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+block_pruned_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
+                    const float *factor, int64_t q, const struct prune *b, const struct prune_scratch *scratch,
+                    __m512 *best, __m512i *index) {
+    __m512 least_upper = _mm512_set1_ps(__builtin_inff());
+    int64_t c = 0;
+    for (; c + 4 <= g->count; c += 4) block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
+    for (; c < g->count; ++c) block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 1, b, scratch, &least_upper);
+    /* max(least U + slack, log2 of the floor): a value below the floor is never told apart */
+    const __m512 threshold = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_add_ps(least_upper, _mm512_set1_ps(b->slack)));
+    const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t n = 0;
+    for (c = 0; c < g->count; ++c) { /* NGT: a NaN lower bound keeps its pair */
+        const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(scratch->lower + c * 16), threshold, _CMP_NGT_UQ);
+        _mm512_mask_compressstoreu_epi32(scratch->pairs + n, keep, _mm512_add_epi32(rows, _mm512_set1_epi32((int)(c * 16))));
+        n += __builtin_popcount(keep);
+    }
+    /* whole groups of four vectors, so that every call has four or eight chains to overlap */
+    for (int64_t i = n; i % 64; ++i) scratch->pairs[i] = scratch->pairs[0];
+    const int64_t vectors = (n + 63) / 64 * 4;
+    int64_t v = 0;
+    for (; v + 8 <= vectors; v += 8)
+        pair_sums_avx512(t, tw, run, amax, g, scratch->pairs + v * 16, scratch->steps, 8, POWER_ANY,
+                         scratch->sums + v * 16);
+    for (; v < vectors; v += 4)
+        pair_sums_avx512(t, tw, run, amax, g, scratch->pairs + v * 16, scratch->steps, 4, POWER_ANY,
+                         scratch->sums + v * 16);
+    float least[16], *values = scratch->sums;
+    int32_t chosen[16];
+    const int factored = has_factor(g, factor);
+    for (int r = 0; r < 16; ++r) least[r] = __builtin_inff(), chosen[r] = 0;
+    for (int64_t i = 0; i < n; ++i) { /* pairs in candidate order: strict <, so the first least is kept */
+        const int32_t pair = scratch->pairs[i];
+        float value = factored ? values[i] * scratch->factors[pair] : values[i];
+        if (value != value) value = __builtin_inff();
+        if (value < least[pair & 15]) least[pair & 15] = value, chosen[pair & 15] = pair >> 4;
+    }
+    *best = _mm512_loadu_ps(least);
+    *index = _mm512_loadu_si512((const void *)chosen);
+}
+
+/* Whether every weight of the block is 0 or within [2^-100, +inf): what the bounds of the pruned pick need
+ * (>= 0 for the inequalities; no tiny weight, so a product weight*|e|^k below 2^-126, where fp32 keeps
+ * only an absolute precision of 2^-149, needs |e| < 2^-26 and errs by less than 2^-140). */
+__attribute__((target("avx512f"), always_inline)) static inline int weights_boundable_avx512(const __m512 *tw,
+                                                                                            int64_t run) {
+    __mmask16 ok = 0xFFFF;
+    for (int64_t k = 0; k < run; ++k)
+        ok &= _mm512_cmp_ps_mask(tw[k], _mm512_setzero_ps(), _CMP_EQ_OQ) |
+              (_mm512_cmp_ps_mask(tw[k], _mm512_set1_ps(PRUNE_FLOOR), _CMP_GE_OQ) &
+               _mm512_cmp_ps_mask(tw[k], _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ));
+    return ok == 0xFFFF;
+}
+
 __attribute__((target("avx512f"), always_inline)) static inline void
 block_avx512(const float *x, const float *weight, int64_t run, const struct grid *g, int64_t r0, int64_t groups,
-             int kind, const float *factor, float *best_value, int64_t *best_index, float *out) {
+             int kind, const float *factor, float *best_value, int64_t *best_index, float *out,
+             const struct prune *bounds, const struct prune_scratch *scratch) {
     __m512 t[32], tw[32];
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)run));
@@ -339,19 +610,45 @@ block_avx512(const float *x, const float *weight, int64_t run, const struct grid
     const int64_t q = r0 % groups;
     __m512 best = _mm512_set1_ps(__builtin_inff());
     __m512i index = _mm512_setzero_si512();
-    __m512i *picks = best_index ? &index : 0;
-    float *o = out ? out + r0 : 0;
-    int64_t c = 0;
-    for (; c + 8 <= g->count; c += 8)
-        block_candidates_avx512(t, w, run, amax, g, factor, q, c, 8, kind, o, &best, picks);
-    for (; c + 4 <= g->count; c += 4)
-        block_candidates_avx512(t, w, run, amax, g, factor, q, c, 4, kind, o, &best, picks);
-    for (; c < g->count; ++c) block_candidates_avx512(t, w, run, amax, g, factor, q, c, 1, kind, o, &best, picks);
+    if (best_index && bounds && scratch && (!w || weights_boundable_avx512(w, run))) {
+        block_pruned_avx512(t, w, run, amax, g, factor, q, bounds, scratch, &best, &index);
+    } else {
+        __m512i *picks = best_index ? &index : 0;
+        float *o = out ? out + r0 : 0;
+        int64_t c = 0;
+        for (; c + 8 <= g->count; c += 8)
+            block_candidates_avx512(t, w, run, amax, g, factor, q, c, 8, kind, o, &best, picks);
+        for (; c + 4 <= g->count; c += 4)
+            block_candidates_avx512(t, w, run, amax, g, factor, q, c, 4, kind, o, &best, picks);
+        for (; c < g->count; ++c) block_candidates_avx512(t, w, run, amax, g, factor, q, c, 1, kind, o, &best, picks);
+    }
     if (best_index) {
         _mm512_storeu_ps(best_value + r0, best);
         _mm512_storeu_si512((void *)(best_index + r0), _mm512_cvtepi32_epi64(_mm512_castsi512_si256(index)));
         _mm512_storeu_si512((void *)(best_index + r0 + 8), _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(index, 1)));
     }
+}
+
+/* A thread's prune_scratch for `count` candidates (NULL: the pick runs without bounds). */
+static struct prune_scratch *prune_scratch_new(int64_t count) {
+    const int64_t cells = count * 16 + 64;
+    struct prune_scratch *scratch = malloc(sizeof *scratch);
+    if (!scratch) return 0;
+    scratch->steps = malloc(4 * cells * sizeof(float) + cells * sizeof(int32_t));
+    if (!scratch->steps) {
+        free(scratch);
+        return 0;
+    }
+    scratch->factors = scratch->steps + cells;
+    scratch->lower = scratch->factors + cells;
+    scratch->sums = scratch->lower + cells;
+    scratch->pairs = (int32_t *)(scratch->sums + cells);
+    return scratch;
+}
+
+static void prune_scratch_free(struct prune_scratch *scratch) {
+    if (scratch) free(scratch->steps);
+    free(scratch);
 }
 
 __attribute__((target("avx512f"))) void
@@ -365,16 +662,27 @@ group_float_grid_avx512(const float *x, const float *weight, int64_t rows, int64
     set_rule(&g, rule, amax, p, global, power, divisor, eps);
     const int kind = power_kind(norm, direct);
     if (run <= 32 && pieces == 1 && groups % 16 == 0 && (rule != RULE_TABLE || step_q == 0 || step_q == 1)) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t b = 0; b < rows / 16; ++b) {
-            if (kind == POWER_ONE)
-                block_avx512(x, weight, run, &g, b * 16, groups, POWER_ONE, factor, best_value, best_index, out);
-            else if (kind == POWER_TWO)
-                block_avx512(x, weight, run, &g, b * 16, groups, POWER_TWO, factor, best_value, best_index, out);
-            else if (kind == POWER_THREE)
-                block_avx512(x, weight, run, &g, b * 16, groups, POWER_THREE, factor, best_value, best_index, out);
-            else
-                block_avx512(x, weight, run, &g, b * 16, groups, POWER_ANY, factor, best_value, best_index, out);
+        struct prune bounds;
+        const int prunable = best_index && prune_of(norm, kind, count, &bounds);
+#pragma omp parallel num_threads(threads)
+        {
+            struct prune_scratch *scratch = prunable ? prune_scratch_new(count) : 0;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < rows / 16; ++b) {
+                if (kind == POWER_ONE)
+                    block_avx512(x, weight, run, &g, b * 16, groups, POWER_ONE, factor, best_value, best_index, out,
+                                 0, 0);
+                else if (kind == POWER_TWO)
+                    block_avx512(x, weight, run, &g, b * 16, groups, POWER_TWO, factor, best_value, best_index, out,
+                                 0, 0);
+                else if (kind == POWER_THREE)
+                    block_avx512(x, weight, run, &g, b * 16, groups, POWER_THREE, factor, best_value, best_index,
+                                 out, 0, 0);
+                else
+                    block_avx512(x, weight, run, &g, b * 16, groups, POWER_ANY, factor, best_value, best_index, out,
+                                 prunable ? &bounds : 0, scratch);
+            }
+            prune_scratch_free(scratch);
         }
         return;
     }
