@@ -21,8 +21,9 @@ llm-compressor's sequential shrink loop with early stop on those picks, so a sea
 or scans a candidate table. With a fractional norm between 1 and 3 and 32 or more candidates
 (the NVFP4 shrink searches: 2.4 over 111), the AVX-512 pick bounds each candidate's sum from its
 sums of ``|e|``, ``e²`` and ``|e|³`` and takes the power only for the few that may be least
-(about 6 of 111 per group): the same picks, a third faster. ``|e|^norm`` is exact for norm 1 and 2 (3 with ``direct``), else a few
-ulps from the exact power, as in ``observers.mse_kernel``; the fp32 sums run in another order. So
+(about 6 of 111 per group): the same picks, a third faster. ``|e|^norm`` is exact for norm 1 and 2
+(3 with ``direct``), else a few ulps from the exact power, as in ``observers.mse_kernel``; the
+fp32 sums run in another order. So
 the sums differ from the eager ones by a few ulps, which can flip only a group whose two best
 candidates tie to ~1e-6 (exact ties, two candidates giving the same dequantized values, stay exact
 ties: each candidate's sum runs in the same order). It returns None whenever the eager path must
