@@ -19,7 +19,7 @@ or NVFP4's, where each candidate block scale is cast to E4M3 inside the candidat
 group's least error and first candidate reaching it (``argmin``), and ``shrink_search`` runs
 llm-compressor's sequential shrink loop with early stop on those picks, so a search never writes
 or scans a candidate table. With a fractional norm between 1 and 3 and 32 or more candidates
-(the NVFP4 shrink searches: 2.4 over 111), the AVX-512 pick bounds each candidate's sum from its
+(the NVFP4 shrink searches: 2.4 over 111), the pick over short groups bounds each candidate's sum from its
 sums of ``|e|``, ``e²`` and ``|e|³`` and takes the power only for the few that may be least
 (about 6 of 111 per group): the same picks, a third faster. ``|e|^norm`` is exact for norm 1 and 2
 (3 with ``direct``), else a few ulps from the exact power, as in ``observers.mse_kernel``; the

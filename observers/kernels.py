@@ -16,7 +16,8 @@ has already loaded ``libgomp.so.1``, so the kernel splits the runs over
 compete with them.
 
 Everything else stays eager torch, and so does this reduction whenever the kernel cannot help:
-no compiler, a build failure, a CPU without AVX2, ``OBSERVERS_NATIVE=0``, CUDA tensors, other
+no compiler, a build failure, a CPU without AVX2, ``OBSERVERS_NATIVE=0`` (``avx2``: at most the
+AVX2 variants), CUDA tensors, other
 dtypes, non-contiguous views (e.g. per-input-channel or 2-D block layouts), runs shorter than
 ``MIN_RUN`` or tensors smaller than ``MIN_ELEMENTS``. ``status()`` says which path is in use and
 why. Both paths give the same numbers (the min and max are selections, not sums).
@@ -128,9 +129,18 @@ def _build(compiler: str, name: str) -> Path:
     return library
 
 
+NATIVE_CHOICES = {"0": "eager", "1": "the best variant this CPU runs", "avx2": "at most the AVX2 variants"}
+"""What ``$OBSERVERS_NATIVE`` may say. ``avx2`` runs an AVX-512 machine as a machine without
+AVX-512 would (benchmarks of the AVX2 variants; tests run every variant anyway)."""
+
+
 def _load(name: str) -> tuple[ctypes.CDLL | None, int, str]:
     """(library, SIMD level, status line) of ``csrc/<name>.c``, built if needed."""
-    if os.environ.get("OBSERVERS_NATIVE", "1") == "0":
+    choice = os.environ.get("OBSERVERS_NATIVE", "1")
+    if choice not in NATIVE_CHOICES:
+        allowed = ", ".join(f"{key} ({meaning})" for key, meaning in NATIVE_CHOICES.items())
+        raise ValueError(f"OBSERVERS_NATIVE must be one of {allowed}; got {choice!r}")
+    if choice == "0":
         return None, 0, "eager: native kernel disabled by OBSERVERS_NATIVE=0"
     compiler = _compiler()
     if compiler is None:
@@ -143,6 +153,8 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, int, str]:
     level = int(library.simd_level())
     if level == 0:
         return None, 0, "eager: this CPU has no AVX2 with FMA, which the native kernels need"
+    if choice == "avx2" and level > 1:
+        return library, 1, f"native (avx2 by OBSERVERS_NATIVE=avx2, {path.name})"
     return library, level, f"native ({ISA_NAMES[level]}, {path.name})"
 
 

@@ -189,10 +189,10 @@ def _want_pick(sums: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.T
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("run", [16, 32])
 def test_pick_with_a_fractional_norm_is_the_full_pick_on_hard_rows(norm, direct, run):
-    """A fractional norm's pick skips the candidates its bounds rule out (AVX-512, sixteen rows per
-    block) and must still give the very least value and first index of the full sums: zero-error and
-    all-tied candidates, tiny, huge, subnormal and non-finite rows, zero weights, negative and tiny
-    weights (which turn the bounds off), zero and NaN factors."""
+    """A fractional norm's pick skips the candidates its bounds rule out (rows in blocks of sixteen on
+    AVX-512, eight on AVX2) and must still give the very least value and first index of the full
+    sums: zero-error and all-tied candidates, tiny, huge, subnormal and non-finite rows, zero
+    weights, negative and tiny weights (which turn the bounds off), zero and NaN factors."""
     fmt = FORMATS["fp4_e2m1"]
     data = _hard_rows(run, seed=int(norm * 10) + run)
     groups = data.shape[1]
@@ -276,8 +276,8 @@ def test_batched_candidate_steps_equal_one_rule_call_per_candidate(dtype):
 @pytest.mark.parametrize("groups_of", [16, 20])
 def test_step_rules_give_the_step_tables_results(groups_of):
     """The steps the kernel computes (NVFP4's E4M3 block scales per candidate, the free fp32 rule)
-    give the very sums and picks of the torch-built ``(C, Q)`` tables, on every variant (rows of
-    whole sixteens of groups take the AVX-512 lane-per-row path, the others the row loop)."""
+    give the very sums and picks of the torch-built ``(C, Q)`` tables, on every variant (256 and 320
+    groups: the lane-per-row paths of AVX-512 and AVX2)."""
     spec = ob.QuantSpec("nvfp4")
     w = llm_weight(groups_of, 256, seed=5)
     w[1] = 0.0

@@ -180,6 +180,23 @@ def test_observer_qparams_are_identical_with_and_without_the_kernel(fresh_kernel
 
 
 @needs_kernel
+def test_observers_native_avx2_runs_the_avx2_variants_and_a_bad_value_is_named(fresh_kernel):
+    fresh_kernel.setenv("OBSERVERS_NATIVE", "avx2")
+    kernels.reset()
+    assert kernels.available_isas() == ["avx2"]
+    assert kernels.in_use("group_min_max")[1] == "avx2"
+    assert kernels.status().startswith("native (avx2")
+    data = torch.randn(1, 256, 8, 128)
+    low, high = kernels.group_min_max(data)
+    want_low, want_high = _eager(data)
+    assert torch.equal(low, want_low) and torch.equal(high, want_high)
+    fresh_kernel.setenv("OBSERVERS_NATIVE", "fast")
+    kernels.reset()
+    with pytest.raises(ValueError, match="OBSERVERS_NATIVE must be one of 0 .*avx2.*got 'fast'"):
+        kernels.status()
+
+
+@needs_kernel
 def test_disabled_block_takes_the_eager_path_and_restores_the_kernel_after():
     data = torch.randn(1, 256, 8, 128)
     with kernels.disabled():

@@ -109,6 +109,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_gr
     return _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
 }
 
+/* As float_grid_round_magnitude_avx512. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_grid_round_magnitude_avx2(
+    __m256 a, const struct float_grid *g) {
+    a = _mm256_min_ps(_mm256_set1_ps(g->max_value), a);
+    const __m256i field = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7F800000)),
+                                           _mm256_set1_epi32(g->min_field));
+    const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(field, _mm256_set1_epi32(g->magic_shift)));
+    return _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+}
+
 /* As float_grid_quotient_avx512. */
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_grid_quotient_avx2(__m256 v, __m256 s,
                                                                                                __m256 r) {

@@ -30,11 +30,12 @@
  *   or with rule 2 and `power`, power[c*128 + E4M3 code of the block scale]: s^norm for errors in steps)
  *   to best_value[u] and the first candidate reaching it to best_index[u], NaN read as +inf: the (C, Q)
  *   errors are never written or read back.
- *   AVX-512 also has a lane-per-row path for short groups (run <= 32, groups % 16 == 0: NVFP4, MX),
- *   whose pick with a fractional norm between 1 and 3 first bounds every candidate's value from three
- *   cheap sums and computes the full sums only of the candidates that may be least (the same picks,
- *   about 6 of 111 candidates per row; see "pick mode with a fractional norm"), and divides by one
- *   fma-corrected reciprocal multiply (exact; see reciprocals_avx512).
+ *   Short groups (run <= 32: NVFP4, MX) take a lane-per-row path, sixteen rows per vector on AVX-512
+ *   (groups % 16 == 0), eight on AVX2 (groups % 8 == 0), whose pick with a fractional norm between 1
+ *   and 3 and 32 or more candidates first bounds every candidate's value from three cheap sums and
+ *   computes the full sums only of the candidates that may be least (the same picks, about 6 of 111
+ *   candidates per row; see "pick mode with a fractional norm"). AVX-512 divides by one fma-corrected
+ *   reciprocal multiply (exact; see reciprocals_avx512), AVX2 with the divide.
  * simd_level() (simd_level.h) says which variants this CPU runs.
  */
 #include <stdint.h>
@@ -151,6 +152,113 @@ static void pick(const float *sums, const struct grid *g, const float *factor, i
     *best_index = index;
 }
 
+/* ------------------------------------------------ pick mode with a fractional norm: bounds first
+ *
+ * A fractional norm 1 < p < 3 (llm-compressor's NVFP4 searches use 2.4) costs a logarithm and an
+ * exponential per element and candidate, two thirds of the work, while a row's least error is usually
+ * among a handful of its 111 candidates. So the pick runs in two passes over the block:
+ *   1. every candidate's S1, S2, S3 per row (S_k = sum of weight * |e|^k, e the error this kernel powers,
+ *      or one within a few parts in a million of it: block_bounds_avx512), which bound its sum S_p:
+ *      log S_p is convex in p (a log-sum-exp of p * log|e|), so it lies below the chord through
+ *      (2, log S2), (3, log S3) (through (1, .), (2, .) for p < 2) and above the chord through the other
+ *      pair, extended (Holder's and Lyapunov's inequalities). With the pick factor these give each
+ *      candidate an upper bound U and a lower bound L of its value, in log2.
+ *   2. the full sums only for the (row, candidate) pairs whose L does not exceed max(the row's least
+ *      U + slack, log2 of PRUNE_FLOOR), a vector of pairs at a time; any other candidate's value
+ *      exceeds the row's least value, so it can neither be the least nor tie it. About 6 of 111
+ *      candidates per row remain on LLM-like weights.
+ * A pair's sum is the very sum of the full pass (block_candidates_avx512 or _avx2: the same step,
+ * lane-wise quotient, power and order over k), so the picks are those of the full pass. The slack
+ * covers the cubic log2 (LOG2_CUBIC_ERROR), the fp32 roundings of S_k and the power's few ulps. Values
+ * below PRUNE_FLOOR are never pruned against each other: there fp32 sums lose their relative precision
+ * (subnormal terms, powers that underflow to 0). A candidate whose S_k or factor for a row is below
+ * the floor, NaN or infinite bounds nothing there and is kept (U = +inf, L = -inf). Weights must be 0
+ * or at least PRUNE_FLOOR (weights_boundable_avx512), else the block takes the full pass. */
+
+#define LOG2_CUBIC_ERROR 0x1p-10f /* the cubic below is within 6.4e-4 of log2 on [1, 2) */
+/* log2 m ~ ((C3*m + C2)*m + C1)*m + C0 on [1, 2) (a least-squares fit, weighted to its largest errors) */
+#define LOG2_C3 0.15823961f
+#define LOG2_C2 -1.05182488f
+#define LOG2_C1 3.04779769f
+#define LOG2_C0 -2.15357394f
+#define PRUNE_FLOOR 0x1p-100f
+
+/* The chords' coefficients for log2 S1, log2 S2, log2 S3, and the slack of a comparison. */
+struct prune {
+    float upper[3], lower[3], slack;
+};
+
+/* Whether a pick over `count` candidates of a `kind` power prunes with bounds, and their coefficients: a
+ * norm strictly between 1 and 3 and not 2 (a general power, POWER_ANY), and at least PRUNE_COUNT
+ * candidates (about 6 per row remain whatever the count, so fewer leave too little to skip: mse_grid's
+ * chunks of 5 ran 35% slower pruned). */
+#define PRUNE_COUNT 32
+static int prune_of(double norm, int kind, int64_t count, struct prune *b) {
+    if (kind != POWER_ANY || !(norm > 1.0 && norm < 3.0) || norm == 2.0 || count < PRUNE_COUNT) return 0;
+    const float p = (float)norm;
+    if (p > 2.0f) { /* upper: chord (2, 3); lower: chord (1, 2) extended */
+        b->upper[0] = 0.0f, b->upper[1] = 3.0f - p, b->upper[2] = p - 2.0f;
+        b->lower[0] = -(p - 2.0f), b->lower[1] = p - 1.0f, b->lower[2] = 0.0f;
+    } else { /* upper: chord (1, 2); lower: chord (2, 3) extended back */
+        b->upper[0] = 2.0f - p, b->upper[1] = p - 1.0f, b->upper[2] = 0.0f;
+        b->lower[0] = 0.0f, b->lower[1] = 3.0f - p, b->lower[2] = -(2.0f - p);
+    }
+    float weight = 2.0f; /* the factor's log2, in both bounds */
+    for (int i = 0; i < 3; ++i) weight += __builtin_fabsf(b->upper[i]) + __builtin_fabsf(b->lower[i]);
+    b->slack = weight * LOG2_CUBIC_ERROR + 0x1p-12f;
+    return 1;
+}
+
+/* A thread's scratch for the two passes over one block: per candidate and row (c*lanes + row, 16 lanes on
+ * AVX-512, 8 on AVX2) its step, pick factor and lower bound, then the pairs that remain (c*lanes + row,
+ * padded to whole groups of four vectors) and their sums. */
+struct prune_scratch {
+    float *steps, *factors, *lower, *sums;
+    int32_t *pairs;
+};
+
+/* A thread's prune_scratch for `count` candidates (NULL: the pick runs without bounds). */
+static struct prune_scratch *prune_scratch_new(int64_t count) {
+    const int64_t cells = count * 16 + 64;
+    struct prune_scratch *scratch = malloc(sizeof *scratch);
+    if (!scratch) return 0;
+    scratch->steps = malloc(4 * cells * sizeof(float) + cells * sizeof(int32_t));
+    if (!scratch->steps) {
+        free(scratch);
+        return 0;
+    }
+    scratch->factors = scratch->steps + cells;
+    scratch->lower = scratch->factors + cells;
+    scratch->sums = scratch->lower + cells;
+    scratch->pairs = (int32_t *)(scratch->sums + cells);
+    return scratch;
+}
+
+static void prune_scratch_free(struct prune_scratch *scratch) {
+    if (scratch) free(scratch->steps);
+    free(scratch);
+}
+
+/* The pick over the pairs pass 2 summed (pair = c << shift | row, in candidate order), as pick() and the
+ * block picks take it: each sum times its factor (when factored), NaN read as +inf, strict <, so each
+ * row keeps its first least; rows without a pair keep +inf and candidate 0. */
+static void pick_pairs(const struct prune_scratch *scratch, int64_t n, int factored, int shift, float *least,
+                       int32_t *chosen) {
+    const int32_t rows = 1 << shift;
+    for (int32_t r = 0; r < rows; ++r) least[r] = __builtin_inff(), chosen[r] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t pair = scratch->pairs[i], row = pair & (rows - 1);
+        float value = factored ? scratch->sums[i] * scratch->factors[pair] : scratch->sums[i];
+        if (value != value) value = __builtin_inff();
+        if (value < least[row]) least[row] = value, chosen[row] = pair >> shift;
+    }
+}
+
+/* Whether candidate sums are multiplied by a factor before the pick (factor_of's). */
+static inline int has_factor(const struct grid *g, const float *factor) {
+    return factor || (g->rule == RULE_E4M3 && g->power);
+}
+
 /* ---------------------------------------------------------------- AVX-512 */
 
 
@@ -194,7 +302,8 @@ quotients_avx512(const __m512 *v, int v_step, const __m512 *s, const struct quot
     EACH scaled[j] = float_grid_quotient_avx512(v[j * v_step], s[j], qs->rs[j]);
     if (qs->all) return;
     EACH {
-        if (qs->safe[j] != 0xFFFF) scaled[j] = _mm512_mask_div_ps(scaled[j], (__mmask16)~qs->safe[j], v[j * v_step], s[j]);
+        if (qs->safe[j] != 0xFFFF)
+            scaled[j] = _mm512_mask_div_ps(scaled[j], (__mmask16)~qs->safe[j], v[j * v_step], s[j]);
     }
 }
 
@@ -316,11 +425,6 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 block_ste
     return _mm512_div_ps(e, global);
 }
 
-/* Whether candidate sums are multiplied by a factor before the pick (factor_of's). */
-static inline int has_factor(const struct grid *g, const float *factor) {
-    return factor || (g->rule == RULE_E4M3 && g->power);
-}
-
 /* Candidate c's pick factors for rows q..q+15 (`code` from block_step_avx512), when has_factor. */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
 block_factor_avx512(const struct grid *g, const float *factor, int64_t q, int64_t c, __m512i code) {
@@ -364,64 +468,12 @@ block_candidates_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 a
     }
 }
 
-/* ------------------------------------------------ pick mode with a fractional norm: bounds first
- *
- * A fractional norm 1 < p < 3 (llm-compressor's NVFP4 searches use 2.4) costs a logarithm and an
- * exponential per element and candidate, two thirds of the work, while a row's least error is usually
- * among a handful of its 111 candidates. So the pick runs in two passes over the block:
- *   1. every candidate's S1, S2, S3 per row (S_k = sum of weight * |e|^k, e the error this kernel powers,
- *      or one within a few parts in a million of it: block_bounds_avx512), which bound its sum S_p:
- *      log S_p is convex in p (a log-sum-exp of p * log|e|), so it lies below the chord through
- *      (2, log S2), (3, log S3) (through (1, .), (2, .) for p < 2) and above the chord through the other
- *      pair, extended (Holder's and Lyapunov's inequalities). With the pick factor these give each
- *      candidate an upper bound U and a lower bound L of its value, in log2.
- *   2. the full sums only for the (row, candidate) pairs whose L does not exceed max(the row's least U
- *      + slack, log2 of PRUNE_FLOOR), sixteen pairs per vector; any other candidate's value exceeds the
- *      row's least value, so it can neither be the least nor tie it. About 6 of 111 candidates per row
- *      remain on LLM-like weights.
- * A pair's sum is the very sum of block_candidates_avx512 (the same step, lane-wise quotient, power and
- * order over k), so the picks are those of the full pass. The slack covers the cubic log2
- * (LOG2_CUBIC_ERROR), the fp32 roundings of S_k and the power's few ulps. Values below PRUNE_FLOOR are
- * never pruned against each other: there fp32 sums lose their relative precision (subnormal terms,
- * powers that underflow to 0). A candidate whose S_k or factor for a row is below the floor, NaN or
- * infinite bounds nothing there and is kept (U = +inf, L = -inf). Weights must be 0 or at least
- * PRUNE_FLOOR (weights_boundable_avx512), else the block takes the full pass. */
-
-#define LOG2_CUBIC_ERROR 0x1p-10f /* the cubic below is within 6.4e-4 of log2 on [1, 2) */
-#define PRUNE_FLOOR 0x1p-100f
-
-/* The chords' coefficients for log2 S1, log2 S2, log2 S3, and the slack of a comparison. */
-struct prune {
-    float upper[3], lower[3], slack;
-};
-
-/* Whether a pick over `count` candidates of a `kind` power prunes with bounds, and their coefficients: a
- * norm strictly between 1 and 3 and not 2 (a general power, POWER_ANY), and at least PRUNE_COUNT
- * candidates (about 6 per row remain whatever the count, so fewer leave too little to skip: mse_grid's
- * chunks of 5 ran 35% slower pruned). */
-#define PRUNE_COUNT 32
-static int prune_of(double norm, int kind, int64_t count, struct prune *b) {
-    if (kind != POWER_ANY || !(norm > 1.0 && norm < 3.0) || norm == 2.0 || count < PRUNE_COUNT) return 0;
-    const float p = (float)norm;
-    if (p > 2.0f) { /* upper: chord (2, 3); lower: chord (1, 2) extended */
-        b->upper[0] = 0.0f, b->upper[1] = 3.0f - p, b->upper[2] = p - 2.0f;
-        b->lower[0] = -(p - 2.0f), b->lower[1] = p - 1.0f, b->lower[2] = 0.0f;
-    } else { /* upper: chord (1, 2); lower: chord (2, 3) extended back */
-        b->upper[0] = 2.0f - p, b->upper[1] = p - 1.0f, b->upper[2] = 0.0f;
-        b->lower[0] = 0.0f, b->lower[1] = 3.0f - p, b->lower[2] = -(2.0f - p);
-    }
-    float weight = 2.0f; /* the factor's log2, in both bounds */
-    for (int i = 0; i < 3; ++i) weight += __builtin_fabsf(b->upper[i]) + __builtin_fabsf(b->lower[i]);
-    b->slack = weight * LOG2_CUBIC_ERROR + 0x1p-12f;
-    return 1;
-}
-
 /* log2 x within LOG2_CUBIC_ERROR for normal x > 0: exponent plus a cubic in the mantissa. */
 __attribute__((target("avx512f"), always_inline)) static inline __m512 log2_cubic_avx512(__m512 x) {
     const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
-    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(0.15823961f), m, _mm512_set1_ps(-1.05182488f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(3.04779769f));
-    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-2.15357394f));
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(LOG2_C3), m, _mm512_set1_ps(LOG2_C2));
+    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(LOG2_C1));
+    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(LOG2_C0));
     return _mm512_add_ps(_mm512_getexp_ps(x), y);
 }
 
@@ -430,13 +482,6 @@ __attribute__((target("avx512f"), always_inline)) static inline __mmask16 bounde
     return _mm512_cmp_ps_mask(x, _mm512_set1_ps(PRUNE_FLOOR), _CMP_GE_OQ) &
            _mm512_cmp_ps_mask(x, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
 }
-
-/* A thread's scratch for the two passes over one block: per candidate and row (c*16 + row) its step, pick
- * factor and lower bound, then the pairs that remain (c*16 + row, padded to whole vectors) and their sums. */
-struct prune_scratch {
-    float *steps, *factors, *lower, *sums;
-    int32_t *pairs;
-};
 
 /* Pass 1 for `width` candidates from c: steps and factors kept, lower bounds stored, least upper bound per
  * row updated. The errors are taken on |v| (the grid rounding is symmetric: the same |e|, one clamp less)
@@ -518,19 +563,20 @@ pair_sums_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, co
                  const int32_t *pairs, const float *steps, int width, int kind, float *sums) {
     const __m512 norm = _mm512_set1_ps(g->norm);
     __m512 s[WIDTH_AVX512], v[WIDTH_AVX512], err[WIDTH_AVX512], sum[WIDTH_AVX512];
+    __m512i pair[WIDTH_AVX512];
     EACH {
-        const __m512i pair = _mm512_loadu_si512((const void *)(pairs + 16 * j));
-        s[j] = _mm512_i32gather_ps(pair, steps, 4);
-        v[j] = _mm512_permutexvar_ps(pair, amax); /* permutexvar reads the low four bits of c*16 + row: the row */
+        pair[j] = _mm512_loadu_si512((const void *)(pairs + 16 * j));
+        s[j] = _mm512_i32gather_ps(pair[j], steps, 4);
+        v[j] = _mm512_permutexvar_ps(pair[j], amax); /* permutexvar reads the low four bits of c*16 + row: the row */
         sum[j] = _mm512_setzero_ps();
     }
     struct quotients qs;
     reciprocals_avx512(s, v, 1, width, &qs);
     for (int64_t k = 0; k < run; ++k) {
-        EACH v[j] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)(pairs + 16 * j)), t[k]);
+        EACH v[j] = _mm512_permutexvar_ps(pair[j], t[k]);
         errors_avx512(v, 1, s, &qs, g, norm, width, kind, err);
         if (tw) {
-            EACH err[j] = _mm512_mul_ps(err[j], _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)(pairs + 16 * j)), tw[k]));
+            EACH err[j] = _mm512_mul_ps(err[j], _mm512_permutexvar_ps(pair[j], tw[k]));
         }
         EACH sum[j] = _mm512_add_ps(sum[j], err[j]);
     }
@@ -544,15 +590,18 @@ block_pruned_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax,
                     __m512 *best, __m512i *index) {
     __m512 least_upper = _mm512_set1_ps(__builtin_inff());
     int64_t c = 0;
-    for (; c + 4 <= g->count; c += 4) block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
+    for (; c + 4 <= g->count; c += 4)
+        block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
     for (; c < g->count; ++c) block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 1, b, scratch, &least_upper);
     /* max(least U + slack, log2 of the floor): a value below the floor is never told apart */
-    const __m512 threshold = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_add_ps(least_upper, _mm512_set1_ps(b->slack)));
+    const __m512 threshold =
+        _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_add_ps(least_upper, _mm512_set1_ps(b->slack)));
     const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t n = 0;
     for (c = 0; c < g->count; ++c) { /* NGT: a NaN lower bound keeps its pair */
         const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(scratch->lower + c * 16), threshold, _CMP_NGT_UQ);
-        _mm512_mask_compressstoreu_epi32(scratch->pairs + n, keep, _mm512_add_epi32(rows, _mm512_set1_epi32((int)(c * 16))));
+        const __m512i pairs = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(c * 16)));
+        _mm512_mask_compressstoreu_epi32(scratch->pairs + n, keep, pairs);
         n += __builtin_popcount(keep);
     }
     /* whole groups of four vectors, so that every call has four or eight chains to overlap */
@@ -565,16 +614,9 @@ block_pruned_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax,
     for (; v < vectors; v += 4)
         pair_sums_avx512(t, tw, run, amax, g, scratch->pairs + v * 16, scratch->steps, 4, POWER_ANY,
                          scratch->sums + v * 16);
-    float least[16], *values = scratch->sums;
+    float least[16];
     int32_t chosen[16];
-    const int factored = has_factor(g, factor);
-    for (int r = 0; r < 16; ++r) least[r] = __builtin_inff(), chosen[r] = 0;
-    for (int64_t i = 0; i < n; ++i) { /* pairs in candidate order: strict <, so the first least is kept */
-        const int32_t pair = scratch->pairs[i];
-        float value = factored ? values[i] * scratch->factors[pair] : values[i];
-        if (value != value) value = __builtin_inff();
-        if (value < least[pair & 15]) least[pair & 15] = value, chosen[pair & 15] = pair >> 4;
-    }
+    pick_pairs(scratch, n, has_factor(g, factor), 4, least, chosen);
     *best = _mm512_loadu_ps(least);
     *index = _mm512_loadu_si512((const void *)chosen);
 }
@@ -627,28 +669,6 @@ block_avx512(const float *x, const float *weight, int64_t run, const struct grid
         _mm512_storeu_si512((void *)(best_index + r0), _mm512_cvtepi32_epi64(_mm512_castsi512_si256(index)));
         _mm512_storeu_si512((void *)(best_index + r0 + 8), _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(index, 1)));
     }
-}
-
-/* A thread's prune_scratch for `count` candidates (NULL: the pick runs without bounds). */
-static struct prune_scratch *prune_scratch_new(int64_t count) {
-    const int64_t cells = count * 16 + 64;
-    struct prune_scratch *scratch = malloc(sizeof *scratch);
-    if (!scratch) return 0;
-    scratch->steps = malloc(4 * cells * sizeof(float) + cells * sizeof(int32_t));
-    if (!scratch->steps) {
-        free(scratch);
-        return 0;
-    }
-    scratch->factors = scratch->steps + cells;
-    scratch->lower = scratch->factors + cells;
-    scratch->sums = scratch->lower + cells;
-    scratch->pairs = (int32_t *)(scratch->sums + cells);
-    return scratch;
-}
-
-static void prune_scratch_free(struct prune_scratch *scratch) {
-    if (scratch) free(scratch->steps);
-    free(scratch);
 }
 
 __attribute__((target("avx512f"))) void
@@ -713,16 +733,17 @@ group_float_grid_avx512(const float *x, const float *weight, int64_t rows, int64
 /* ---------------------------------------------------------------- AVX2 */
 
 
-/* As errors_avx512 with AVX2's instructions: the exponent and mantissa come from the bits
+/* As errors_avx512 with AVX2's instructions (and the divide): the exponent and mantissa come from the bits
  * (denormals scaled by 2^23 first), log2 from an 8-entry table and a degree-5 series, 2^n is
  * applied in two halves (gradual underflow), and +inf/NaN errors pass through unchanged. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-errors_avx2(__m256 v, const __m256 *s, const struct grid *g, __m256 norm, int width, int kind, __m256 *err) {
+errors_avx2(const __m256 *v, int v_step, const __m256 *s, const struct grid *g, __m256 norm, int width, int kind,
+            __m256 *err) {
     __m256 scaled[WIDTH_AVX2], a[WIDTH_AVX2];
-    EACH scaled[j] = _mm256_div_ps(v, s[j]);
+    EACH scaled[j] = _mm256_div_ps(v[j * v_step], s[j]);
     EACH a[j] = float_grid_round_avx2(scaled[j], &g->elements);
     if (g->direct) {
-        EACH a[j] = _mm256_sub_ps(_mm256_mul_ps(a[j], s[j]), v);
+        EACH a[j] = _mm256_sub_ps(_mm256_mul_ps(a[j], s[j]), v[j * v_step]);
     } else {
         EACH a[j] = _mm256_sub_ps(a[j], scaled[j]);
     }
@@ -742,7 +763,8 @@ candidates_avx2(const float *x, const float *w, int64_t length, const struct gri
     }
     int64_t i = 0;
     for (; i + 8 <= length; i += 8) {
-        errors_avx2(_mm256_loadu_ps(x + i), s, g, norm, width, kind, err);
+        const __m256 v = _mm256_loadu_ps(x + i);
+        errors_avx2(&v, 0, s, g, norm, width, kind, err);
         if (w) {
             EACH err[j] = _mm256_mul_ps(err[j], _mm256_loadu_ps(w + i));
         }
@@ -750,7 +772,8 @@ candidates_avx2(const float *x, const float *w, int64_t length, const struct gri
     }
     if (i < length) {
         const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(length - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        errors_avx2(_mm256_maskload_ps(x + i, tail), s, g, norm, width, kind, err);
+        const __m256 v = _mm256_maskload_ps(x + i, tail);
+        errors_avx2(&v, 0, s, g, norm, width, kind, err);
         if (w) {
             EACH err[j] = _mm256_mul_ps(err[j], _mm256_maskload_ps(w + i, tail));
         }
@@ -767,6 +790,258 @@ unit_errors_avx2(const float *x, const float *w, int64_t length, const struct gr
     for (; c < g->count; ++c) candidates_avx2(x, w, length, g, q, c, 1, kind, out);
 }
 
+/* Short groups on AVX2, eight rows at a time, one row per lane: block_candidates_avx512's layout (sums
+ * over k in order, the pick a vector compare) and its bounded pick, with AVX2's instructions. Needs
+ * groups % 8 == 0 and step_q 0 or 1. */
+
+/* As block_step_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 block_step_avx2(const struct grid *g,
+                                                                                       int64_t q, int64_t c,
+                                                                                       __m256i *code) {
+    *code = _mm256_setzero_si256();
+    if (g->rule == RULE_TABLE) {
+        const float *at = g->step + c * g->step_c + q * g->step_q;
+        return g->step_q ? _mm256_loadu_ps(at) : _mm256_set1_ps(*at);
+    }
+    const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(g->amax + q), _mm256_set1_ps(g->p[c]));
+    if (g->rule == RULE_FREE)
+        return _mm256_max_ps(_mm256_set1_ps(g->eps), _mm256_div_ps(a, _mm256_set1_ps(g->divisor)));
+    const __m256 global = _mm256_set1_ps(g->global[c]);
+    __m256 raw = _mm256_mul_ps(_mm256_div_ps(a, _mm256_set1_ps(g->divisor)), global);
+    raw = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(0x1p-9f), raw));
+    const __m256 e = float_grid_round_avx2(raw, &g->e4m3); /* torch's cast: round half to even */
+    const __m256i bits = _mm256_castps_si256(e);
+    const __m256i normal =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(120)), 3),
+                        _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(7)));
+    const __m256i subnormal = _mm256_cvttps_epi32(_mm256_mul_ps(e, _mm256_set1_ps(512.0f)));
+    *code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(subnormal),
+                                                 _mm256_cmp_ps(e, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ)));
+    return _mm256_div_ps(e, global);
+}
+
+/* As block_factor_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256
+block_factor_avx2(const struct grid *g, const float *factor, int64_t q, int64_t c, __m256i code) {
+    if (g->rule == RULE_E4M3 && g->power) return _mm256_i32gather_ps(g->power + c * 128, code, 4);
+    const float *at = factor + c * g->step_c + q * g->step_q;
+    return g->step_q ? _mm256_loadu_ps(at) : _mm256_set1_ps(*at);
+}
+
+/* As block_candidates_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block_candidates_avx2(const __m256 *t, const __m256 *tw, int64_t run, const struct grid *g, const float *factor,
+                      int64_t q, int64_t c, int width, int kind, float *out, __m256 *best, __m256i *index) {
+    const __m256 norm = _mm256_set1_ps(g->norm);
+    __m256 s[WIDTH_AVX2], err[WIDTH_AVX2], sum[WIDTH_AVX2];
+    __m256i code[WIDTH_AVX2];
+    EACH {
+        sum[j] = _mm256_setzero_ps();
+        s[j] = block_step_avx2(g, q, c + j, &code[j]);
+    }
+    for (int64_t k = 0; k < run; ++k) {
+        errors_avx2(t + k, 0, s, g, norm, width, kind, err);
+        if (tw) {
+            EACH err[j] = _mm256_mul_ps(err[j], tw[k]);
+        }
+        EACH sum[j] = _mm256_add_ps(sum[j], err[j]);
+    }
+    if (!index) {
+        EACH _mm256_storeu_ps(out + (c + j) * g->units, sum[j]);
+        return;
+    }
+    for (int j = 0; j < width; ++j) { /* in candidate order: strict <, so the first least is kept */
+        __m256 value = sum[j];
+        if (has_factor(g, factor)) value = _mm256_mul_ps(value, block_factor_avx2(g, factor, q, c + j, code[j]));
+        value = _mm256_blendv_ps(value, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+        const __m256 lower = _mm256_cmp_ps(value, *best, _CMP_LT_OQ);
+        *best = _mm256_blendv_ps(*best, value, lower);
+        *index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(*index),
+                                                      _mm256_castsi256_ps(_mm256_set1_epi32((int)(c + j))), lower));
+    }
+}
+
+/* As log2_cubic_avx512 for normal x > 0, the exponent and mantissa from the bits. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 log2_cubic_avx2(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256 m = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)), _mm256_set1_epi32(0x3F800000)));
+    const __m256 exponent = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(LOG2_C3), m, _mm256_set1_ps(LOG2_C2));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(LOG2_C1));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(LOG2_C0));
+    return _mm256_add_ps(exponent, y);
+}
+
+/* As bounded_avx512: the lanes within [PRUNE_FLOOR, +inf), as an all-ones lane mask. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 bounded_avx2(__m256 x) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(PRUNE_FLOOR), _CMP_GE_OQ),
+                         _mm256_cmp_ps(x, _mm256_set1_ps(__builtin_inff()), _CMP_LT_OQ));
+}
+
+/* As block_bounds_avx512, eight rows; quotients that are not approximated divide. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block_bounds_avx2(const __m256 *t, const __m256 *tw, int64_t run, __m256 amax, const struct grid *g,
+                  const float *factor, int64_t q, int64_t c, int width, const struct prune *b,
+                  const struct prune_scratch *scratch, __m256 *least_upper) {
+    __m256 s[WIDTH_AVX2], rs[WIDTH_AVX2], s1[WIDTH_AVX2], s2[WIDTH_AVX2], s3[WIDTH_AVX2];
+    const int factored = has_factor(g, factor);
+    EACH {
+        __m256i code;
+        s[j] = block_step_avx2(g, q, c + j, &code);
+        _mm256_storeu_ps(scratch->steps + (c + j) * 8, s[j]);
+        _mm256_storeu_ps(scratch->factors + (c + j) * 8,
+                         factored ? block_factor_avx2(g, factor, q, c + j, code) : _mm256_set1_ps(1.0f));
+        s1[j] = s2[j] = s3[j] = _mm256_setzero_ps();
+    }
+    int approximate = 0;
+    if (g->direct) { /* 1/s within 2^-22: the first estimate and one Newton step; float_grid_fast_quotient's lanes */
+        __m256 every = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        EACH {
+            const __m256 r = _mm256_rcp_ps(s[j]), size = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), s[j]);
+            rs[j] = _mm256_fmadd_ps(r, _mm256_fnmadd_ps(s[j], r, _mm256_set1_ps(1.0f)), r);
+            every = _mm256_and_ps(every, _mm256_cmp_ps(size, _mm256_set1_ps(0x1p-125f), _CMP_GE_OQ));
+            every = _mm256_and_ps(every, _mm256_cmp_ps(size, _mm256_set1_ps(0x1p125f), _CMP_LE_OQ));
+            const __m256 largest = _mm256_mul_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), rs[j]));
+            every = _mm256_and_ps(every, _mm256_cmp_ps(largest, _mm256_set1_ps(0x1p126f), _CMP_LT_OQ));
+        }
+        approximate = _mm256_movemask_ps(every) == 0xFF;
+    }
+    for (int64_t k = 0; k < run; ++k) {
+        __m256 scaled[WIDTH_AVX2], e[WIDTH_AVX2], we[WIDTH_AVX2];
+        const __m256 v = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t[k]);
+        if (approximate) {
+            EACH scaled[j] = _mm256_mul_ps(v, rs[j]);
+        } else {
+            EACH scaled[j] = _mm256_div_ps(v, s[j]);
+        }
+        EACH e[j] = float_grid_round_magnitude_avx2(scaled[j], &g->elements);
+        if (g->direct) {
+            EACH e[j] = _mm256_sub_ps(_mm256_mul_ps(e[j], s[j]), v);
+        } else {
+            EACH e[j] = _mm256_sub_ps(e[j], scaled[j]);
+        }
+        EACH e[j] = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), e[j]);
+        EACH we[j] = tw ? _mm256_mul_ps(e[j], tw[k]) : e[j];
+        EACH s1[j] = _mm256_add_ps(s1[j], we[j]);
+        EACH we[j] = _mm256_mul_ps(we[j], e[j]);
+        EACH s2[j] = _mm256_add_ps(s2[j], we[j]);
+        EACH s3[j] = _mm256_fmadd_ps(we[j], e[j], s3[j]);
+    }
+    EACH {
+        const __m256 f = _mm256_loadu_ps(scratch->factors + (c + j) * 8);
+        const __m256 ok = _mm256_and_ps(_mm256_and_ps(bounded_avx2(s1[j]), bounded_avx2(s2[j])),
+                                        _mm256_and_ps(bounded_avx2(s3[j]), bounded_avx2(f)));
+        const __m256 l1 = log2_cubic_avx2(s1[j]), l2 = log2_cubic_avx2(s2[j]), l3 = log2_cubic_avx2(s3[j]);
+        const __m256 lf = factored ? log2_cubic_avx2(f) : _mm256_setzero_ps();
+        __m256 upper = _mm256_fmadd_ps(_mm256_set1_ps(b->upper[0]), l1, lf);
+        upper = _mm256_fmadd_ps(_mm256_set1_ps(b->upper[1]), l2, upper);
+        upper = _mm256_fmadd_ps(_mm256_set1_ps(b->upper[2]), l3, upper);
+        __m256 lower = _mm256_fmadd_ps(_mm256_set1_ps(b->lower[0]), l1, lf);
+        lower = _mm256_fmadd_ps(_mm256_set1_ps(b->lower[1]), l2, lower);
+        lower = _mm256_fmadd_ps(_mm256_set1_ps(b->lower[2]), l3, lower);
+        upper = _mm256_blendv_ps(_mm256_set1_ps(__builtin_inff()), upper, ok);
+        lower = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), lower, ok);
+        *least_upper = _mm256_min_ps(upper, *least_upper); /* a NaN bound gives the second operand */
+        _mm256_storeu_ps(scratch->lower + (c + j) * 8, lower);
+    }
+}
+
+/* As pair_sums_avx512, eight pairs per vector (pair = c*8 + row); AVX2 always divides, as the full pass. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pair_sums_avx2(const __m256 *t, const __m256 *tw, int64_t run, const struct grid *g, const int32_t *pairs,
+               const float *steps, int width, int kind, float *sums) {
+    const __m256 norm = _mm256_set1_ps(g->norm);
+    __m256 s[WIDTH_AVX2], v[WIDTH_AVX2], err[WIDTH_AVX2], sum[WIDTH_AVX2];
+    __m256i pair[WIDTH_AVX2];
+    EACH {
+        pair[j] = _mm256_loadu_si256((const __m256i *)(pairs + 8 * j));
+        s[j] = _mm256_i32gather_ps(steps, pair[j], 4);
+        sum[j] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < run; ++k) {
+        EACH v[j] = _mm256_permutevar8x32_ps(t[k], pair[j]); /* the low three bits of c*8 + row: the row */
+        errors_avx2(v, 1, s, g, norm, width, kind, err);
+        if (tw) {
+            EACH err[j] = _mm256_mul_ps(err[j], _mm256_permutevar8x32_ps(tw[k], pair[j]));
+        }
+        EACH sum[j] = _mm256_add_ps(sum[j], err[j]);
+    }
+    EACH _mm256_storeu_ps(sums + 8 * j, sum[j]);
+}
+
+/* As block_pruned_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block_pruned_avx2(const __m256 *t, const __m256 *tw, int64_t run, __m256 amax, const struct grid *g,
+                  const float *factor, int64_t q, const struct prune *b, const struct prune_scratch *scratch,
+                  __m256 *best, __m256i *index) {
+    __m256 least_upper = _mm256_set1_ps(__builtin_inff());
+    int64_t c = 0;
+    for (; c + 4 <= g->count; c += 4)
+        block_bounds_avx2(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
+    for (; c < g->count; ++c) block_bounds_avx2(t, tw, run, amax, g, factor, q, c, 1, b, scratch, &least_upper);
+    const __m256 threshold =
+        _mm256_max_ps(_mm256_set1_ps(-100.0f), _mm256_add_ps(least_upper, _mm256_set1_ps(b->slack)));
+    int64_t n = 0;
+    for (c = 0; c < g->count; ++c) { /* NGT: a NaN lower bound keeps its pair */
+        unsigned keep = (unsigned)_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_loadu_ps(scratch->lower + c * 8), threshold, _CMP_NGT_UQ));
+        for (; keep; keep &= keep - 1) scratch->pairs[n++] = (int32_t)(c * 8 + __builtin_ctz(keep));
+    }
+    for (int64_t i = n; i % 32; ++i) scratch->pairs[i] = scratch->pairs[0]; /* whole groups of four vectors */
+    for (int64_t v = 0; v < (n + 31) / 32 * 4; v += 4)
+        pair_sums_avx2(t, tw, run, g, scratch->pairs + v * 8, scratch->steps, 4, POWER_ANY, scratch->sums + v * 8);
+    float least[8];
+    int32_t chosen[8];
+    pick_pairs(scratch, n, has_factor(g, factor), 3, least, chosen);
+    *best = _mm256_loadu_ps(least);
+    *index = _mm256_loadu_si256((const __m256i *)chosen);
+}
+
+/* As weights_boundable_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline int weights_boundable_avx2(const __m256 *tw,
+                                                                                          int64_t run) {
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t k = 0; k < run; ++k)
+        ok = _mm256_and_ps(ok,
+                           _mm256_or_ps(_mm256_cmp_ps(tw[k], _mm256_setzero_ps(), _CMP_EQ_OQ), bounded_avx2(tw[k])));
+    return _mm256_movemask_ps(ok) == 0xFF;
+}
+
+/* As block_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block_avx2(const float *x, const float *weight, int64_t run, const struct grid *g, int64_t r0, int64_t groups,
+           int kind, const float *factor, float *best_value, int64_t *best_index, float *out,
+           const struct prune *bounds, const struct prune_scratch *scratch) {
+    __m256 t[32], tw[32];
+    const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)run));
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < run; ++k) {
+        const __m256i at = _mm256_add_epi32(rows, _mm256_set1_epi32((int)k));
+        t[k] = _mm256_i32gather_ps(x + r0 * run, at, 4);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t[k]));
+        if (weight) tw[k] = _mm256_i32gather_ps(weight + r0 * run, at, 4);
+    }
+    const __m256 *w = weight ? tw : 0;
+    const int64_t q = r0 % groups;
+    __m256 best = _mm256_set1_ps(__builtin_inff());
+    __m256i index = _mm256_setzero_si256();
+    if (best_index && bounds && scratch && (!w || weights_boundable_avx2(w, run))) {
+        block_pruned_avx2(t, w, run, amax, g, factor, q, bounds, scratch, &best, &index);
+    } else {
+        __m256i *picks = best_index ? &index : 0;
+        float *o = out ? out + r0 : 0;
+        int64_t c = 0;
+        for (; c + 4 <= g->count; c += 4) block_candidates_avx2(t, w, run, g, factor, q, c, 4, kind, o, &best, picks);
+        for (; c < g->count; ++c) block_candidates_avx2(t, w, run, g, factor, q, c, 1, kind, o, &best, picks);
+    }
+    if (best_index) {
+        _mm256_storeu_ps(best_value + r0, best);
+        _mm256_storeu_si256((__m256i *)(best_index + r0), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(index)));
+        _mm256_storeu_si256((__m256i *)(best_index + r0 + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(index, 1)));
+    }
+}
+
 __attribute__((target("avx2,fma"))) void
 group_float_grid_avx2(const float *x, const float *weight, int64_t rows, int64_t run, int64_t piece, int64_t groups,
                       int64_t count, const float *step, int64_t step_c, int64_t step_q, int exp_bits, int man_bits,
@@ -777,6 +1052,29 @@ group_float_grid_avx2(const float *x, const float *weight, int64_t rows, int64_t
     struct grid g = make_grid(step, step_c, step_q, count, rows * pieces, exp_bits, man_bits, max_value, norm, direct);
     set_rule(&g, rule, amax, p, global, power, divisor, eps);
     const int kind = power_kind(norm, direct);
+    if (run <= 32 && pieces == 1 && groups % 8 == 0 && (rule != RULE_TABLE || step_q == 0 || step_q == 1)) {
+        struct prune bounds;
+        const int prunable = best_index && prune_of(norm, kind, count, &bounds);
+#pragma omp parallel num_threads(threads)
+        {
+            struct prune_scratch *scratch = prunable ? prune_scratch_new(count) : 0;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < rows / 8; ++b) {
+                if (kind == POWER_ONE)
+                    block_avx2(x, weight, run, &g, b * 8, groups, POWER_ONE, factor, best_value, best_index, out, 0, 0);
+                else if (kind == POWER_TWO)
+                    block_avx2(x, weight, run, &g, b * 8, groups, POWER_TWO, factor, best_value, best_index, out, 0, 0);
+                else if (kind == POWER_THREE)
+                    block_avx2(x, weight, run, &g, b * 8, groups, POWER_THREE, factor, best_value, best_index, out, 0,
+                               0);
+                else
+                    block_avx2(x, weight, run, &g, b * 8, groups, POWER_ANY, factor, best_value, best_index, out,
+                               prunable ? &bounds : 0, scratch);
+            }
+            prune_scratch_free(scratch);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < rows * pieces; ++u) {
         const int64_t r = u / pieces, start = (u % pieces) * piece;
