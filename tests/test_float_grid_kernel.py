@@ -162,18 +162,20 @@ def test_pick_is_argmin_of_the_sums_times_factor(direct, groups):
         assert torch.equal(index, sums.argmin(dim=0))
 
 
-def _hard_rows(run: int, seed: int) -> torch.Tensor:
-    """(1, 160, run) rows a bound-pruned pick must get right, ten kinds of sixteen: Gaussian rows, rows on
-    the FP4 grid of one step (some candidate's error is zero), rows at 1e-30 and 1e30 of the usual size,
-    fp32 subnormals, all zeros, all one value (every candidate ties), a NaN or an infinity in a row,
-    heavy-tailed rows."""
+def _hard_rows(run: int, seed: int, norm: float) -> torch.Tensor:
+    """(1, 192, run) rows a bound-pruned pick must get right, twelve kinds of sixteen: Gaussian rows, rows
+    on the FP4 grid of one step (some candidate's error is zero), rows at 1e-30, 1e-18 and 1e30 of the
+    usual size and rows whose largest errors' ``norm`` power overflows fp32 for some candidates only
+    (powers that underflow or overflow before the weight), fp32 subnormals, all zeros, all one value
+    (every candidate ties), a NaN or an infinity in a row, heavy-tailed rows."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(16, run, generator=g)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     on_grid = grid[torch.randint(0, 8, (16, run), generator=g)] * torch.sign(base) * 0.037
     nan, inf = base.clone(), base.clone()
     nan[3, 5], inf[7, 2] = float("nan"), float("inf")
-    kinds = [base, on_grid, base * 1e-30, base * 1e30, base * 1e-40, torch.zeros(16, run)]
+    kinds = [base, on_grid, base * 1e-30, base * 1e30, base * 1e-40, torch.zeros(16, run), base * 1e-18]
+    kinds.append(base / base.abs().amax() * 10 * 2.0 ** (128 / norm))
     kinds += [torch.full((16, run), 0.75), nan, inf, torch.distributions.StudentT(2.0).sample((16, run))]
     return torch.cat(kinds).reshape(1, -1, run).contiguous()
 
@@ -191,16 +193,18 @@ def _want_pick(sums: torch.Tensor, factor: torch.Tensor | None) -> tuple[torch.T
 def test_pick_with_a_fractional_norm_is_the_full_pick_on_hard_rows(norm, direct, run):
     """A fractional norm's pick skips the candidates its bounds rule out (rows in blocks of sixteen on
     AVX-512, eight on AVX2) and must still give the very least value and first index of the full
-    sums: zero-error and all-tied candidates, tiny, huge, subnormal and non-finite rows, zero
-    weights, negative and tiny weights (which turn the bounds off), zero and NaN factors."""
+    sums: zero-error and all-tied candidates, tiny, huge, subnormal and non-finite rows, zero, light
+    and heavy weights (1e-9 with powers that overflow before the weight, 1e25 with powers that
+    underflow), negative and tiny weights (which turn the bounds off), zero and NaN factors."""
     fmt = FORMATS["fp4_e2m1"]
-    data = _hard_rows(run, seed=int(norm * 10) + run)
+    data = _hard_rows(run, seed=int(norm * 10) + run, norm=norm)
     groups = data.shape[1]
     g = torch.Generator().manual_seed(2)
     weights = [None, torch.rand(data.shape, generator=g) * (torch.rand(data.shape, generator=g) > 0.3)]
     negative = torch.rand(data.shape, generator=g)
     negative[0, 4, 1] = -0.5
     weights += [negative, torch.rand(data.shape, generator=g) * 1e-35]
+    weights += [torch.rand(data.shape, generator=g) * 1e-9, torch.rand(data.shape, generator=g) * 1e25]
     amax = data.abs().amax(dim=-1).reshape(-1).nan_to_num(nan=1.0, posinf=1.0)
     factors = torch.tensor([1.8 * p for p in shrink_factors(0.55, 200)])
     rule = float_grid_kernel.StepRule("free", amax, factors, fmt.max_value, torch.finfo(torch.float32).eps)
@@ -224,28 +228,58 @@ def test_pick_with_a_fractional_norm_is_the_full_pick_on_hard_rows(norm, direct,
 
 
 @needs_kernel
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("norm", [1.5, 2.4])
+def test_pick_with_a_fractional_norm_where_every_value_overflows_is_the_first_candidate(norm):
+    """Steps times finite factors near 2^127 whose products overflow for every candidate: the full
+    pick reads them all +inf and keeps candidate 0, and so must the bounded pick, although candidate
+    0's bounds (finite) lie far above the others' (its step clamps the data)."""
+    fmt = FORMATS["fp4_e2m1"]
+    g = torch.Generator().manual_seed(9)
+    step = 2.0 ** (126.5 / norm)
+    table = step * torch.linspace(1.0, 1.05, 48).reshape(-1, 1).expand(48, 32).contiguous()
+    table[0] = step * 0.55
+    data = (torch.randn(1, 32, 16, generator=g) * 3 * step).contiguous()
+    weight = torch.rand(data.shape, generator=g) * 1e3
+    factor = table.pow(norm)
+    assert bool(factor.isfinite().all())
+    for isa in kernels.available_isas(float_grid_kernel.NAME):
+        sums = float_grid_kernel.candidate_errors(data, weight, table, fmt, norm, False, isa=isa)
+        assert bool((sums * factor).isinf().all())
+        least, index = float_grid_kernel.candidate_picks(data, weight, table, fmt, norm, False, factor, isa=isa)
+        assert bool(least.isinf().all()) and not bool(index.any())
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
 @given(
+    name=st.sampled_from(GRIDS),
     seed=st.integers(0, 2**31 - 1),
     norm=st.floats(1.05, 2.95).filter(lambda n: abs(n - 2.0) > 1e-3),
     direct=st.booleans(),
-    exponent=st.integers(-60, 60),
+    exponent=st.integers(-90, 90),
     snapped=st.floats(0.0, 1.0),
+    weight_exponent=st.one_of(st.none(), st.integers(-20, 30)),
 )
-def test_pick_with_a_fractional_norm_is_the_full_pick(seed, norm, direct, exponent, snapped):
-    """Property: on any scale, with any share of the values on a candidate's grid, the pick equals
-    argmin over the full sums (times the steps' power, as mse_grid picks), on every variant."""
-    fmt = FORMATS["fp4_e2m1"]
+def test_pick_with_a_fractional_norm_is_the_full_pick(name, seed, norm, direct, exponent, snapped, weight_exponent):
+    """Property: for every float grid, on any scale, with any share of the values on a candidate's
+    grid, unweighted or with weights of any size (some zero), the pick equals argmin over the full
+    sums (times the steps' power, as mse_grid picks), on every variant."""
+    fmt = FORMATS[name]
     g = torch.Generator().manual_seed(seed)
     data = torch.randn(1, 32, 16, generator=g) * 2.0**exponent
     amax = data.abs().amax(dim=-1).reshape(-1)
     table = (amax * torch.linspace(1.8, 0.8, 50).reshape(-1, 1)) / fmt.max_value
     grid = round_to_float_grid_(data / table[7].reshape(1, -1, 1), *_bits(fmt)) * table[7].reshape(1, -1, 1)
     data = torch.where(torch.rand(data.shape, generator=g) < snapped, grid, data).contiguous()
+    weight = None
+    if weight_exponent is not None:
+        weight = (
+            torch.rand(data.shape, generator=g) * (torch.rand(data.shape, generator=g) > 0.2) * 10.0**weight_exponent
+        )
     for isa in kernels.available_isas(float_grid_kernel.NAME):
-        sums = float_grid_kernel.candidate_errors(data, None, table, fmt, norm, direct, isa=isa)
+        sums = float_grid_kernel.candidate_errors(data, weight, table, fmt, norm, direct, isa=isa)
         for f in (None, table.pow(norm)):
-            got = float_grid_kernel.candidate_picks(data, None, table, fmt, norm, direct, f, isa=isa)
+            got = float_grid_kernel.candidate_picks(data, weight, table, fmt, norm, direct, f, isa=isa)
             want = _want_pick(sums, f)
             assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 

@@ -164,16 +164,21 @@ static void pick(const float *sums, const struct grid *g, const float *factor, i
  *      pair, extended (Holder's and Lyapunov's inequalities). With the pick factor these give each
  *      candidate an upper bound U and a lower bound L of its value, in log2.
  *   2. the full sums only for the (row, candidate) pairs whose L does not exceed max(the row's least
- *      U + slack, log2 of PRUNE_FLOOR), a vector of pairs at a time; any other candidate's value
+ *      U + slack, log2 of the block's floor), a vector of pairs at a time; any other candidate's value
  *      exceeds the row's least value, so it can neither be the least nor tie it. About 6 of 111
  *      candidates per row remain on LLM-like weights.
  * A pair's sum is the very sum of the full pass (block_candidates_avx512 or _avx2: the same step,
  * lane-wise quotient, power and order over k), so the picks are those of the full pass. The slack
  * covers the cubic log2 (LOG2_CUBIC_ERROR), the fp32 roundings of S_k and the power's few ulps. Values
- * below PRUNE_FLOOR are never pruned against each other: there fp32 sums lose their relative precision
- * (subnormal terms, powers that underflow to 0). A candidate whose S_k or factor for a row is below
- * the floor, NaN or infinite bounds nothing there and is kept (U = +inf, L = -inf). Weights must be 0
- * or at least PRUNE_FLOOR (weights_boundable_avx512), else the block takes the full pass. */
+ * below the block's floor (PRUNE_FLOOR, raised by heavy weights: floor_log2) are never pruned against
+ * each other: there fp32 sums lose their relative precision (subnormal terms, powers that underflow).
+ * A candidate whose S_k or factor for a row is below PRUNE_FLOOR, NaN or infinite bounds nothing there
+ * and is kept (U = +inf, L = -inf); so is one whose errors may reach error_limit, where the full
+ * pass's |e|^norm overflows before the weight (its sum is then +inf where the bounds hold a finite
+ * one). A value that overflows only in its sum or times its factor is at least 2^128, above every
+ * finite value: it cannot prune one (and a row whose values are all +inf keeps candidate 0 either
+ * way). Weights must be 0 or at least PRUNE_FLOOR (heaviest_weight_avx512), else the block takes the
+ * full pass. */
 
 #define LOG2_CUBIC_ERROR 0x1p-10f /* the cubic below is within 6.4e-4 of log2 on [1, 2) */
 /* log2 m ~ ((C3*m + C2)*m + C1)*m + C0 on [1, 2) (a least-squares fit, weighted to its largest errors) */
@@ -186,6 +191,7 @@ static void pick(const float *sums, const struct grid *g, const float *factor, i
 /* The chords' coefficients for log2 S1, log2 S2, log2 S3, and the slack of a comparison. */
 struct prune {
     float upper[3], lower[3], slack;
+    float error_limit; /* a power of two at most 2^(127/norm): an |e| below it has |e|^norm < 2^127 */
 };
 
 /* Whether a pick over `count` candidates of a `kind` power prunes with bounds, and their coefficients: a
@@ -206,7 +212,16 @@ static int prune_of(double norm, int kind, int64_t count, struct prune *b) {
     float weight = 2.0f; /* the factor's log2, in both bounds */
     for (int i = 0; i < 3; ++i) weight += __builtin_fabsf(b->upper[i]) + __builtin_fabsf(b->lower[i]);
     b->slack = weight * LOG2_CUBIC_ERROR + 0x1p-12f;
+    b->error_limit = bits_float((uint32_t)((int)(127.0 / norm) + 127) << 23);
     return 1;
+}
+
+/* log2 of the floor below which a block's values are never told apart: PRUNE_FLOOR, raised with the
+ * block's heaviest weight past 2^20 (a weighted sum of powers that underflow, each a subnormal at most
+ * 2^-149 off before the weight, is then still far below it). */
+static float floor_log2(float heaviest) {
+    const int exponent = (int)((float_bits(heaviest) >> 23) & 0xFF) - 127;
+    return -100.0f + (float)(exponent > 20 ? exponent - 20 : 0);
 }
 
 /* A thread's scratch for the two passes over one block: per candidate and row (c*lanes + row, 16 lanes on
@@ -536,10 +551,16 @@ block_bounds_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax,
         EACH s2[j] = _mm512_add_ps(s2[j], we[j]);
         EACH s3[j] = _mm512_fmadd_ps(we[j], e[j], s3[j]);
     }
+    const __m512 top = _mm512_set1_ps(g->elements.max_value);
     EACH {
         const __m512 f = _mm512_loadu_ps(scratch->factors + (c + j) * 16);
+        /* |e| <= amax + max_value*s (in steps amax/s + max_value): below error_limit no |e|^norm of the
+         * full pass overflows, so its sums are the ones bounded */
+        const __m512 largest = g->direct ? _mm512_fmadd_ps(top, s[j], amax)
+                                         : _mm512_add_ps(_mm512_div_ps(amax, s[j]), top);
         const __mmask16 small = ~(bounded_avx512(s1[j]) & bounded_avx512(s2[j]) & bounded_avx512(s3[j]) &
-                                  bounded_avx512(f));
+                                  bounded_avx512(f) &
+                                  _mm512_cmp_ps_mask(largest, _mm512_set1_ps(b->error_limit), _CMP_LT_OQ));
         const __m512 l1 = log2_cubic_avx512(s1[j]), l2 = log2_cubic_avx512(s2[j]), l3 = log2_cubic_avx512(s3[j]);
         const __m512 lf = factored ? log2_cubic_avx512(f) : _mm512_setzero_ps();
         __m512 upper = _mm512_fmadd_ps(_mm512_set1_ps(b->upper[0]), l1, lf);
@@ -586,16 +607,16 @@ pair_sums_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, co
 /* The pick of one block in the two passes; best and index as block_candidates_avx512 leaves them. */
 __attribute__((target("avx512f"), always_inline)) static inline void
 block_pruned_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax, const struct grid *g,
-                    const float *factor, int64_t q, const struct prune *b, const struct prune_scratch *scratch,
-                    __m512 *best, __m512i *index) {
+                    const float *factor, int64_t q, const struct prune *b, float floor,
+                    const struct prune_scratch *scratch, __m512 *best, __m512i *index) {
     __m512 least_upper = _mm512_set1_ps(__builtin_inff());
     int64_t c = 0;
     for (; c + 4 <= g->count; c += 4)
         block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
     for (; c < g->count; ++c) block_bounds_avx512(t, tw, run, amax, g, factor, q, c, 1, b, scratch, &least_upper);
-    /* max(least U + slack, log2 of the floor): a value below the floor is never told apart */
+    /* max(least U + slack, log2 of the block's floor): values below the floor are never told apart */
     const __m512 threshold =
-        _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_add_ps(least_upper, _mm512_set1_ps(b->slack)));
+        _mm512_max_ps(_mm512_set1_ps(floor), _mm512_add_ps(least_upper, _mm512_set1_ps(b->slack)));
     const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t n = 0;
     for (c = 0; c < g->count; ++c) { /* NGT: a NaN lower bound keeps its pair */
@@ -621,17 +642,19 @@ block_pruned_avx512(const __m512 *t, const __m512 *tw, int64_t run, __m512 amax,
     *index = _mm512_loadu_si512((const void *)chosen);
 }
 
-/* Whether every weight of the block is 0 or within [2^-100, +inf): what the bounds of the pruned pick need
- * (>= 0 for the inequalities; no tiny weight, so a product weight*|e|^k below 2^-126, where fp32 keeps
- * only an absolute precision of 2^-149, needs |e| < 2^-26 and errs by less than 2^-140). */
-__attribute__((target("avx512f"), always_inline)) static inline int weights_boundable_avx512(const __m512 *tw,
+/* The block's heaviest weight when every weight is 0 or within [PRUNE_FLOOR, +inf), else -1: what the
+ * bounds of the pruned pick need (>= 0 for the inequalities; no tiny weight, so a product weight*|e|^k
+ * below 2^-126, where fp32 keeps only an absolute precision of 2^-149, needs |e| < 2^-26 and errs by
+ * less than 2^-140; the heaviest raises the block's floor, floor_log2). */
+__attribute__((target("avx512f"), always_inline)) static inline float heaviest_weight_avx512(const __m512 *tw,
                                                                                             int64_t run) {
     __mmask16 ok = 0xFFFF;
-    for (int64_t k = 0; k < run; ++k)
-        ok &= _mm512_cmp_ps_mask(tw[k], _mm512_setzero_ps(), _CMP_EQ_OQ) |
-              (_mm512_cmp_ps_mask(tw[k], _mm512_set1_ps(PRUNE_FLOOR), _CMP_GE_OQ) &
-               _mm512_cmp_ps_mask(tw[k], _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ));
-    return ok == 0xFFFF;
+    __m512 heaviest = _mm512_setzero_ps();
+    for (int64_t k = 0; k < run; ++k) {
+        ok &= _mm512_cmp_ps_mask(tw[k], _mm512_setzero_ps(), _CMP_EQ_OQ) | bounded_avx512(tw[k]);
+        heaviest = _mm512_max_ps(heaviest, tw[k]);
+    }
+    return ok == 0xFFFF ? _mm512_reduce_max_ps(heaviest) : -1.0f;
 }
 
 __attribute__((target("avx512f"), always_inline)) static inline void
@@ -652,8 +675,9 @@ block_avx512(const float *x, const float *weight, int64_t run, const struct grid
     const int64_t q = r0 % groups;
     __m512 best = _mm512_set1_ps(__builtin_inff());
     __m512i index = _mm512_setzero_si512();
-    if (best_index && bounds && scratch && (!w || weights_boundable_avx512(w, run))) {
-        block_pruned_avx512(t, w, run, amax, g, factor, q, bounds, scratch, &best, &index);
+    const float heaviest = best_index && bounds && scratch && w ? heaviest_weight_avx512(w, run) : 1.0f;
+    if (best_index && bounds && scratch && heaviest >= 0.0f) {
+        block_pruned_avx512(t, w, run, amax, g, factor, q, bounds, floor_log2(heaviest), scratch, &best, &index);
     } else {
         __m512i *picks = best_index ? &index : 0;
         float *o = out ? out + r0 : 0;
@@ -928,10 +952,14 @@ block_bounds_avx2(const __m256 *t, const __m256 *tw, int64_t run, __m256 amax, c
         EACH s2[j] = _mm256_add_ps(s2[j], we[j]);
         EACH s3[j] = _mm256_fmadd_ps(we[j], e[j], s3[j]);
     }
+    const __m256 top = _mm256_set1_ps(g->elements.max_value);
     EACH {
         const __m256 f = _mm256_loadu_ps(scratch->factors + (c + j) * 8);
+        const __m256 largest = g->direct ? _mm256_fmadd_ps(top, s[j], amax)
+                                         : _mm256_add_ps(_mm256_div_ps(amax, s[j]), top);
+        const __m256 faithful = _mm256_cmp_ps(largest, _mm256_set1_ps(b->error_limit), _CMP_LT_OQ);
         const __m256 ok = _mm256_and_ps(_mm256_and_ps(bounded_avx2(s1[j]), bounded_avx2(s2[j])),
-                                        _mm256_and_ps(bounded_avx2(s3[j]), bounded_avx2(f)));
+                                        _mm256_and_ps(_mm256_and_ps(bounded_avx2(s3[j]), bounded_avx2(f)), faithful));
         const __m256 l1 = log2_cubic_avx2(s1[j]), l2 = log2_cubic_avx2(s2[j]), l3 = log2_cubic_avx2(s3[j]);
         const __m256 lf = factored ? log2_cubic_avx2(f) : _mm256_setzero_ps();
         __m256 upper = _mm256_fmadd_ps(_mm256_set1_ps(b->upper[0]), l1, lf);
@@ -973,15 +1001,15 @@ pair_sums_avx2(const __m256 *t, const __m256 *tw, int64_t run, const struct grid
 /* As block_pruned_avx512, eight rows. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 block_pruned_avx2(const __m256 *t, const __m256 *tw, int64_t run, __m256 amax, const struct grid *g,
-                  const float *factor, int64_t q, const struct prune *b, const struct prune_scratch *scratch,
-                  __m256 *best, __m256i *index) {
+                  const float *factor, int64_t q, const struct prune *b, float floor,
+                  const struct prune_scratch *scratch, __m256 *best, __m256i *index) {
     __m256 least_upper = _mm256_set1_ps(__builtin_inff());
     int64_t c = 0;
     for (; c + 4 <= g->count; c += 4)
         block_bounds_avx2(t, tw, run, amax, g, factor, q, c, 4, b, scratch, &least_upper);
     for (; c < g->count; ++c) block_bounds_avx2(t, tw, run, amax, g, factor, q, c, 1, b, scratch, &least_upper);
     const __m256 threshold =
-        _mm256_max_ps(_mm256_set1_ps(-100.0f), _mm256_add_ps(least_upper, _mm256_set1_ps(b->slack)));
+        _mm256_max_ps(_mm256_set1_ps(floor), _mm256_add_ps(least_upper, _mm256_set1_ps(b->slack)));
     int64_t n = 0;
     for (c = 0; c < g->count; ++c) { /* NGT: a NaN lower bound keeps its pair */
         unsigned keep = (unsigned)_mm256_movemask_ps(
@@ -998,14 +1026,20 @@ block_pruned_avx2(const __m256 *t, const __m256 *tw, int64_t run, __m256 amax, c
     *index = _mm256_loadu_si256((const __m256i *)chosen);
 }
 
-/* As weights_boundable_avx512, eight rows. */
-__attribute__((target("avx2,fma"), always_inline)) static inline int weights_boundable_avx2(const __m256 *tw,
+/* As heaviest_weight_avx512, eight rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float heaviest_weight_avx2(const __m256 *tw,
                                                                                           int64_t run) {
-    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    for (int64_t k = 0; k < run; ++k)
-        ok = _mm256_and_ps(ok,
-                           _mm256_or_ps(_mm256_cmp_ps(tw[k], _mm256_setzero_ps(), _CMP_EQ_OQ), bounded_avx2(tw[k])));
-    return _mm256_movemask_ps(ok) == 0xFF;
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), heaviest = _mm256_setzero_ps();
+    for (int64_t k = 0; k < run; ++k) {
+        const __m256 zero = _mm256_cmp_ps(tw[k], _mm256_setzero_ps(), _CMP_EQ_OQ);
+        ok = _mm256_and_ps(ok, _mm256_or_ps(zero, bounded_avx2(tw[k])));
+        heaviest = _mm256_max_ps(heaviest, tw[k]);
+    }
+    if (_mm256_movemask_ps(ok) != 0xFF) return -1.0f;
+    float lanes[8], most = 0.0f;
+    _mm256_storeu_ps(lanes, heaviest);
+    for (int i = 0; i < 8; ++i) most = lanes[i] > most ? lanes[i] : most;
+    return most;
 }
 
 /* As block_avx512, eight rows. */
@@ -1026,8 +1060,9 @@ block_avx2(const float *x, const float *weight, int64_t run, const struct grid *
     const int64_t q = r0 % groups;
     __m256 best = _mm256_set1_ps(__builtin_inff());
     __m256i index = _mm256_setzero_si256();
-    if (best_index && bounds && scratch && (!w || weights_boundable_avx2(w, run))) {
-        block_pruned_avx2(t, w, run, amax, g, factor, q, bounds, scratch, &best, &index);
+    const float heaviest = best_index && bounds && scratch && w ? heaviest_weight_avx2(w, run) : 1.0f;
+    if (best_index && bounds && scratch && heaviest >= 0.0f) {
+        block_pruned_avx2(t, w, run, amax, g, factor, q, bounds, floor_log2(heaviest), scratch, &best, &index);
     } else {
         __m256i *picks = best_index ? &index : 0;
         float *o = out ? out + r0 : 0;
