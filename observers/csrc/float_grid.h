@@ -68,18 +68,8 @@ static inline int float_grid_fast_quotient(float s, float r, float amax) {
 
 /* ---------------------------------------------------------------- AVX-512 */
 
-/* grid(v), lane by lane: clamp (second operands, so a NaN propagates), M from the exponent field, the
- * add and subtract of M. */
-__attribute__((target("avx512f"), always_inline)) static inline __m512 float_grid_round_avx512(
-    __m512 v, const struct float_grid *g) {
-    const __m512 a = _mm512_min_ps(_mm512_set1_ps(g->max_value), _mm512_max_ps(_mm512_set1_ps(-g->max_value), v));
-    const __m512i field = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7F800000)),
-                                           _mm512_set1_epi32(g->min_field));
-    const __m512 magic = _mm512_castsi512_ps(_mm512_add_epi32(field, _mm512_set1_epi32(g->magic_shift)));
-    return _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
-}
-
-/* grid(a) of magnitudes a >= 0 (or NaN): float_grid_round_avx512 without the lower clamp. The rounding is
+/* grid(a) of values a >= -max_value (or NaN): the upper clamp (second operand, so a NaN propagates), M
+ * from the exponent field, the add and subtract of M. Magnitudes need no lower clamp: the rounding is
  * symmetric (half to even about 0), so grid(|v|) = |grid(v)|. */
 __attribute__((target("avx512f"), always_inline)) static inline __m512 float_grid_round_magnitude_avx512(
     __m512 a, const struct float_grid *g) {
@@ -88,6 +78,12 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 float_gri
                                            _mm512_set1_epi32(g->min_field));
     const __m512 magic = _mm512_castsi512_ps(_mm512_add_epi32(field, _mm512_set1_epi32(g->magic_shift)));
     return _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
+}
+
+/* grid(v), lane by lane: the lower clamp (second operand, so a NaN propagates), then the rest. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 float_grid_round_avx512(
+    __m512 v, const struct float_grid *g) {
+    return float_grid_round_magnitude_avx512(_mm512_max_ps(_mm512_set1_ps(-g->max_value), v), g);
 }
 
 /* v/s correctly rounded from r = 1/s where float_grid_fast_quotient allows: q = v*r, q + (v - q*s)*r. */
@@ -99,17 +95,7 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 float_gri
 
 /* ---------------------------------------------------------------- AVX2 */
 
-/* As float_grid_round_avx512 with AVX2's instructions. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_grid_round_avx2(
-    __m256 v, const struct float_grid *g) {
-    const __m256 a = _mm256_min_ps(_mm256_set1_ps(g->max_value), _mm256_max_ps(_mm256_set1_ps(-g->max_value), v));
-    const __m256i field = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7F800000)),
-                                           _mm256_set1_epi32(g->min_field));
-    const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(field, _mm256_set1_epi32(g->magic_shift)));
-    return _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
-}
-
-/* As float_grid_round_magnitude_avx512. */
+/* As float_grid_round_magnitude_avx512 with AVX2's instructions. */
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_grid_round_magnitude_avx2(
     __m256 a, const struct float_grid *g) {
     a = _mm256_min_ps(_mm256_set1_ps(g->max_value), a);
@@ -117,6 +103,12 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_gr
                                            _mm256_set1_epi32(g->min_field));
     const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(field, _mm256_set1_epi32(g->magic_shift)));
     return _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+}
+
+/* As float_grid_round_avx512. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 float_grid_round_avx2(
+    __m256 v, const struct float_grid *g) {
+    return float_grid_round_magnitude_avx2(_mm256_max_ps(_mm256_set1_ps(-g->max_value), v), g);
 }
 
 /* As float_grid_quotient_avx512. */
