@@ -137,7 +137,7 @@ def test_file_records_source_version_and_specs(run, tmp_path):
     path = tmp_path / "q.json"
     on_disk = replace(analysis, facts=ModelFacts(source))
     document = lab_json.save_file(on_disk, choices, path)
-    assert document["format"] == "observer-lab-qparams" and document["version"] == 1
+    assert document["format"] == "observer-lab-qparams" and document["version"] == 2
     assert document["library"]["version"] == ob.__version__
     assert document["entries"][0]["spec"] == analysis.entries[0].spec.to_dict()
     assert lab_json.load_file(path).source == source
@@ -161,18 +161,71 @@ def _error_of(text: str) -> str:
     return str(info.value)
 
 
-def test_other_version_and_missing_fields_are_all_listed(run):
+@pytest.mark.parametrize("version", [1, 2])
+def test_missing_fields_are_all_listed(run, version):
     document = json.loads(run[4])
 
     def edit(d):
-        d["version"] = 2
+        d["version"] = version
         del d["metric"]
         del d["entries"][0]["spec"]
+        del d["entries"][1]["qparams"]["scale"]["bytes_b64"]
+        del d["entries"][1]["qparams"]["scale"]["data"]
 
     message = _error_of(_broken(document, edit))
-    assert "version 2" in message
     assert "'metric' is a required property" in message
     assert "'spec' is a required property" in message
+    assert "entries/1/qparams/scale: " in message  # neither bytes nor values
+
+
+@pytest.mark.parametrize("version", [3, 0, "2"])
+def test_a_version_this_lab_does_not_read_is_refused_in_one_line(run, version):
+    """A newer lab's file may mean other things by the same fields: refused whole, its other
+    problems unlisted, in one line that names the versions this lab reads."""
+    document = json.loads(run[4])
+
+    def edit(d):
+        d["version"] = version
+        del d["metric"]
+
+    message = _error_of(_broken(document, edit))
+    assert "\n" not in message and f"has version {version!r}" in message and "reads versions 1 and 2" in message
+
+
+def _with_values(value):
+    """Every tensor of a document with its values (``data``) beside its bytes, however big: what
+    version 1 wrote."""
+    if isinstance(value, list):
+        return [_with_values(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if {"shape", "dtype", "bytes_b64"} <= set(value):
+        return {**value, "data": ob.qparams.tensor_from_dict(value).flatten().tolist()}
+    return {k: _with_values(v) for k, v in value.items()}
+
+
+def test_a_version_1_file_still_loads_and_restores_bit_exact():
+    """Version 1 differs from 2 only in writing every tensor's values: a weight of 600 rows in groups
+    of 8 has 4,800 scales, more than version 2 writes as a list."""
+    model = FakeModel({"wide.proj": (600, 64), "blk.k_proj": (8, 64)})
+    specs = {"weight": ob.QuantSpec(dtype="int4", symmetric=False, strategy="group", group_size=8)}
+    model, analysis = _analysis(specs, model=model)
+    choices = choose(analysis)
+    written = lab_json.build_document(analysis, choices)
+    scale = written["entries"][0]["qparams"]["scale"]
+    assert written["version"] == 2 and scale["shape"] == [600, 8] and "data" not in scale
+    old = _with_values(written) | {"version": 1}
+    assert len(old["entries"][0]["qparams"]["scale"]["data"]) == 4800
+    del old["entries"][0]["qparams"]["scale"]["bytes_b64"]  # values alone: version 1's schema allowed it
+    assert lab_json.schema_problems(old) == []
+    loaded = lab_json.load(json.dumps(old))
+    assert loaded.version == 1 and loaded.choices == choices
+    for key, observer in choices.items():
+        original = analysis.entry(*key).result(observer).qparams
+        for name in ("scale", "zero_point", "min_val", "max_val"):
+            assert torch.equal(_bits(getattr(original, name)), _bits(getattr(loaded.qparams[key], name))), key
+    restored = lab_json.restore(json.dumps(old), analysis)
+    assert restored.choices == choices and restored.notes == []
 
 
 def test_bad_tensor_data_spec_and_observer_are_all_listed(run):

@@ -1,6 +1,7 @@
 """The Observer Lab JSON file: chosen qparams written bit-exact, read back and checked.
 
-A file (``format = "observer-lab-qparams"``, ``version = 1``) records, per analysed layer and
+A file (``format = "observer-lab-qparams"``, ``version = 2``; version 1 is still read, see
+``FORMAT_VERSION``) records, per analysed layer and
 tensor kind, the chosen observer with its knobs, the full ``QuantSpec``, the qparams (bit-exact:
 ``QParams.to_dict``) and the metrics of the chosen and runner-up observers, plus the model's
 source with a sha256 per weight file. It is validated against
@@ -34,7 +35,15 @@ from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION, KV_TENSORS
 from observers.suite import SuiteResult
 
 FORMAT_NAME = "observer-lab-qparams"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version this lab writes. Version 2 writes a tensor of more than ``observers.qparams.DATA_LIMIT``
+(4,096) elements as its bytes (``bytes_b64``) only, so a big model's file is not millions of numbers
+twice; version 1 wrote every tensor's values as a list (``data``, with ``bytes_b64`` beside it as a
+check). Nothing else differs, and ``QParams.from_dict`` reads a tensor from its bytes or, lacking
+them, its values, so both versions read alike."""
+READ_VERSIONS = (1, FORMAT_VERSION)
+"""The versions this lab reads; a file of another version (a newer lab's) is refused whole, since its
+fields may mean something else."""
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "observer_lab.schema.json"
 
 
@@ -247,12 +256,15 @@ def _restore_entry(index: int, raw: dict[str, Any], problems: list[str]) -> LabE
 
 
 def parse_document(document: Any) -> LabFile:
-    """A ``LabFile`` from a parsed JSON document; one ``ValueError`` lists every problem."""
-    if isinstance(document, dict) and document.get("version") not in (None, FORMAT_VERSION):
-        version = document.get("version")
-        problems = [f"version: this library reads version {FORMAT_VERSION}, the file has version {version!r}"]
-        problems += [p for p in schema_problems(document) if not p.startswith("version:")]
-        raise ValueError("invalid Observer Lab file:\n  - " + "\n  - ".join(problems))
+    """A ``LabFile`` from a parsed JSON document; one ``ValueError`` lists every problem, except for
+    a version this lab does not read: one line, since the rest of such a file cannot be judged."""
+    ours = isinstance(document, dict) and document.get("format") == FORMAT_NAME and "version" in document
+    if ours and document["version"] not in READ_VERSIONS:
+        readable = " and ".join(map(str, READ_VERSIONS))
+        raise ValueError(
+            f"the Observer Lab file has version {document['version']!r}; this lab reads versions {readable} "
+            "(if a newer lab wrote it, update observers to read it)"
+        )
     problems = schema_problems(document)
     if problems:
         raise ValueError("invalid Observer Lab file:\n  - " + "\n  - ".join(problems))
