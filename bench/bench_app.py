@@ -20,7 +20,9 @@ import torch
 
 import observers as ob
 from bench.common import case, median_seconds, synchronize
-from lab.analyse.pipeline import ResultCache, RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
 from lab.calibrate.capture_memo import CapturingModel
 from lab.settings import default_layer_names
 from lab.vocab import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN

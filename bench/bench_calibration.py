@@ -28,7 +28,8 @@ import torch
 
 import observers as ob
 from bench.common import PEAK_CLI, SETTINGS, case, import_rss, interleaved_medians
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from sample_models import builtin_texts, open_model
 from sample_models.calibration import make_batches
 from sample_models.calibration_sets import CalibrationSource
@@ -40,7 +41,8 @@ MiB = 2**20
 PEAK = """
 import json, sys, time
 import observers as ob
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from sample_models import open_model
 from sample_models.calibration_sets import CalibrationSource
 

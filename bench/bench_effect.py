@@ -23,7 +23,8 @@ import pandas as pd
 
 import observers as ob
 from bench.common import SETTINGS, case, synchronize
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.effect.evaluate import Evaluator
 from lab.effect.sensitivity import sensitivity
 from sample_models import open_model

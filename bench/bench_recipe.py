@@ -34,7 +34,9 @@ import torch
 import observers as ob
 from bench.bench_sequential import LARGE_FLAG, large_checkpoint
 from bench.common import PEAK_CLI, SETTINGS, case, import_rss
-from lab.analyse.pipeline import Analysis, RunConfig, analyse
+from lab.analyse.analysis import Analysis
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import recipe
 from sample_models import open_model
 

@@ -32,7 +32,7 @@ import torch
 
 import observers as ob
 from bench.common import SETTINGS, case, median_seconds
-from lab.analyse.pipeline import RunConfig
+from lab.analyse.run_config import RunConfig
 from lab.scale.sweep import Plan, run_sweep
 from sample_models import open_model
 

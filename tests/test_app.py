@@ -224,12 +224,15 @@ def test_missing_local_directory_shows_error(tmp_path):
     _recovers(at)
 
 
-def test_hub_id_without_network_shows_error(monkeypatch):
+def test_hub_id_on_an_offline_server_is_refused_before_any_lookup(monkeypatch):
+    """A server started offline (``scripts/app.sh``'s default) fetches no hub id typed in a browser:
+    the page says so on the source itself and refuses the id with one line."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     at = _open_model_page()
     at.radio(key="w:source_kind").set_value("hub").run()
+    assert any("runs offline" in c.value for c in at.caption)
     at.text_input(key="w:source_hub").input("nobody/no-such-model").run()
-    _expect_error(at, "nobody/no-such-model")
+    _expect_error(at, "this server runs offline (HF_HUB_OFFLINE=1)")
     _recovers(at)
 
 
@@ -326,8 +329,9 @@ def test_explain_says_what_to_do():
 
 
 def test_token_warnings_flag_empty_and_tiny_activations():
+    from lab.analyse.analysis import Analysis, TensorAnalysis
     from lab.analyse.model_facts import ModelFacts
-    from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+    from lab.analyse.run_config import RunConfig
 
     spec = ob.QuantSpec()
     entries = [

@@ -17,7 +17,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from lab import ui, workspace
-from lab.analyse.pipeline import Analysis
+from lab.analyse.analysis import Analysis
 from lab.settings import CalibrationForm, RunSettings
 from lab.workspace import Workspace
 from sample_models.calibration_sets import CalibrationSourceError
@@ -196,13 +196,16 @@ def test_a_chat_messages_column_is_read_when_the_text_column_is_absent(tmp_path)
     assert len(at.error) == 1 and "no chat template" in at.error[0].value
 
 
-def test_hub_id_without_network_is_one_error():
+def test_hub_dataset_on_an_offline_server_is_one_error(monkeypatch):
+    """``scripts/app.sh`` starts the server offline: a hub dataset id typed in a browser is refused
+    before ``datasets`` looks anything up, and the page says why on the field itself."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     at = _model_page()
     at.radio(key="w:calib_kind").set_value("hub id").run()
-    assert any("needs the network" in c.value for c in at.caption)
+    assert any("runs offline" in c.value for c in at.caption)
     at.text_input(key="w:calib_hub").input("nobody/no-such-dataset").run()
     _no_exception(at)
-    assert len(at.error) == 1 and "nobody/no-such-dataset" in at.error[0].value
+    assert len(at.error) == 1 and "runs offline (HF_HUB_OFFLINE=1)" in at.error[0].value
 
 
 def test_more_samples_than_records_warns_on_the_model_page(records):

@@ -1,6 +1,6 @@
-"""The layout rules of docs/architecture.md, checked: floors import downward only, streamlit
-only in the app layer, lab/ modules stay small, and the app and the CLI share one settings path
-(same settings, same JSON)."""
+"""The layout rules of docs/architecture.md, checked: floors import downward only, lab/'s modules
+import one another without a circle, streamlit only in the app layer, lab/ modules stay small, and
+the app and the CLI share one settings path (same settings, same JSON)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,77 @@ def test_nothing_imports_upward(floor):
     files = [p for p in (ROOT / floor).rglob("*.py") if p.name != "__main__.py"]
     offenders = {str(p.relative_to(ROOT)): _imports(p) & above for p in files}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` → the modules of ``package`` it imports, wherever the statement
+    stands: module level, inside a function or under ``TYPE_CHECKING``. An import moved into a
+    function to dodge a circle is still a circle: the modules still need each other.
+    ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``."""
+    root = package.parent
+    modules = {_module_name(p, root): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package_parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_module(node, package_parts)
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        graph[name] = (found & modules.keys()) - {name}
+    return graph
+
+
+def _from_module(node: ast.ImportFrom, package_parts: list[str]) -> str:
+    """The module a ``from`` statement names; a relative one (``from . import x``) resolved
+    against the package of the module it stands in."""
+    if not node.level:
+        return node.module or ""
+    anchor = package_parts[: len(package_parts) + 1 - node.level]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circle each back edge of a depth-first walk closes, as the path around it (first module
+    repeated at the end): none found means the graph has none."""
+    circles: list[list[str]] = []
+    path: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str) -> None:
+        path.append(node)
+        for target in sorted(graph[node]):
+            if target in path:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        if node not in done:
+            visit(node)
+    return circles
+
+
+def test_the_import_graph_sees_imports_inside_functions(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    assert _circles(_import_graph(tmp_path / "pkg")) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_lab_imports_form_no_circle():
+    circles = [" → ".join(circle) for circle in _circles(_import_graph(ROOT / "lab"))]
+    assert not circles, "import circles in lab/ (docs/architecture.md, Floors):\n" + "\n".join(circles)
 
 
 def test_lab_modules_stay_small():

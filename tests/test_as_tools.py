@@ -13,7 +13,8 @@ from streamlit.testing.v1 import AppTest
 
 import observers as ob
 from lab import ui
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.cli import main
 from lab.export import lab_json
 from lab.results import choose
@@ -93,7 +94,7 @@ def test_the_ranges_page_draws_each_tool():
 
 
 def test_a_rerun_reuses_the_tools_results_from_the_cache():
-    from lab.analyse.pipeline import ResultCache
+    from lab.analyse.result_cache import ResultCache
 
     model, cache = open_model("tiny-llama"), ResultCache()
     config = RunConfig(specs={"weight": ob.QuantSpec(dtype="int8")}, observers=("minmax",), tools=("modelopt",))

@@ -158,7 +158,8 @@ def test_a_hub_id_without_network_is_one_line_at_once(tmp_path, monkeypatch):
 def test_streamed_ranges_over_a_dataset_equal_the_whole_capture(jsonl):
     """The records' tokens, every one of them, set the min-max range."""
     import observers as ob
-    from lab.analyse.pipeline import RunConfig, analyse
+    from lab.analyse.pipeline import analyse
+    from lab.analyse.run_config import RunConfig
     from sample_models.calibration_sets import CalibrationSource
 
     model = open_model("minilm")

@@ -20,7 +20,8 @@ from transformers import AutoModel
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 import observers as ob
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import checkpoint, lab_json
 from sample_models import open_model
 

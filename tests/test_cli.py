@@ -13,7 +13,8 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 
 import observers as ob
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.cli import main
 from lab.export import lab_json
 from lab.results import choose

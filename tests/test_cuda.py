@@ -10,7 +10,8 @@ import torch
 import observers as ob
 from bench.bench_float_grid import user_search
 from bench.common import llm_weight
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from sample_models import open_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

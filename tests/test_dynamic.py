@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import observers as ob
-from lab.analyse.pipeline import TensorAnalysis
+from lab.analyse.analysis import TensorAnalysis
 from lab.results import dynamic, plots
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import observers as ob
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.cli import main
 from lab.effect.evaluate import (
     ChoiceSet,

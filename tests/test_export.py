@@ -17,8 +17,10 @@ from helpers import streamed_capture
 from safetensors import safe_open
 
 import observers as ob
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts, describe_source
-from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, lab_json
 from lab.results import choose
 from observers.suite import SuiteResult

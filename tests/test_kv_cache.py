@@ -20,7 +20,8 @@ from streamlit.testing.v1 import AppTest
 import observers as ob
 from lab import cli, results, ui
 from lab.analyse.model_facts import ModelFacts
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, lab_json
 from lab.results import choose, plots
 from sample_models import open_model

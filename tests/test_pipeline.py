@@ -8,7 +8,9 @@ import torch
 from helpers import streamed_capture
 
 import observers as ob
-from lab.analyse.pipeline import ResultCache, RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
 from lab.results import choose
 
 
@@ -95,7 +97,8 @@ def test_weight_observers_get_their_input_statistics_from_the_captured_inputs():
     """``imatrix_mse`` gets the column importance and ``local_hessian`` the block Hessian of the
     layer's own captured inputs, unless the person set them."""
     import observers as ob
-    from lab.analyse.pipeline import RunConfig, analyse
+    from lab.analyse.pipeline import analyse
+    from lab.analyse.run_config import RunConfig
     from sample_models import open_model
 
     model = open_model("tiny-llama")

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import observers as ob
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts
-from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
-from lab.results import plots
+from lab.analyse.run_config import RunConfig
+from lab.results import envelope, plots
 from lab.results.report import report_figures
 from observers.suite import SuiteResult
 
@@ -104,7 +105,7 @@ def test_plain_casts_clip_at_their_largest_finite_value(dtype):
 def test_envelope_is_the_widest_clip_point_over_groups():
     spec = ob.QuantSpec(dtype="int8", strategy="channel")
     result = SuiteResult("x", _qparams([[0.01], [0.03]]), {}, 0.0)
-    assert plots.envelope(result, spec) == pytest.approx((-128 * 0.03, 127 * 0.03))
+    assert envelope(result, spec) == pytest.approx((-128 * 0.03, 127 * 0.03))
 
 
 def test_range_lines_of_a_symmetric_format_are_its_clip_points_not_its_chosen_range():
@@ -255,7 +256,7 @@ def test_report_heatmap_and_bars_make_room_for_long_layer_names():
         assert fig.layout.height >= 24 * len(entries) + 60
     assert heatmap.layout.xaxis.automargin is True
     assert len(figures) == 2 + len(entries)
-    assert math.isclose(max(_lines(figures[2])["minmax"]), plots.envelope(entries[0].results[0], spec)[1])
+    assert math.isclose(max(_lines(figures[2])["minmax"]), envelope(entries[0].results[0], spec)[1])
 
 
 def test_a_result_computed_under_another_spec_draws_its_own_clip_lines():

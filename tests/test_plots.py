@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 import observers as ob
 from lab import results
-from lab.analyse.pipeline import ResultCache, RunConfig, TensorAnalysis, analyse
+from lab.analyse.analysis import TensorAnalysis
+from lab.analyse.pipeline import analyse
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
 from lab.results import plots
 
 MINMAX_FAMILY = ["minmax", "memoryless_minmax", "moving_average_minmax"]
@@ -207,8 +210,8 @@ def test_token_channel_figure_per_token_and_per_channel_absmax():
 
 
 def _analysis(model_entries: list[TensorAnalysis]):
+    from lab.analyse.analysis import Analysis
     from lab.analyse.model_facts import ModelFacts
-    from lab.analyse.pipeline import Analysis
 
     config = RunConfig(specs={"weight": ob.QuantSpec()}, observers=tuple(MINMAX_FAMILY))
     return Analysis(ModelFacts({"name": "t"}), config, model_entries)

@@ -11,8 +11,10 @@ import yaml
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 import observers as ob
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts
-from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, recipe
 from lab.results import choose
 from sample_models import open_model

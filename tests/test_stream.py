@@ -10,7 +10,8 @@ import torch
 
 import observers as ob
 from lab.analyse import run_config
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import lab_json
 from lab.results import choose
 from sample_models import open_model

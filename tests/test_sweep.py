@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 import observers as ob
-from lab.analyse.pipeline import RunConfig
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.cli import ProgressBar, main
 from lab.export import lab_json
+from lab.results import choose
 from lab.scale import sweep, sweep_file
 from lab.scale.sweep import Plan, partial_path, run_sweep
 from sample_models import open_model
@@ -171,6 +173,30 @@ def test_a_sweep_calibrates_in_one_pass_and_writes_each_block_as_it_finishes(tmp
     weights_only = Plan(plan.model, plan.layers, RunConfig(specs={"weight": ob.QuantSpec("int8")}))
     assert weights_only.chunk_size() == 1
     assert Plan(plan.model, plan.layers, plan.config, chunk=3).chunk_size() == 3
+
+
+def test_the_final_file_is_streamed_byte_for_byte_as_the_whole_document_dumps(tmp_path):
+    """The final file is written a unit at a time from the partial file, whose units may come out
+    of model order (ranks that split the layers append them so): its bytes are ``lab_json.dumps``
+    of the document it holds, that document is the one analysing the same layers in one go builds
+    in memory, key order included, and every entry fits the schema."""
+    model = open_model("tiny-llama")
+    layers = tuple(_layer_names("tiny-llama"))
+    plan = Plan(model, layers, RunConfig(specs={"weight": ob.QuantSpec("int8")}, observers=("minmax", "mse_grid")))
+    out = tmp_path / "q.json"
+    with pytest.raises(KeyboardInterrupt):  # every unit written, the final file not yet
+        run_sweep(plan, out, progress=_interrupt_after(len(layers)))
+    first, header, *units = partial_path(out).read_bytes().splitlines(keepends=True)
+    partial_path(out).write_bytes(first + header + b"".join(reversed(units)))
+    outcome = run_sweep(plan, out, resume=True)
+    written = out.read_bytes()
+    document = json.loads(written)
+    assert written == lab_json.dumps(document).encode("utf-8") and outcome.document == document
+    analysis = analyse(model, list(layers), plan.config)
+    in_memory = lab_json.build_document(analysis, choose(analysis))
+    assert lab_json.dumps(comparable(document)) == lab_json.dumps(comparable(in_memory))
+    assert lab_json.schema_problems(document) == []
+    assert document["version"] == lab_json.FORMAT_VERSION
 
 
 def test_progress_bar_shows_layers_elapsed_and_eta():

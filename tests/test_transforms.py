@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import observers as ob
-from lab.analyse.pipeline import RunConfig, analyse
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
 from lab.cli import main
 from lab.results import layer_output_rows
 from observers.transforms import hadamard_block, rotate, smoothing_scales, sylvester_hadamard

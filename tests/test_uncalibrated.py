@@ -9,8 +9,9 @@ import torch
 
 import observers as ob
 from lab import results
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts
-from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, lab_json
 from lab.results import choose
 

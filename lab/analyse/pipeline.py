@@ -5,9 +5,9 @@ the observers of the chosen activations (layer inputs and outputs, the key and v
 attention blocks: ``lab.calibrate.activations``), then reads each layer's weight when its layer is finished
 and runs the weight observers on it. Results are cached per (tensor, spec, observer, knobs,
 calibration) in a ``ResultCache``, so a re-run after one knob changes recomputes only that
-observer; ``lab.calibrate.capture_memo`` keeps the app's sample of tokens. The ``Analysis`` records the
-facts of its model (``lab.analyse.model_facts``), so its results stay tied to that model. Ranking and
-choosing observers live in ``lab.results``.
+observer; ``lab.calibrate.capture_memo`` keeps the app's sample of tokens. The ``Analysis`` it
+returns (``lab.analyse.analysis``) records the facts of its model (``lab.analyse.model_facts``), so
+its results stay tied to that model. Ranking and choosing observers live in ``lab.results``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import torch
 
 import observers as ob
+from lab.analyse.analysis import Analysis, TensorAnalysis, ToolResult
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.result_cache import ResultCache
 from lab.analyse.run_config import RunConfig
@@ -30,6 +30,7 @@ from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
 from lab.calibrate.activations import tensor_id as activations_tensor_id
+from lab.results import choose
 from lab.scale.distributed import SINGLE, Ranks, owner
 from lab.vocab import (
     DEFAULT_METRIC,
@@ -45,118 +46,6 @@ from sample_models.capture import Propagation
 from sample_models.effect import TensorQuant, quantizing_hooks
 
 ProgressFn = Callable[[int, int, str], None]
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """One tool's default on one tensor: its ``profile`` (observer, knobs, spec with the tool's
-    conventions; None when the tool cannot express the scheme, ``result.error`` says why) and the
-    suite's result, named ``"<tool>: <observer>"`` so plots and tables tell it from the observers."""
-
-    tool: str
-    profile: Any
-    result: SuiteResult
-
-
-@dataclass
-class TensorAnalysis:
-    """The suite's results on one tensor of one layer.
-
-    ``source`` is an activation's kept sample of tokens (``data``), or a function that reads a
-    weight again from its checkpoint when a page asks for it: an analysis holds no whole weight.
-    ``total_shape`` is the shape over every calibration token (of every rank, when ranks split
-    the batches; ``data`` is then this rank's sample), a weight's shape; ``rank`` is None for what
-    all ranks computed together, else the rank that computed a weight's results."""
-
-    layer: str
-    tensor: str
-    spec: ob.QuantSpec
-    source: torch.Tensor | Callable[[], torch.Tensor]
-    results: list[SuiteResult]
-    g_idx: torch.Tensor | None = None
-    total_shape: tuple[int, ...] | None = None
-    rank: int | None = 0
-    tool_results: list[ToolResult] = field(default_factory=list)
-    """What each of ``RunConfig.tools`` produces by default (``lab.analyse.tools``): shown beside the
-    observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
-    metrics_tokens: int | None = None
-    """Of an activation: the calibration tokens its error metrics were computed on (the kept
-    sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The tensor: an activation's sample, or the weight read again (as the run's transform shows it)."""
-        return self.source() if callable(self.source) else self.source
-
-    @property
-    def metrics_note(self) -> str | None:
-        """ "metrics on 4,096 of 1,048,576 tokens" when the metrics saw a sample; None for a weight,
-        or when they saw every token."""
-        if self.metrics_tokens is None or self.metrics_tokens >= self.num_tokens:
-            return None
-        return f"metrics on {self.metrics_tokens:,} of {self.num_tokens:,} tokens"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The analysed tensor's shape (all ranks' tokens together for a split calibration)."""
-        return tuple(self.data.shape) if self.total_shape is None else self.total_shape
-
-    def result(self, observer: str) -> SuiteResult:
-        for r in self.results:
-            if r.name == observer:
-                return r
-        raise ValueError(f"observer {observer!r} was not run on {self.layer} {self.tensor}")
-
-    @property
-    def num_tokens(self) -> int:
-        """Calibration tokens in ``data`` (0 for weights): rows of an activation, sequence
-        positions of attention states ``(batch, heads, seq, head_dim)``."""
-        if self.tensor == "weight":
-            return 0
-        if self.tensor in KV_TENSORS:
-            return int(self.shape[0] * self.shape[2])
-        return int(self.shape[0])
-
-
-@dataclass
-class Analysis:
-    """Everything one run produced, in run order, and the facts of the model it ran on."""
-
-    facts: ModelFacts
-    config: RunConfig
-    entries: list[TensorAnalysis]
-    seconds: float = 0.0
-    warnings: list[str] = field(default_factory=list)
-    calibration: dict[str, Any] | None = None
-    """The calibration set the activations saw (``CalibrationSamples.to_dict``: source, fingerprint,
-    samples, asked, tokens); None when nothing was calibrated."""
-
-    @property
-    def source(self) -> dict[str, Any]:
-        """Where the analysed weights came from (``ModelFacts.source``)."""
-        return self.facts.source
-
-    def keys(self) -> list[tuple[str, str]]:
-        """The analysed ``(layer, tensor)`` pairs in run order."""
-        return [(e.layer, e.tensor) for e in self.entries]
-
-    def entry(self, layer: str, tensor: str) -> TensorAnalysis:
-        for e in self.entries:
-            if e.layer == layer and e.tensor == tensor:
-                return e
-        raise ValueError(f"no results for layer {layer!r} tensor {tensor!r}")
-
-    def frame(self):
-        """pandas DataFrame: one row per (layer, tensor, observer) with metrics and time."""
-        import pandas as pd
-
-        rows = []
-        for e in self.entries:
-            frame = ob.results_frame(e.results)
-            frame.insert(0, "tensor", e.tensor)
-            frame.insert(0, "layer", e.layer)
-            rows.append(frame)
-        return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
 
 def analyse(
@@ -270,8 +159,6 @@ def analyse(
 def _propagation(model, part: Analysis) -> Propagation | None:
     """What the next block calibrates behind: ``part``'s layers fake-quantized with the observer
     each would be exported with (``lab.results.choose`` by the default metric)."""
-    from lab.results import choose  # lab.results reads analyses: it imports this module
-
     chosen = choose(part, DEFAULT_METRIC)
     quantization = {
         (e.layer, e.tensor): TensorQuant(e.spec, None if e.spec.dynamic else e.result(chosen[key]).qparams)

@@ -18,11 +18,12 @@ import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import observers as ob
+from lab.analyse.run_config import RunConfig
 from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.stream import ChannelMax, MeanStatistic, Observation, ObserverStream, Statistic, View, token_axis
@@ -35,9 +36,6 @@ from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
 from sample_models.capture import Done, Key, Propagation
 from sample_models.layers import io_widths
-
-if TYPE_CHECKING:
-    from lab.analyse.pipeline import RunConfig
 
 
 @dataclass

@@ -5,14 +5,10 @@ summed over every calibration token by ``lab.calibrate.stream``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 import observers as ob
-
-if TYPE_CHECKING:
-    from lab.analyse.pipeline import RunConfig
+from lab.analyse.run_config import RunConfig
 
 
 def smooths(config: RunConfig) -> bool:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import observers as ob
+from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
-from lab.analyse.pipeline import Analysis
 from lab.export.json_values import json_safe
 from lab.results import Choices, choose, usable_observers, valid_choices
 from lab.vocab import DECODER_METRICS, ENCODER_METRICS, KV_TENSORS, observer_kind

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from lab.analyse.pipeline import Analysis, TensorAnalysis
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.effect.evaluate import (
     ALL_MINMAX,
     ChoiceSet,

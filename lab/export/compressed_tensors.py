@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab.analyse.pipeline import Analysis
+from lab.analyse.analysis import Analysis
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.json_values import json_safe
 from lab.results import export_selection

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.analyse.analysis import Analysis, TensorAnalysis, ToolResult
 from lab.analyse.model_facts import ModelFacts, same_weights
-from lab.analyse.pipeline import Analysis, TensorAnalysis, ToolResult
 from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.results import Choices, check_metric, export_selection, rank
 from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION, KV_TENSORS
@@ -209,7 +209,7 @@ class LabFile:
 
     @property
     def choices(self) -> Choices:
-        """``{(layer, tensor): observer}``, the form ``lab.analyse.pipeline.choose`` returns."""
+        """``{(layer, tensor): observer}``, the form ``lab.results.choose`` returns."""
         return {(e.layer, e.tensor): e.observer for e in self.entries}
 
     @property

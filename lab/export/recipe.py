@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
+from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
-from lab.analyse.pipeline import Analysis
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
 from lab.results import export_selection

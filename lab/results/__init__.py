@@ -4,7 +4,9 @@
 observers without a value left out, ties in suite order); ``choose``, the highlighted best
 cells, the export's runner-up and the report all go through it, so "best" means one thing
 everywhere. ``higher_is_better`` is the one place a metric's direction is decided: plots and the
-sensitivity ranking ask it too. No streamlit here: pages and the report draw these frames.
+sensitivity ranking ask it too. Likewise ``envelope``, where a format clips, is the one answer
+the range table and the range plots both draw. No streamlit here: pages and the report draw these
+frames.
 
 The package also holds what draws them: ``lab.results.plots`` (plotly figures),
 ``lab.results.report`` (the HTML report) and ``lab.results.dynamic`` (static against run-time
@@ -21,7 +23,7 @@ import pandas as pd
 import torch
 
 import observers as ob
-from lab.analyse.pipeline import Analysis, TensorAnalysis
+from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, MODEL_METRIC_PREFIX, MODEL_METRICS, TensorKind
 from observers.suite import SuiteResult
 
@@ -245,13 +247,23 @@ def spec_text(spec: ob.QuantSpec) -> str:
     return text + (" dynamic" if spec.dynamic else "")
 
 
+def envelope(result: SuiteResult, spec: ob.QuantSpec) -> tuple[float, float]:
+    """The tensor-wide ``(lo, hi)`` where an observer's format clips: for channel, group, token
+    or block granularity the smallest low end and largest high end of ``ob.representable_range``
+    over all its qparam groups.
+
+    Not the chosen ``min_val``/``max_val``: what a reader of a range plot or table needs is where
+    values start to saturate, and that is the grid's ends (``-128·s`` under the ``half_range``
+    rule, ``6·2^e`` for an MX block), which ``clip_ratio`` also counts against."""
+    lo, hi = ob.representable_range(result.qparams, spec)
+    return float(lo.min()), float(hi.max())
+
+
 def range_table(
     results: Sequence[SuiteResult], spec: ob.QuantSpec, specs: Mapping[str, ob.QuantSpec] | None = None
 ) -> pd.DataFrame:
-    """Per observer: the tensor-wide range its format keeps unclipped (``plots.envelope``), the
+    """Per observer: the tensor-wide range its format keeps unclipped (``envelope``), the
     share of values clipped and the SQNR; ``specs`` as in ``plots.range_histogram``."""
-    from lab.results.plots import envelope
-
     rows = []
     for r in results:
         if r.qparams is None:

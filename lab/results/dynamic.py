@@ -65,7 +65,7 @@ def _row(label: str, scales: np.ndarray, metrics: dict, runtime_p50: float, abov
 
 
 def dynamic_summary(entry, results: Sequence[SuiteResult] | None = None) -> pd.DataFrame:
-    """For ``entry`` (a ``lab.analyse.pipeline.TensorAnalysis``): one row for the run-time scales
+    """For ``entry`` (a ``lab.analyse.analysis.TensorAnalysis``): one row for the run-time scales
     (``ob.dynamic_error_metrics`` on the calibration tokens), then one per observer (``results``,
     default all of the entry's) with static qparams: scale p1/p50/p99, max/min ratio, the static
     p50 over the run-time p50, the share of run-time scales above the static scale of the same

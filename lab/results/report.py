@@ -17,7 +17,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 import observers as ob
-from lab.analyse.pipeline import Analysis
+from lab.analyse.analysis import Analysis
 from lab.results import check_metric, plots, rank, spec_text
 from lab.vocab import DEFAULT_METRIC
 

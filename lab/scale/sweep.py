@@ -9,7 +9,8 @@ records ``lab_json.build_document`` writes (the very records of a single run), a
 and dropped. ``--chunk N`` splits the layers into passes of ``N`` instead; weight-only sweeps go
 one layer at a time. At the end the records are assembled into the Observer Lab file, equal to
 what one ``analyse`` over the same layers writes (apart from creation time and timings), written
-atomically, and the partial file is removed.
+atomically and streamed from the partial file one unit at a time (a big model's document is
+gigabytes once parsed, so it is never held whole), and the partial file is removed.
 
 The partial file and its format: ``lab.scale.sweep_file``.
 
@@ -22,15 +23,18 @@ layers (each rank analyses its own chunks alone).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
+from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import describe_source
-from lab.analyse.pipeline import Analysis, ProgressFn, RunConfig, analyse
+from lab.analyse.pipeline import ProgressFn, analyse
+from lab.analyse.run_config import RunConfig
 from lab.export import lab_json
 from lab.export.json_values import json_safe
 from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
@@ -146,12 +150,17 @@ class Plan:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What rank 0 gets back: the written document, analyse's warnings over every unit (those of
-    a resumed run's earlier units included) and how many units a resume found done."""
+    """What rank 0 gets back: the written file, analyse's warnings over every unit (those of a
+    resumed run's earlier units included) and how many units a resume found done."""
 
-    document: dict[str, Any]
+    path: Path
     warnings: list[str]
     resumed: int
+
+    @cached_property
+    def document(self) -> dict[str, Any]:
+        """The written document, read back on first use: the sweep itself never holds it whole."""
+        return json.loads(self.path.read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------- one chunk
@@ -246,26 +255,31 @@ def _chunks(units: list[Unit], size: int | None) -> list[list[Unit]]:
     return chunks
 
 
-def _assemble(lines: list[dict[str, Any]], world_size: int, config: RunConfig) -> tuple[dict[str, Any], list[str]]:
-    """The final document from a complete partial file's lines (units in model order), and the
+def _assemble(pending: Path, world_size: int, config: RunConfig) -> tuple[dict, Iterator[dict], list[str]]:
+    """The final document of a complete partial file: its top-level fields (``entries`` empty, in
+    their place), its entries as they are read back, a unit at a time in model order, and the
     units' warnings; ``rank`` per entry and ``world_size`` on top only for several ranks."""
-    units = sorted((line for line in lines if "unit" in line), key=lambda unit: unit["index"])
-    entries = [{"rank": u["rank"], **e} if world_size > 1 else e for u in units for e in u["entries"]]
-    if not entries:
-        first = next((u["error"] for u in units if u["error"]), "nothing was analysed")
-        raise ValueError(f"no observer produced qparams for these settings: {first}")
-    headers = [line["header"] for line in lines if "header" in line]
+    contents = sweep_file.read(pending)
+    units = contents.units
+    read = sweep_file.unit_entries(pending, units)
+    entries = ({"rank": unit["rank"], **e} if world_size > 1 else e for unit, e in read)
+    first = next(entries, None)
+    if first is None:
+        error = next((u["error"] for u in units if u["error"]), "nothing was analysed")
+        raise ValueError(f"no observer produced qparams for these settings: {error}")
+    headers = contents.headers
     header = headers[0] | next(({"calibration": h["calibration"]} for h in headers if "calibration" in h), {})
-    document = {**header, "config": json_safe(config.to_dict()), "entries": entries}
+    # the version this lab writes, also over a header that a resumed sweep's older lab wrote
+    document = {**header, "version": lab_json.FORMAT_VERSION, "config": json_safe(config.to_dict()), "entries": []}
     document["uncalibrated"] = [record for u in units for record in u["uncalibrated"]]
     if world_size > 1:
         document["world_size"] = world_size
     # every entry was validated in its chunk's document; one stands for all, so a whole model's
     # qparams are not validated twice
-    problems = lab_json.schema_problems({**document, "entries": entries[:1]})
+    problems = lab_json.schema_problems({**document, "entries": [first]})
     if problems:
         raise ValueError("internal error, the assembled sweep breaks the schema: " + "; ".join(problems))
-    return document, [w for u in units for w in u["warnings"]]
+    return document, itertools.chain([first], entries), [w for u in units for w in u["warnings"]]
 
 
 # ---------------------------------------------------------------- the sweep
@@ -324,13 +338,13 @@ def _scaled(progress: ProgressFn | None, start: int, size: int, total: int) -> P
 def _start(plan: Plan, pending: Path, resume: bool, ranks: Ranks) -> tuple[set[int], sweep_file.Writer | None]:
     """The units a resume finds done (on every rank) and rank 0's writer."""
 
-    def open_it() -> list[dict[str, Any]]:
+    def open_it() -> sweep_file.Contents:
         settings = plan.settings_hash(ranks.world_size)
         return sweep_file.open_partial(pending, settings, len(plan.units()), ranks.world_size, resume)
 
-    lines = _on_main(ranks, open_it)
-    done = ranks.broadcast(None if lines is None else [line["index"] for line in lines if "unit" in line])
-    headers = [line["header"] for line in lines if "header" in line] if ranks.is_main else []
+    contents = _on_main(ranks, open_it)
+    done = ranks.broadcast(None if contents is None else [unit["index"] for unit in contents.units])
+    headers = contents.headers if ranks.is_main else []
     writer = (
         sweep_file.Writer(pending, bool(headers), any("calibration" in h for h in headers)) if ranks.is_main else None
     )
@@ -394,9 +408,9 @@ def run_sweep(
             write(error)
 
     def finish() -> Outcome:
-        document, warnings = _assemble(sweep_file.complete_lines(pending)[0], ranks.world_size, plan.config)
-        sweep_file.write_final(out, document)
+        document, entries, warnings = _assemble(pending, ranks.world_size, plan.config)
+        sweep_file.write_final(out, document, entries)
         pending.unlink()
-        return Outcome(document, warnings, len(done))
+        return Outcome(out, warnings, len(done))
 
     return _on_main(ranks, finish)

@@ -44,7 +44,7 @@ def dynamic_scale_figure(entry, results: Sequence[SuiteResult], order: Sequence[
     Per-tensor dynamic scales are one value for the calibration set (one call): a dashed line,
     drawn over the observers' lines.
 
-    ``entry`` is a ``lab.analyse.pipeline.TensorAnalysis``; the run-time scales are
+    ``entry`` is a ``lab.analyse.analysis.TensorAnalysis``; the run-time scales are
     ``ob.dynamic_qparams(entry.data, entry.spec)``, step sizes (NVFP4: ``scale / global_scale``).
     """
     runtime = effective_scales(ob.dynamic_qparams(entry.data, entry.spec))

@@ -27,7 +27,7 @@ from observers.suite import SuiteResult
 
 
 def quantization_error(entry, result: SuiteResult) -> torch.Tensor:
-    """``x - x_hat`` of one observer on one analysed tensor (a ``lab.analyse.pipeline.TensorAnalysis``)."""
+    """``x - x_hat`` of one observer on one analysed tensor (a ``lab.analyse.analysis.TensorAnalysis``)."""
     x = entry.data.to(torch.float32)
     return x - ob.fake_quantize(x, result.qparams, entry.spec).to(torch.float32)
 

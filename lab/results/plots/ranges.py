@@ -13,20 +13,9 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
+from lab.results import envelope
 from lab.results.plots.style import DATA_COLOR, _numpy, _ok, legend_on_top, observer_color
 from observers.suite import SuiteResult
-
-
-def envelope(result: SuiteResult, spec: ob.QuantSpec) -> tuple[float, float]:
-    """The tensor-wide ``(lo, hi)`` where an observer's format clips: for channel, group, token
-    or block granularity the smallest low end and largest high end of ``ob.representable_range``
-    over all its qparam groups.
-
-    Not the chosen ``min_val``/``max_val``: what a reader of a range plot or table needs is where
-    values start to saturate, and that is the grid's ends (``-128·s`` under the ``half_range``
-    rule, ``6·2^e`` for an MX block), which ``clip_ratio`` also counts against."""
-    lo, hi = ob.representable_range(result.qparams, spec)
-    return float(lo.min()), float(hi.max())
 
 
 def value_histogram(

@@ -1,0 +1,137 @@
+"""What a run produced: ``Analysis`` (every analysed tensor of one run, and the facts of its model),
+``TensorAnalysis`` (the suite's results on one tensor) and ``ToolResult`` (a tool's default beside
+them).
+
+A module of their own, below both sides of the pipeline: many modules read analyses
+(``lab.results`` ranks them, ``lab.export`` writes them, ``lab.effect`` and ``lab.scale.sweep`` take
+them in) and one makes them, ``lab.analyse.pipeline``, which itself asks ``lab.results`` what
+propagation quantizes with. From here the readers get the types without the calibration pass,
+and the pipeline imports its readers without a circle (``tests/test_architecture.py`` checks
+that ``lab/`` has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import observers as ob
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.run_config import RunConfig
+from lab.vocab import KV_TENSORS
+from observers.suite import SuiteResult
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool's default on one tensor: its ``profile`` (observer, knobs, spec with the tool's
+    conventions; None when the tool cannot express the scheme, ``result.error`` says why) and the
+    suite's result, named ``"<tool>: <observer>"`` so plots and tables tell it from the observers."""
+
+    tool: str
+    profile: Any
+    result: SuiteResult
+
+
+@dataclass
+class TensorAnalysis:
+    """The suite's results on one tensor of one layer.
+
+    ``source`` is an activation's kept sample of tokens (``data``), or a function that reads a
+    weight again from its checkpoint when a page asks for it: an analysis holds no whole weight.
+    ``total_shape`` is the shape over every calibration token (of every rank, when ranks split
+    the batches; ``data`` is then this rank's sample), a weight's shape; ``rank`` is None for what
+    all ranks computed together, else the rank that computed a weight's results."""
+
+    layer: str
+    tensor: str
+    spec: ob.QuantSpec
+    source: torch.Tensor | Callable[[], torch.Tensor]
+    results: list[SuiteResult]
+    g_idx: torch.Tensor | None = None
+    total_shape: tuple[int, ...] | None = None
+    rank: int | None = 0
+    tool_results: list[ToolResult] = field(default_factory=list)
+    """What each of ``RunConfig.tools`` produces by default (``lab.analyse.tools``): shown beside the
+    observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
+    metrics_tokens: int | None = None
+    """Of an activation: the calibration tokens its error metrics were computed on (the kept
+    sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The tensor: an activation's sample, or the weight read again (as the run's transform shows it)."""
+        return self.source() if callable(self.source) else self.source
+
+    @property
+    def metrics_note(self) -> str | None:
+        """ "metrics on 4,096 of 1,048,576 tokens" when the metrics saw a sample; None for a weight,
+        or when they saw every token."""
+        if self.metrics_tokens is None or self.metrics_tokens >= self.num_tokens:
+            return None
+        return f"metrics on {self.metrics_tokens:,} of {self.num_tokens:,} tokens"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The analysed tensor's shape (all ranks' tokens together for a split calibration)."""
+        return tuple(self.data.shape) if self.total_shape is None else self.total_shape
+
+    def result(self, observer: str) -> SuiteResult:
+        for r in self.results:
+            if r.name == observer:
+                return r
+        raise ValueError(f"observer {observer!r} was not run on {self.layer} {self.tensor}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Calibration tokens in ``data`` (0 for weights): rows of an activation, sequence
+        positions of attention states ``(batch, heads, seq, head_dim)``."""
+        if self.tensor == "weight":
+            return 0
+        if self.tensor in KV_TENSORS:
+            return int(self.shape[0] * self.shape[2])
+        return int(self.shape[0])
+
+
+@dataclass
+class Analysis:
+    """Everything one run produced, in run order, and the facts of the model it ran on."""
+
+    facts: ModelFacts
+    config: RunConfig
+    entries: list[TensorAnalysis]
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None
+    """The calibration set the activations saw (``CalibrationSamples.to_dict``: source, fingerprint,
+    samples, asked, tokens); None when nothing was calibrated."""
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """Where the analysed weights came from (``ModelFacts.source``)."""
+        return self.facts.source
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The analysed ``(layer, tensor)`` pairs in run order."""
+        return [(e.layer, e.tensor) for e in self.entries]
+
+    def entry(self, layer: str, tensor: str) -> TensorAnalysis:
+        for e in self.entries:
+            if e.layer == layer and e.tensor == tensor:
+                return e
+        raise ValueError(f"no results for layer {layer!r} tensor {tensor!r}")
+
+    def frame(self):
+        """pandas DataFrame: one row per (layer, tensor, observer) with metrics and time."""
+        import pandas as pd
+
+        rows = []
+        for e in self.entries:
+            frame = ob.results_frame(e.results)
+            frame.insert(0, "tensor", e.tensor)
+            frame.insert(0, "layer", e.layer)
+            rows.append(frame)
+        return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
