@@ -18,13 +18,18 @@ A line is complete or dropped (a torn last line from a kill mid-write is cut off
 unit is either done or redone. ``resume`` skips the units already there and refuses a partial
 file of other settings; without ``resume`` an existing partial file is refused rather than
 overwritten, since it may hold hours of work.
+
+The file is read one line at a time (``read``), keeping the units' small fields and where each
+line starts, never their entries: a big model's partial file is its whole Observer Lab file, and
+the final file is written from it one unit's entries at a time (``write_final``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,43 +54,82 @@ def append(path: Path, records: list[dict[str, Any]]) -> None:
         os.fsync(handle.fileno())
 
 
-def complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The complete lines of a partial file and the bytes they span; a torn last line (killed
+def _complete_lines(path: Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """``(start, end, line)`` of each complete line, parsed one at a time; a torn last line (killed
     mid-write) and anything after it does not count."""
-    lines: list[dict[str, Any]] = []
-    size = 0
-    for raw in path.read_bytes().splitlines(keepends=True):
-        try:
-            if not raw.endswith(b"\n"):
-                break
-            lines.append(json.loads(raw))
-        except ValueError:
-            break
-        size += len(raw)
-    return lines, size
+    with open(path, "rb") as handle:
+        start = 0
+        for raw in handle:
+            try:
+                if not raw.endswith(b"\n"):
+                    return
+                line = json.loads(raw)
+            except ValueError:
+                return
+            yield start, start + len(raw), line
+            start += len(raw)
 
 
-def open_partial(path: Path, settings: str, units: int, world_size: int, resume: bool) -> list[dict[str, Any]]:
-    """The lines a resumed sweep of these ``settings`` (a hash) starts from (the torn tail cut
+@dataclass
+class Contents:
+    """A partial file's complete lines as a resume and the final file need them: the first line,
+    the header lines, each unit's line with the number of its entries in place of them and
+    ``offset``, where the line starts (the entries are read again one unit at a time), and the
+    bytes the complete lines span."""
+
+    first: dict[str, Any] | None = None
+    headers: list[dict[str, Any]] = field(default_factory=list)
+    units: list[dict[str, Any]] = field(default_factory=list)
+    size: int = 0
+
+
+def read(path: Path) -> Contents:
+    """A partial file's ``Contents``, read one line at a time; units sorted by index (ranks that
+    split the layers append them out of model order)."""
+    contents = Contents()
+    for start, end, line in _complete_lines(path):
+        contents.size = end
+        if contents.first is None:
+            contents.first = line
+        elif "header" in line:
+            contents.headers.append(line["header"])
+        elif "unit" in line:
+            contents.units.append({**line, "entries": len(line["entries"]), "offset": start})
+    contents.units.sort(key=lambda unit: unit["index"])
+    return contents
+
+
+def unit_entries(path: Path, units: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(unit, entry)`` for each entry of ``units`` (``Contents.units``), in their order, one
+    unit's line read and parsed at a time."""
+    with open(path, "rb") as handle:
+        for unit in units:
+            handle.seek(unit["offset"])
+            for entry in json.loads(handle.readline())["entries"]:
+                yield unit, entry
+
+
+def open_partial(path: Path, settings: str, units: int, world_size: int, resume: bool) -> Contents:
+    """The contents a resumed sweep of these ``settings`` (a hash) starts from (the torn tail cut
     off), or a fresh file whose first line records them."""
     first = {"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "settings": settings}
     first |= {"units": units, "world_size": world_size}
     if path.exists() and not resume:
         raise ValueError(f"{path} holds an unfinished sweep: add --resume to go on with it, or delete it to start over")
-    lines, size = complete_lines(path) if path.exists() else ([], 0)
-    if not lines:
+    contents = read(path) if path.exists() else Contents()
+    if contents.first is None:
         path.write_bytes(b"")
         append(path, [first])
-        return [first]
-    if lines[0].get("format") != PARTIAL_FORMAT:
+        return Contents(first=first)
+    if contents.first.get("format") != PARTIAL_FORMAT:
         raise ValueError(f"{path} is not the partial file of an Observer Lab sweep")
-    if lines[0].get("settings") != first["settings"]:
+    if contents.first.get("settings") != first["settings"]:
         raise ValueError(
             f"{path} was written by a sweep with other settings (model, layers, formats, observers, knobs, "
             "calibration, metric or number of ranks): run with those settings, or delete it to start over"
         )
-    os.truncate(path, size)
-    return lines
+    os.truncate(path, contents.size)
+    return contents
 
 
 @dataclass
@@ -132,11 +176,26 @@ def _merge_units(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def write_final(path: Path, document: dict[str, Any]) -> None:
-    """Write the file whole or not at all (a crash here leaves the partial file to resume from)."""
+def write_final(path: Path, document: dict[str, Any], entries: Iterable[dict[str, Any]]) -> None:
+    """Write the Observer Lab file ``document`` with ``entries`` in place of its (empty) ``entries``
+    list, whole or not at all (a crash here leaves the partial file to resume from).
+
+    Written piece by piece, one entry at a time, so memory does not grow with the model: the bytes
+    are exactly ``lab_json.dumps`` of the whole document (compact JSON is ``{``, then each
+    ``"key":value`` joined by ``,``, then ``}``, and a list likewise with ``[``, ``]``)."""
     staging = Path(f"{path}.tmp")
     with open(staging, "w", encoding="utf-8") as handle:
-        handle.write(lab_json.dumps(document))
+        handle.write("{")
+        for number, (key, value) in enumerate(document.items()):
+            handle.write(("," if number else "") + lab_json.dumps(key) + ":")
+            if key != "entries":
+                handle.write(lab_json.dumps(value))
+                continue
+            handle.write("[")
+            for count, entry in enumerate(entries):
+                handle.write(("," if count else "") + lab_json.dumps(entry))
+            handle.write("]")
+        handle.write("}")
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(staging, path)
