@@ -1,14 +1,22 @@
-"""Observer Lab: the Streamlit app. Run with ``streamlit run app.py``.
+"""Observer Lab: the Streamlit app. Run with ``bash scripts/app.sh`` (``python -m lab.serve``, which
+checks the declared roots and runs ``streamlit run app.py -- <the app's flags>``).
 
-This file sets up the page, the session's one ``Workspace`` (``lab.ui.workspace``) and the
-navigation; each page lives in ``pages/`` and reads and writes that workspace.
+This file sets up the page, the server's declared settings (``lab.ui.served``), the session's one
+``Workspace`` (``lab.ui.workspace``) and the navigation; each page lives in ``pages/`` and reads and
+writes that workspace.
 """
 
 import streamlit as st
 
 from lab import ui
+from lab.serve.config import ServeConfigError
 
 st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
+try:
+    ui.served()
+except ServeConfigError as err:
+    st.error(f"This server cannot serve the app: {err}.")
+    st.stop()
 ui.workspace()
 
 PAGES = [

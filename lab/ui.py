@@ -12,12 +12,11 @@ the widget is drawn after a page without it, and the page writes the widget's va
 
 from __future__ import annotations
 
-import hashlib
 import re
-import tempfile
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import streamlit as st
@@ -25,14 +24,19 @@ import torch
 
 import observers as ob
 from lab import results
-from lab.analyse.pipeline import Analysis, RunConfig, TensorAnalysis
+from lab.analyse.analysis import Analysis, TensorAnalysis
+from lab.analyse.run_config import RunConfig
+from lab.messages import explain
 from lab.results import plots
+from lab.serve.config import MAX_UPLOAD_MB, ServeConfig
+from lab.serve.session_runs import how_had
+from lab.serve.shared_runs import SharedRuns
+from lab.serve.uploads import UPLOAD_SUFFIXES
 from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
-from lab.workspace import UPLOAD_SUFFIXES, ModelRequest, RunOutcome, Timer, Workspace
+from lab.workspace import ModelRequest, RunOutcome, Timer, Workspace
 
 WORKSPACE = "workspace"
 WIDGET_PAGES = "widget_pages"
-UPLOAD_DIR = Path(tempfile.gettempdir()) / "observer_lab_uploads"
 
 
 # ---------------------------------------------------------------- the session's workspace
@@ -103,27 +107,6 @@ def metric_select(label: str, ws: Workspace) -> str:
 # ---------------------------------------------------------------- errors
 
 
-def explain(exc: BaseException) -> str:
-    """A one-paragraph message for the user: what went wrong and what to do."""
-    text = str(exc) or type(exc).__name__
-    kind = type(exc).__name__
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return f"Out of memory ({text}). Select fewer layers, fewer samples or a shorter sequence length."
-    if "CUDA is not available" in text or "no CUDA" in text.lower():
-        return f"{text}. This machine has no usable GPU: choose device 'auto' or 'cpu'."
-    if kind == "FileTooLargeError":
-        return f"{text}. Open the checkpoint as a local directory instead of uploading it."
-    if kind == "LayerNotFoundError":
-        return f"{text}. Pick layers from the table on the Model page."
-    if kind == "ActivationsUnavailableError":
-        return f"{text}. Untick the activation tensors on the Model page, or open a full model directory."
-    if kind == "ModelSourceError":
-        return f"{text}. Check the path or id, or choose a built-in sample model."
-    if isinstance(exc, ValueError):
-        return text
-    return f"{kind}: {text}"
-
-
 @contextmanager
 def guard(what: str) -> Iterator[None]:
     """Show any error inside as ``st.error`` naming ``what`` failed; the page keeps running."""
@@ -150,26 +133,55 @@ def open_shared_model(source: str, device: str, dtype: str):
 
 
 def open_request(request: ModelRequest | None):
-    """The model of ``request`` (None for None)."""
+    """The model of ``request`` (None for None): shared by every session, except a model opened
+    from this session's own upload, which is this session's alone and goes with it."""
     if request is None:
         return None
+    ws = workspace()
+    if ws.uploads.owns(request.source):
+        if request not in ws.own_models:
+            from sample_models import open_model
+
+            ws.own_models.clear()
+            ws.own_models[request] = open_model(request.source, device=request.device, dtype=request.dtype)
+        return ws.own_models[request]
     return open_shared_model(request.source, request.device, request.dtype)
 
 
-def save_upload(name: str, data: bytes) -> Path:
-    """Store uploaded bytes as ``<upload dir>/<sha256 prefix>/<the file's own name>``: the same
-    file uploaded again reuses the opened model, two users' uploads never collide, and errors
-    name the file the person uploaded."""
-    if not name.endswith(".safetensors"):
-        raise ValueError(f"{name!r} is not a .safetensors file")
-    if not data:
-        raise ValueError(f"{name!r} is empty")
-    folder = UPLOAD_DIR / hashlib.sha256(data).hexdigest()[:20]
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / Path(name).name
-    if not path.exists():
-        path.write_bytes(data)
-    return path
+# ---------------------------------------------------------------- serving a team
+
+
+@st.cache_resource(show_spinner=False)
+def served() -> ServeConfig:
+    """The server's declared roots and limits (``lab.serve.config``): ``app.py``'s flags after ``--``."""
+    config, _ = ServeConfig.parse(sys.argv[1:])
+    return config
+
+
+@st.cache_resource(show_spinner=False)
+def shared_runs() -> SharedRuns:
+    """The server's one queue and cache of runs, shared by every session (``lab.serve.shared_runs``)."""
+    config = served()
+    return SharedRuns(config.shared_cache_bytes, config.heavy_runs)
+
+
+@contextmanager
+def heavy_slot(bar: Any = None) -> Iterator[None]:
+    """Hold one of the server's heavy-run slots (an evaluation, a checkpoint write) while the block
+    runs; while it waits, ``bar`` (an ``st.progress``) or a caption says for how many runs."""
+    shown = st.empty() if bar is None else bar
+    say = shown.caption if bar is None else partial(bar.progress, 0.0)
+    with shared_runs().slot(lambda line: say(f"{line[:1].upper()}{line[1:]}…")):
+        if bar is None:
+            shown.empty()  # the wait is over
+        yield
+
+
+def roots_caption(*kinds: str) -> None:
+    """A caption naming the roots of ``kinds`` (``data``, ``models``, ``output``) this server serves."""
+    shown = served().describe()
+    labels = {"data": "Data roots", "models": "Model roots", "output": "Output root"}
+    st.caption(" · ".join(f"{labels[kind]}: `{shown[kind]}`" for kind in kinds) + " (set when the server starts).")
 
 
 def calibration_upload(ws: Workspace) -> None:
@@ -183,7 +195,8 @@ def calibration_upload(ws: Workspace) -> None:
             form.upload = form.upload_name = ""
 
     kinds = [suffix.lstrip(".") for suffix in UPLOAD_SUFFIXES]
-    upload = st.file_uploader("Calibration file", type=kinds, key="calib_upload", on_change=removed)
+    label = f"Calibration file (up to {MAX_UPLOAD_MB} MB)"
+    upload = st.file_uploader(label, type=kinds, key="calib_upload", on_change=removed)
     if upload is not None:
         with guard(f"Saving {upload.name}"):
             ws.save_calibration_upload(upload.name, upload.getvalue())
@@ -304,17 +317,22 @@ def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence
             text = f"{done}/{total} steps · {timer.elapsed:.1f} s · {label}"
             bar.progress(done / total if total else 1.0, text=text)
 
+        def waiting(line: str) -> None:
+            status.update(label=f"{line[:1].upper()}{line[1:]}…")
+            bar.progress(0.0, text=f"{timer.elapsed:.1f} s · {line}")
+
         try:
-            outcome = ws.run(model, config, attention, progress)
+            outcome = ws.run(model, config, attention, progress, shared=shared_runs(), waiting=waiting)
         except Exception:
             status.update(label="Run failed", state="error")
             raise
-        status.update(
-            label=f"Done in {timer.elapsed:.1f} s: {outcome.misses} computed, {outcome.hits} reused from cache",
-            state="complete",
-            expanded=False,
-        )
+        status.update(label=f"Done in {timer.elapsed:.1f} s: {run_summary(outcome)}", state="complete", expanded=False)
     return outcome
+
+
+def run_summary(outcome: RunOutcome) -> str:
+    """How a run's results were had (``lab.serve.session_runs.how_had``)."""
+    return how_had(outcome.shared, outcome.hits, outcome.misses)
 
 
 # ---------------------------------------------------------------- result pages

@@ -12,23 +12,24 @@ came from, so pages can say so instead of exporting one model's qparams under an
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import tempfile
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from lab.analyse.pipeline import Analysis, ResultCache, RunConfig, TensorAnalysis, analyse
-from lab.calibrate.capture_memo import CapturingModel
+from lab.analyse.analysis import Analysis, TensorAnalysis
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
 from lab.results import Choices, valid_choices
+from lab.serve import roots
+from lab.serve.config import ServeConfig
+from lab.serve.session_runs import SessionRun
+from lab.serve.shared_runs import SharedRuns, Waiting, tensor_bytes
+from lab.serve.uploads import SessionUploads, UploadError
 from lab.settings import CalibrationForm, RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC
 from sample_models.calibration_sets import CalibrationSource, CalibrationSourceError, calibration_stamp, preview
@@ -36,10 +37,6 @@ from sample_models.calibration_sets import CalibrationSource, CalibrationSourceE
 DEMO_MODEL = "minilm"
 DEMO_LAYERS = 6
 """The one-click demo: the default sample and how many of its layers (the default selection)."""
-UPLOAD_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
-UPLOAD_ROOT = Path(tempfile.gettempdir()) / "observer_lab_calibration"
-STALE_UPLOAD_SECONDS = 24 * 3600
-"""Session folders of calibration uploads untouched this long are removed when a session makes one."""
 CHECKS_KEPT = 16
 
 
@@ -81,12 +78,15 @@ class CalibrationCheck:
 
 @dataclass
 class RunOutcome:
-    """What one press of Run produced: the analysis, cache hits/misses of this run, warnings."""
+    """What one press of Run produced: the analysis, cache hits/misses of this run, warnings, and
+    ``shared``: how the server had it ("computed" here, "joined" another session's computation of
+    the same run, "cached" from an earlier one; ``lab.serve.shared_runs``)."""
 
     analysis: Analysis
     hits: int
     misses: int
     warnings: list[str] = field(default_factory=list)
+    shared: str = "computed"
 
 
 @dataclass
@@ -124,8 +124,8 @@ class Workspace:
     Model page: ``form`` (what was typed), ``request`` (the opened model; ``last_request`` the one
     the results came from), ``layers`` and ``attention`` (chosen names; None: the first two
     blocks), ``pasted_text`` (kept while the built-in texts are chosen), ``calibration`` (the
-    calibration set's fields; ``upload_dir``: this session's folder of uploaded calibration files,
-    removed with the session; ``calibration_checks``: previews and token counts already computed).
+    calibration set's fields; ``uploads``: this session's uploaded calibration and weights
+    files, removed with the session; ``calibration_checks``: previews and token counts already computed).
     Run page: ``settings`` (what to analyse, specs, observers, knobs, calibration). Results: ``analysis``,
     ``last_run``, ``overrides`` (observer choices a person made or imported, on top of the best by
     ``metric``). Caches: ``result_cache`` (per tensor × spec × observer × knobs),
@@ -141,7 +141,9 @@ class Workspace:
     attention: list[str] | None = None
     pasted_text: str = ""
     calibration: CalibrationForm = field(default_factory=CalibrationForm)
-    upload_dir: Path | None = None
+    uploads: SessionUploads = field(default_factory=SessionUploads, repr=False)
+    own_models: dict[ModelRequest, Any] = field(default_factory=dict, repr=False)
+    """Models opened from this session's uploads: this session's alone, dropped with it."""
     calibration_checks: dict[tuple, Any] = field(default_factory=dict, repr=False)
     settings: RunSettings = field(default_factory=RunSettings)
     analysis: Analysis | None = None
@@ -226,33 +228,34 @@ class Workspace:
         config: RunConfig,
         attention: Sequence[str] = (),
         progress: Callable[[int, int, str], None] | None = None,
+        shared: SharedRuns | None = None,
+        waiting: Waiting | None = None,
     ) -> RunOutcome:
         """``analyse`` ``self.layers`` with this session's result cache and capture memo; the
         outcome replaces the analysis, and choices made on the old one are dropped. Capture
-        warnings (e.g. tokens subsampled to stay under the memory cap) are returned, not printed."""
-        cache = self.result_cache
-        hits, misses = cache.hits, cache.misses
-        wrapped = CapturingModel(model, self.capture_memo)
-        run = partial(analyse, wrapped, list(self.layers), progress=progress, cache=cache, attention=attention)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            analysis = run(replace(config, transform=None))
-            transformed = None if config.transform is None else run(config)
-            unpropagated = run(replace(config, transform=None, propagate=False)) if config.propagate else None
-        notes = (
-            list(analysis.warnings)
-            + list(transformed.warnings if transformed else [])
-            + sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)})
-        )
-        outcome = RunOutcome(analysis, cache.hits - hits, cache.misses - misses, list(dict.fromkeys(notes)))
-        self.analysis = analysis
-        self.transformed = transformed
-        self.unpropagated = unpropagated
+        warnings (e.g. tokens subsampled to stay under the memory cap) are returned, not printed.
+
+        With ``shared`` (the server's ``SharedRuns``), a run another session computes or computed
+        with the same model, layers and settings is read from there instead of computed again, and
+        a different run waits for a free slot; ``waiting`` is told what this session waits for."""
+
+        session = SessionRun(model, list(self.layers), config, attention, self.result_cache, self.capture_memo)
+        if shared is None:
+            computed, how = session.compute(progress), "computed"
+        else:
+            computed, how = shared.run(session.key(), session.sharing(progress), tensor_bytes, waiting)
+        outcome = RunOutcome(computed.analysis, computed.hits, computed.misses, list(computed.notes), how)
+        if how != "computed":
+            outcome.hits, outcome.misses = 0, 0
+        self.analysis = computed.analysis
+        self.transformed = computed.transformed
+        self.unpropagated = computed.unpropagated
         self.last_run = outcome
         self.last_request = self.request
         self.overrides = {}
         self.imported = ImportState()
         self.report_html = None
+        self.layer_output = {}
         return outcome
 
     def transformed_entry(self, entry: TensorAnalysis) -> TensorAnalysis | None:
@@ -266,52 +269,40 @@ class Workspace:
     # ------------------------------------------------------------ calibration set
 
     def save_calibration_upload(self, name: str, data: bytes) -> Path:
-        """Store an uploaded calibration file in this session's folder as ``calibration<suffix>``
-        (the uploaded name is never used as a path; only its suffix, one of ``UPLOAD_SUFFIXES``, is
-        kept) and record it as the form's upload. The same bytes again are not written again (the
-        file's time stamp keys the caches); other files of the folder are removed."""
-        suffix = Path(name).suffix.lower()
-        self.calibration.upload = self.calibration.upload_name = ""
-        if suffix not in UPLOAD_SUFFIXES:
-            raise CalibrationSourceError(f"{name!r} is not a calibration file: upload {', '.join(UPLOAD_SUFFIXES)}")
-        if not data:
-            raise CalibrationSourceError(f"{name!r} is empty")
-        folder = self._upload_folder()
-        target = folder / f"calibration{suffix}"
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != self.calibration.upload_digest or not target.is_file():
-            for old in folder.iterdir():
-                old.unlink(missing_ok=True)
-            target.write_bytes(data)
-        self.calibration.upload, self.calibration.upload_name = str(target), Path(name).name
-        self.calibration.upload_digest = digest
+        """Store an uploaded calibration file in this session's folder (``SessionUploads``: the
+        uploaded name is never used as a path) and record it as the form's upload."""
+        form = self.calibration
+        form.upload = form.upload_name = ""
+        try:
+            target, form.upload_digest = self.uploads.save_calibration(name, data, form.upload_digest)
+        except UploadError as err:
+            raise CalibrationSourceError(str(err)) from None
+        form.upload, form.upload_name = str(target), Path(name).name
         return target
 
-    def _upload_folder(self) -> Path:
-        """This session's upload folder, made on first use (private, removed when the workspace is
-        dropped; folders of sessions gone for a day are removed on the way)."""
-        if self.upload_dir is not None and self.upload_dir.is_dir():
-            self.upload_dir.touch()
-            return self.upload_dir
-        UPLOAD_ROOT.mkdir(parents=True, exist_ok=True)
-        for old in UPLOAD_ROOT.iterdir():
-            try:
-                if old.is_dir() and time.time() - old.stat().st_mtime > STALE_UPLOAD_SECONDS:
-                    shutil.rmtree(old, ignore_errors=True)
-            except OSError:
-                continue
-        self.upload_dir = Path(tempfile.mkdtemp(prefix="session-", dir=UPLOAD_ROOT))
-        weakref.finalize(self, shutil.rmtree, str(self.upload_dir), True)
-        return self.upload_dir
+    def save_model_upload(self, name: str, data: bytes) -> Path:
+        """Store an uploaded weights file in this session's folder (``SessionUploads.save_model``)."""
+        return self.uploads.save_model(name, data)
 
-    def check_calibration(self, model: Any, samples: int, seq_len: int) -> CalibrationCheck:
+    @property
+    def upload_dir(self) -> Path | None:
+        """This session's upload folder (None before its first upload)."""
+        return self.uploads.folder
+
+    def check_calibration(
+        self, model: Any, samples: int, seq_len: int, served: ServeConfig | None = None
+    ) -> CalibrationCheck:
         """The chosen calibration set as the Model page shows it: its preview (computed once per
         source and file state) and the samples and tokens ``model`` makes of it (once per source,
         model, samples and sequence length); a set that cannot be used has ``error`` (and the
-        preview when only the tokenizing failed). Failures are remembered too, but a hub's."""
+        preview when only the tokenizing failed). Failures are remembered too, but a hub's.
+
+        With ``served`` (the server's declared settings), a local path typed in the browser is
+        resolved and refused outside the data roots, and a hub id refused on an offline server,
+        before anything of it is read or even looked up."""
         form, shown, found = self.calibration, None, None
         try:
-            source = form.source()
+            source = self._calibration_source(served)
             stamp = calibration_stamp(source)
             shown = self._checked(("preview", stamp), source, lambda: preview(source))
             key = ("set", stamp, getattr(model, "source", None), samples, seq_len)
@@ -322,6 +313,15 @@ class Workspace:
             check = CalibrationCheck(source, shown, len(found.windows), found.tokens, found.shortfall)
         form.problem = check.error
         return check
+
+    def _calibration_source(self, served: ServeConfig | None) -> CalibrationSource:
+        """The form's ``CalibrationSource``, confined to what the server serves when ``served``."""
+        form = self.calibration
+        if served is not None and form.kind == "local path" and form.path.strip():
+            return replace(form, path=str(roots.data_path(form.path, served))).source()
+        if served is not None and form.kind == "hub id" and form.hub_id.strip():
+            roots.hub_id(form.hub_id, served, "hub dataset id")
+        return form.source()
 
     def _checked(self, key: tuple, source: CalibrationSource, compute: Callable[[], Any]) -> Any:
         """``compute()``, or what it gave (or raised) before for ``key``."""
@@ -395,16 +395,18 @@ class Workspace:
             self.effect = EffectState(analysis, self.effect.samples, self.effect.seq_len)
         return self.effect
 
-    def effect_evaluator(self, model: Any) -> Any:
+    def effect_evaluator(self, model: Any, slot: AbstractContextManager[Any] | None = None) -> Any:
         """The ``lab.effect.evaluate.Evaluator`` of ``model`` on the state's held-out settings, built once
-        per model and settings (its float run is what every later evaluation compares with)."""
+        per model and settings (its float run is what every later evaluation compares with); it is
+        built inside ``slot`` (the server's heavy-run slot, in the app)."""
         from lab.effect.evaluate import Evaluator
 
         state = self.effect
         key = (self.last_request, state.samples, state.seq_len)
         if state.evaluator is None or state.evaluator_key != key:
             state.evaluator, state.evaluator_key = None, None
-            state.evaluator = Evaluator(model, samples=state.samples, seq_len=state.seq_len)
+            with slot or nullcontext():
+                state.evaluator = Evaluator(model, samples=state.samples, seq_len=state.seq_len)
             state.evaluator_key = key
             state.sensitivity, state.evaluations = None, []
         return state.evaluator

@@ -49,7 +49,7 @@ with right:
     )
 evaluator = None
 with ui.guard("Running the float model on the held-out text"), st.spinner("Running the float model…"):
-    evaluator = ws.effect_evaluator(model)
+    evaluator = ws.effect_evaluator(model, ui.heavy_slot())
 if evaluator is None:
     st.stop()
 st.caption(
@@ -83,7 +83,8 @@ if st.button("Measure sensitivity", icon=":material/troubleshoot:", disabled=not
         def progress(done: int, total: int, label: str) -> None:
             bar.progress(done / total if total else 1.0, text=f"{done}/{total} runs · {timer.elapsed:.1f} s · {label}")
 
-        state.sensitivity = sensitivity(evaluator, analysis, tensors=chosen_kinds, metric=metric, progress=progress)
+        with ui.heavy_slot(bar):
+            state.sensitivity = sensitivity(evaluator, analysis, tensors=chosen_kinds, metric=metric, progress=progress)
         state.choose_by = model_metric(metric)  # a fresh table: choose by what it measured
         ui.reseed("effect_choose_by")
         status.update(label=f"Done in {timer.elapsed:.1f} s", state="complete", expanded=False)
@@ -157,7 +158,8 @@ go_left, go_right = st.columns(2)
 with go_left:
     if st.button("Evaluate end to end", icon=":material/play_arrow:", disabled=not keys):
         with ui.guard("Evaluating the choice sets"), st.spinner("Running the model with each choice set…"):
-            state.evaluations = [evaluator.evaluate(s) for s in sets]
+            with ui.heavy_slot():
+                state.evaluations = [evaluator.evaluate(s) for s in sets]
 with go_right:
     if by_model and picked and st.button("Use these choices on Choose & export", icon=":material/done_all:"):
         kept, refused = results.valid_choices(analysis, picked)

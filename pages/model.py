@@ -3,6 +3,8 @@
 import streamlit as st
 
 from lab import ui
+from lab.serve import roots
+from lab.serve.config import MAX_UPLOAD_MB
 from lab.settings import CALIBRATION_KINDS, default_layer_names, layer_frame, layer_pattern, parse_bytes
 from lab.workspace import ModelRequest
 
@@ -78,6 +80,7 @@ def show_calibration_set(check) -> None:
 
 st.title("Model")
 ws = ui.workspace()
+served = ui.served()
 form, run = ws.form, ws.settings
 left, right = st.columns([2, 1])
 with left:
@@ -85,16 +88,25 @@ with left:
     source = form.kind
     if form.kind == "dir":
         form.directory = ui.bound(st.text_input, "Directory (config.json + weights)", "source_dir", form.directory)
-        source = form.directory.strip()
+        ui.roots_caption("models")
+        source = ""
+        if form.directory.strip():
+            with ui.guard("Opening the directory"):
+                source = str(roots.model_path(form.directory, served))
     elif form.kind == "hub":
         form.hub_id = ui.bound(st.text_input, "Hub id (e.g. org/model)", "source_hub", form.hub_id)
-        source = form.hub_id.strip()
+        if not served.hub_allowed:
+            st.caption("This server runs offline (HF_HUB_OFFLINE=1): hub ids are refused.")
+        source = ""
+        if form.hub_id.strip():
+            with ui.guard("Opening the hub id"):
+                source = roots.hub_id(form.hub_id, served)
     elif form.kind == "upload":
-        upload = st.file_uploader("Weights file", type=["safetensors"], key="source_upload")
+        upload = st.file_uploader(f"Weights file (up to {MAX_UPLOAD_MB} MB)", type=["safetensors"], key="source_upload")
         source = ""
         if upload is not None:
             with ui.guard(f"Reading {upload.name}"):
-                source = str(ui.save_upload(upload.name, upload.getvalue()))
+                source = str(ws.save_model_upload(upload.name, upload.getvalue()))
 with right:
     gpu = ui.gpu_name()
     form.device = ui.bound(st.selectbox, "Device", "device", form.device, options=["auto", "cpu", "cuda"])
@@ -180,13 +192,16 @@ if wants["input"] or wants["output"] or wants["kv"]:
             if calib.kind == "local path":
                 label = "File (.txt, .jsonl, .json, .csv, .parquet) or save_to_disk directory"
                 calib.path = ui.bound(st.text_input, label, "calib_path", calib.path)
+                ui.roots_caption("data")
             else:
                 calib.hub_id = ui.bound(st.text_input, "Hub dataset id (e.g. org/dataset)", "calib_hub", calib.hub_id)
         with c2:
             split_help = "The split to read: of a hub dataset, or of a directory holding several (a DatasetDict)."
             calib.split = ui.bound(st.text_input, "Split", "calib_split", calib.split, help=split_help)
-        if calib.kind == "hub id":
+        if calib.kind == "hub id" and served.hub_allowed:
             st.caption("Read from the Hugging Face Hub: this needs the network (datasets keeps a copy in its cache).")
+        elif calib.kind == "hub id":
+            st.caption("This server runs offline (HF_HUB_OFFLINE=1): hub dataset ids are refused.")
     if calib.reads_dataset:
         c1, c2 = st.columns(2)
         with c1:
@@ -233,7 +248,7 @@ if wants["input"] or wants["output"] or wants["kv"]:
     calib.problem = None
     if calib.reads_dataset:
         with st.spinner("Reading the calibration set…"):
-            check = ws.check_calibration(model, int(run.samples), int(run.seq_len))
+            check = ws.check_calibration(model, int(run.samples), int(run.seq_len), served)
         run.dataset = check.source if check.error is None else None
         if check.preview is not None:
             with st.container(border=True):

@@ -144,7 +144,7 @@ if outcome is not None:
     analysis = outcome.analysis
     st.success(
         f"Results for {len(analysis.entries)} tensors × {len(analysis.config.observer_names)} observers "
-        f"in {analysis.seconds:.1f} s ({outcome.misses} computed, {outcome.hits} reused)."
+        f"in {analysis.seconds:.1f} s ({ui.run_summary(outcome)})."
     )
     calibrated = ws.calibration_line(analysis)
     if calibrated:

@@ -14,6 +14,7 @@ import observers as ob
 from lab import results, settings, ui
 from lab.calibrate.capture_memo import CapturingModel
 from lab.export import lab_json
+from lab.messages import explain
 from lab.results import choose
 from observers.formats import FAMILIES
 
@@ -321,11 +322,11 @@ def test_knob_overrides_keep_only_changed_knobs():
 def test_explain_says_what_to_do():
     from sample_models import LayerNotFoundError, ModelSourceError
 
-    assert "fewer layers" in ui.explain(MemoryError("boom"))
-    assert "'auto' or 'cpu'" in ui.explain(ValueError("device 'cuda' requested but CUDA is not available"))
-    assert "built-in sample" in ui.explain(ModelSourceError("x is not a model"))
-    assert "Model page" in ui.explain(LayerNotFoundError("no layer 'x'"))
-    assert ui.explain(RuntimeError("odd")) == "RuntimeError: odd"
+    assert "fewer layers" in explain(MemoryError("boom"))
+    assert "'auto' or 'cpu'" in explain(ValueError("device 'cuda' requested but CUDA is not available"))
+    assert "built-in sample" in explain(ModelSourceError("x is not a model"))
+    assert "Model page" in explain(LayerNotFoundError("no layer 'x'"))
+    assert explain(RuntimeError("odd")) == "RuntimeError: odd"
 
 
 def test_token_warnings_flag_empty_and_tiny_activations():

@@ -18,6 +18,8 @@ from streamlit.testing.v1 import AppTest
 
 from lab import ui, workspace
 from lab.analyse.analysis import Analysis
+from lab.serve import config as serve_config
+from lab.serve import uploads
 from lab.settings import CalibrationForm, RunSettings
 from lab.workspace import Workspace
 from sample_models.calibration_sets import CalibrationSourceError
@@ -46,7 +48,7 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
-    monkeypatch.setattr(workspace, "UPLOAD_ROOT", tmp_path / "uploads")
+    monkeypatch.setattr(serve_config, "UPLOADS_ROOT", tmp_path / "uploads")
 
 
 @pytest.fixture
@@ -230,7 +232,7 @@ def test_an_uploaded_file_is_saved_under_a_fixed_name_and_previewed(records):
     ws = _ws(at)
     saved = Path(ws.calibration.upload)
     assert saved == ws.upload_dir / "calibration.jsonl" and saved.read_bytes() == records.read_bytes()
-    assert ws.upload_dir.parent == workspace.UPLOAD_ROOT and ws.calibration.upload_name == "evil name.jsonl"
+    assert ws.upload_dir.parent == serve_config.UPLOADS_ROOT and ws.calibration.upload_name == "evil name.jsonl"
     assert _metric(at, "Usable records") == str(len(USABLE))
     assert ws.settings.dataset.location == str(saved)
     at.file_uploader(key="calib_upload").set_value(None).run()  # removed with its x
@@ -241,7 +243,7 @@ def test_an_uploaded_file_is_saved_under_a_fixed_name_and_previewed(records):
 def test_save_calibration_upload_keeps_one_file_per_session(tmp_path):
     ws = Workspace()
     first = ws.save_calibration_upload("a/b/records.JSONL", b'{"text": "one"}\n')
-    assert first.name == "calibration.jsonl" and first.parent.parent == workspace.UPLOAD_ROOT
+    assert first.name == "calibration.jsonl" and first.parent.parent == serve_config.UPLOADS_ROOT
     stamp = first.stat().st_mtime_ns
     time.sleep(0.01)
     assert ws.save_calibration_upload("records.jsonl", b'{"text": "one"}\n') == first
@@ -259,12 +261,12 @@ def test_save_calibration_upload_keeps_one_file_per_session(tmp_path):
 
 
 def test_old_session_folders_are_removed(tmp_path):
-    stale = workspace.UPLOAD_ROOT / "session-old"
-    fresh = workspace.UPLOAD_ROOT / "session-fresh"
+    stale = serve_config.UPLOADS_ROOT / "session-old"
+    fresh = serve_config.UPLOADS_ROOT / "session-fresh"
     for folder in (stale, fresh):
         folder.mkdir(parents=True)
         (folder / "calibration.txt").write_text("x")
-    old = time.time() - workspace.STALE_UPLOAD_SECONDS - 60
+    old = time.time() - uploads.STALE_UPLOAD_SECONDS - 60
     os.utime(stale, (old, old))
     ws = Workspace()
     ws.save_calibration_upload("notes.txt", b"hello\n")

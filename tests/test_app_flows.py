@@ -4,6 +4,7 @@ asserts what a person would see (no exception, the right warnings, exports of th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -326,23 +327,48 @@ def test_propagation_shows_each_activation_range_both_ways():
     assert not any(h.value == "Calibrated on the float model" for h in at.subheader)  # weights see no calibration
 
 
-def test_export_page_offers_the_recipe_and_saves_a_checkpoint_that_transformers_loads(tmp_path):
-    """Issue 25.4: Choose & export has "Recipe (YAML)" and "Save checkpoint" (a directory path)."""
+def test_export_page_offers_the_recipe_and_saves_a_checkpoint_that_transformers_loads(tmp_path, served_roots):
+    """Issue 25.4: Choose & export has "Recipe (YAML)" and "Save checkpoint" (a directory under the
+    output root). Issue 32: it replaces only a checkpoint the lab wrote, never another directory,
+    and writes nothing outside the output root."""
     from transformers import AutoModel
 
+    shutil.rmtree(served_roots / "ckpt", ignore_errors=True)
     at = _minilm_run()
     _page(at, "export")
     _ok(at)
     assert "Recipe (YAML)" in [b.proto.label for b in at.get("download_button")]
-    at.text_input(key="checkpoint_dir").input(str(tmp_path / "ckpt")).run()
+    assert any(str(served_roots) in c.value and "Output root" in c.value for c in at.caption)
+    at.text_input(key="checkpoint_dir").input("ckpt").run()
     _button(at, "Save checkpoint").click().run()
     _ok(at)
     assert any("Saved" in s.value and "ckpt" in s.value for s in at.success)
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    config = json.loads((served_roots / "ckpt" / "config.json").read_text())["quantization_config"]
     chosen = _ws(at).choices()[0]
     assert sorted(t for g in config["config_groups"].values() for t in g["targets"]) == sorted(
         {layer for layer, tensor in chosen if tensor == "weight"}
     )
-    AutoModel.from_pretrained(tmp_path / "ckpt")  # loads through compressed-tensors
+    AutoModel.from_pretrained(served_roots / "ckpt")  # loads through compressed-tensors
     _button(at, "Save checkpoint").click().run()  # the same directory again, now not empty
     assert any("not empty" in e.value for e in at.error)
+    at.checkbox(key="checkpoint_overwrite").check().run()
+    _button(at, "Save checkpoint").click().run()  # the lab's own checkpoint: replaced
+    _ok(at)
+    assert any("Saved" in s.value for s in at.success)
+
+    foreign = served_roots / "someone-elses"
+    foreign.mkdir(exist_ok=True)
+    (foreign / "notes.txt").write_text("mine")
+    at.text_input(key="checkpoint_dir").input("someone-elses").run()
+    _button(at, "Save checkpoint").click().run()
+    assert any("was not written by Observer Lab" in e.value for e in at.error)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
+
+    outside = tmp_path / "outside"
+    at.text_input(key="checkpoint_dir").input(str(outside)).run()
+    _button(at, "Save checkpoint").click().run()
+    assert any("outside the output roots" in e.value for e in at.error)
+    at.text_input(key="checkpoint_dir").input("../escape").run()
+    _button(at, "Save checkpoint").click().run()
+    assert any("outside the output roots" in e.value for e in at.error)
+    assert not outside.exists() and not (served_roots.parent / "escape").exists()

@@ -45,6 +45,9 @@ from lab.vocab import KV_TENSORS
 from sample_models.sequential import return_freed_memory
 
 NOTES_FILE = "observer_lab_checkpoint.txt"
+FILES_HEADER = "files written:"
+"""The last section of the notes file: every file the write made, so ``lab_written`` can tell a
+directory the lab wrote (and nothing else put there) from any other."""
 CHUNK_ELEMENTS = 4 << 20
 """Weight elements packed at once: a bigger weight (a head, an embedding-sized layer) is packed a
 slice of rows at a time, so the fp32 copies fake-quantization and packing make stay small."""
@@ -285,7 +288,7 @@ def _side_files(model: Any, into: Path) -> dict[str, Any]:
     return model.config.to_dict()
 
 
-def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str]) -> str:
+def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str], files: list[str]) -> str:
     lines = [
         "Observer Lab checkpoint",
         f"choices from an analysis of {lab_file.source.get('name')!r}, made {lab_file.created} "
@@ -300,7 +303,23 @@ def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str])
     notes = list(notes)
     if notes:
         lines += ["", "notes:", *(f"  {note}" for note in notes)]
+    lines += ["", FILES_HEADER, *(f"  {name}" for name in files)]
     return "\n".join(lines) + "\n"
+
+
+def lab_written(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint this lab wrote and nothing else: its notes file is
+    there and lists every entry of the directory, each a plain file. The app replaces only such a
+    directory (a person's own files beside a checkpoint, or any other directory, are never deleted)."""
+    notes = directory / NOTES_FILE
+    if notes.is_symlink() or not notes.is_file():
+        return False
+    text = notes.read_text(encoding="utf-8", errors="replace")
+    if f"\n{FILES_HEADER}\n" not in text:
+        return False
+    listed = {line.strip() for line in text.split(f"\n{FILES_HEADER}\n", 1)[1].splitlines() if line.strip()}
+    listed.add(NOTES_FILE)
+    return all(e.name in listed and e.is_file() and not e.is_symlink() for e in directory.iterdir())
 
 
 def _prepare(out_dir: Path, overwrite: bool) -> None:
@@ -356,7 +375,8 @@ def write(
         _name_files(staging, parts)
         model_config["quantization_config"] = config
         (staging / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True), encoding="utf-8")
-        (staging / NOTES_FILE).write_text(_notes_text(lab_file, config, notes), encoding="utf-8")
+        files = sorted(entry.name for entry in staging.iterdir())
+        (staging / NOTES_FILE).write_text(_notes_text(lab_file, config, notes, files), encoding="utf-8")
         _replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

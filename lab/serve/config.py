@@ -1,0 +1,130 @@
+"""What the person starting the server declares: the roots a browser may read from and write to, how
+many heavy runs compute at once, and how many bytes of results are kept for the next person.
+
+``ServeConfig.parse(argv)`` reads the flags ``python -m lab.serve`` (``scripts/app.sh``) takes beside
+Streamlit's own, and which the launcher hands on to ``app.py`` after ``--``; the same parser runs in
+both, so a knob is declared once. A declared root that does not exist is an error (the launcher
+refuses to start); the default roots (``lab-data/`` and ``lab-outputs/`` under the directory the app
+runs in, the Hugging Face cache for models) expose nothing private and are made when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.settings import parse_bytes
+
+DEFAULT_DATA_ROOT = "lab-data"
+DEFAULT_OUTPUT_ROOT = "lab-outputs"
+DEFAULT_SHARED_CACHE = "1GB"
+DEFAULT_HEAVY_RUNS = 1
+MAX_UPLOAD_MB = 256
+"""``server.maxUploadSize`` in ``.streamlit/config.toml``: the largest file a browser may upload
+(a weights file or a calibration set), in MB. Stated here so the pages can say it."""
+UPLOADS_ROOT = Path(tempfile.gettempdir()) / "observer_lab_sessions"
+"""Where each browser session's uploads live, one private folder per session, removed with it."""
+
+
+class ServeConfigError(ValueError):
+    """A flag the server cannot start with (a declared root that does not exist, a bad size)."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's declared settings (all paths resolved).
+
+    ``data_roots``: where calibration files and ``save_to_disk`` directories typed in a browser may
+    lie; ``model_roots``: local checkpoints; ``output_root``: where "Save checkpoint" writes;
+    ``heavy_runs``: analyses of different settings computed at once (others queue);
+    ``shared_cache_bytes``: results kept for the next session asking the same, least recently used
+    dropped first; ``uploads_root``: the sessions' upload folders."""
+
+    data_roots: tuple[Path, ...]
+    model_roots: tuple[Path, ...]
+    output_root: Path
+    heavy_runs: int = DEFAULT_HEAVY_RUNS
+    shared_cache_bytes: int = field(default_factory=lambda: parse_bytes(DEFAULT_SHARED_CACHE))
+    uploads_root: Path = UPLOADS_ROOT
+
+    @property
+    def hub_allowed(self) -> bool:
+        """Whether hub ids typed in a browser are fetched: only when the server was started with
+        network access (``scripts/app.sh`` sets ``HF_HUB_OFFLINE=1`` unless told otherwise)."""
+        return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("1", "true", "yes", "on")
+
+    @classmethod
+    def parse(cls, argv: list[str], cwd: Path | None = None) -> tuple[ServeConfig, list[str]]:
+        """The config from ``argv`` and the arguments it does not know (Streamlit's own flags).
+        Raises ``ServeConfigError`` with one line for a declared root that does not exist."""
+        args, rest = _parser().parse_known_args(argv)
+        base = Path.cwd() if cwd is None else cwd
+        data = _declared(args.data_root, "data root", base) or _default_roots(base, DEFAULT_DATA_ROOT)
+        models = _declared(args.model_root, "model root", base) or (
+            *_default_roots(base, DEFAULT_DATA_ROOT),
+            *_hub_cache(),
+        )
+        output = _declared([args.output_root] if args.output_root else [], "output root", base)
+        output_root = output[0] if output else _default_roots(base, DEFAULT_OUTPUT_ROOT)[0]
+        if args.heavy_runs < 1:
+            raise ServeConfigError(f"--heavy-runs must be at least 1, got {args.heavy_runs}")
+        try:
+            cache = parse_bytes(args.shared_cache)
+        except ValueError as err:
+            raise ServeConfigError(f"--shared-cache: {err}") from None
+        return cls(data, models, output_root, args.heavy_runs, cache), rest
+
+    def to_argv(self) -> list[str]:
+        """Flags that ``parse`` reads back into this config (what the launcher hands to ``app.py``)."""
+        argv = [arg for root in self.data_roots for arg in ("--data-root", str(root))]
+        argv += [arg for root in self.model_roots for arg in ("--model-root", str(root))]
+        argv += ["--output-root", str(self.output_root), "--heavy-runs", str(self.heavy_runs)]
+        return argv + ["--shared-cache", str(self.shared_cache_bytes)]
+
+    def describe(self) -> dict[str, str]:
+        """The roots as the pages show them, by what they are for."""
+        return {
+            "data": ", ".join(map(str, self.data_roots)),
+            "models": ", ".join(map(str, self.model_roots)),
+            "output": str(self.output_root),
+        }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scripts/app.sh", add_help=False, allow_abbrev=False)
+    parser.add_argument("--data-root", action="append", default=[], metavar="DIR")
+    parser.add_argument("--model-root", action="append", default=[], metavar="DIR")
+    parser.add_argument("--output-root", default=None, metavar="DIR")
+    parser.add_argument("--heavy-runs", type=int, default=DEFAULT_HEAVY_RUNS, metavar="N")
+    parser.add_argument("--shared-cache", default=DEFAULT_SHARED_CACHE, metavar="SIZE")
+    return parser
+
+
+def _declared(paths: list[str], what: str, base: Path) -> tuple[Path, ...]:
+    """Declared roots, resolved; each must be an existing directory."""
+    roots = []
+    for text in paths:
+        path = (base / Path(text).expanduser()).resolve()
+        if not path.is_dir():
+            problem = "is not a directory" if path.exists() else "does not exist"
+            raise ServeConfigError(f"the declared {what} {text!r} ({path}) {problem}: create it or leave the flag out")
+        roots.append(path)
+    return tuple(dict.fromkeys(roots))
+
+
+def _default_roots(base: Path, name: str) -> tuple[Path, ...]:
+    """A default root under ``base``, made when missing."""
+    path = (base / name).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return (path,)
+
+
+def _hub_cache() -> tuple[Path, ...]:
+    """The Hugging Face hub cache, a model root by default when it exists (what the hub downloaded)."""
+    from huggingface_hub import constants
+
+    path = Path(constants.HF_HUB_CACHE).expanduser().resolve()
+    return (path,) if path.is_dir() else ()

@@ -1,0 +1,107 @@
+"""A session's run as the server shares it: what makes two sessions' runs the same computation
+(``SessionRun.key``) and the analyses a run makes (``SessionRun.compute``), which every session
+asking for that key reads (``lab.serve.shared_runs``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from lab.analyse.analysis import Analysis
+from lab.analyse.model_facts import describe_source
+from lab.analyse.pipeline import analyse
+from lab.analyse.result_cache import ResultCache
+from lab.analyse.run_config import RunConfig
+from lab.calibrate.capture_memo import CapturingModel
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class ComputedRun:
+    """A run's analyses (read-only once made, as sessions share them): as asked, through the
+    transform, calibrated on the float model when propagation was asked; the run's notes, and the
+    result-cache hits and misses of the session that computed it."""
+
+    analysis: Analysis
+    transformed: Analysis | None
+    unpropagated: Analysis | None
+    notes: tuple[str, ...]
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
+class SessionRun:
+    """One press of Run: the model, layers, settings and attention blocks, with the session's own
+    result cache and capture memo (so a session changing one knob recomputes one observer)."""
+
+    model: Any
+    layers: list[str]
+    config: RunConfig
+    attention: Sequence[str]
+    cache: ResultCache
+    capture_memo: dict[str, Any]
+
+    def key(self) -> str:
+        """The same for two runs exactly when they compute the same: the model (its weight files'
+        sha256 as the analysis records them, dtype, device), the layers and attention blocks, the
+        settings (specs, observers, knobs, transform, tools, propagation), the calibration set's
+        fingerprint and how it is captured."""
+        payload = {
+            "model": describe_source(self.model),
+            "dtype": str(getattr(self.model, "dtype", "")),
+            "device": str(getattr(self.model, "device", "")),
+            "layers": self.layers,
+            "attention": list(self.attention),
+            "config": self.config.to_dict(),
+            "calibration": self.config.calibration_key(),
+            "capture": [self.config.sequential, self.config.max_memory],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def compute(self, progress: ProgressFn | None = None) -> ComputedRun:
+        """The run's analyses; capture warnings (tokens subsampled under the memory cap) become notes."""
+        cache, config = self.cache, self.config
+        hits, misses = cache.hits, cache.misses
+        wrapped = CapturingModel(self.model, self.capture_memo)
+        run = partial(analyse, wrapped, self.layers, progress=progress, cache=cache, attention=self.attention)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            analysis = run(replace(config, transform=None))
+            transformed = None if config.transform is None else run(config)
+            unpropagated = run(replace(config, transform=None, propagate=False)) if config.propagate else None
+        notes = (
+            list(analysis.warnings)
+            + list(transformed.warnings if transformed else [])
+            + sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)})
+        )
+        counts = (cache.hits - hits, cache.misses - misses)
+        return ComputedRun(analysis, transformed, unpropagated, tuple(dict.fromkeys(notes)), *counts)
+
+    def sharing(self, progress: ProgressFn | None) -> Callable[[Callable[[str], None]], ComputedRun]:
+        """``compute`` as ``SharedRuns.run`` calls it: its progress also told to the waiting sessions."""
+
+        def compute(tell: Callable[[str], None]) -> ComputedRun:
+            def told(done: int, total: int, label: str) -> None:
+                tell(f"{done}/{total} steps · {label}")
+                if progress is not None:
+                    progress(done, total, label)
+
+            return self.compute(told)
+
+        return compute
+
+
+def how_had(shared: str, hits: int, misses: int) -> str:
+    """How a run's results were had, in a few words (the Run page and its status box say it)."""
+    if shared == "joined":
+        return "shared the run another session was computing"
+    if shared == "cached":
+        return "read from the server's recent results: the same run was computed before"
+    return f"{misses} computed, {hits} reused from cache"
