@@ -10,10 +10,11 @@ import streamlit as st
 
 from lab import ui
 from lab.serve.config import ServeConfigError
+from lab.ui import serving
 
 st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
 try:
-    ui.served()
+    serving.served()
 except ServeConfigError as err:
     st.error(f"This server cannot serve the app: {err}.")
     st.stop()

@@ -12,7 +12,7 @@ came from, so pages can say so instead of exporting one model's qparams under an
 
 from __future__ import annotations
 
-import time
+import gc
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -238,25 +238,36 @@ class Workspace:
         With ``shared`` (the server's ``SharedRuns``), a run another session computes or computed
         with the same model, layers and settings is read from there instead of computed again, and
         a different run waits for a free slot; ``waiting`` is told what this session waits for."""
-
         session = SessionRun(model, list(self.layers), config, attention, self.result_cache, self.capture_memo)
         if shared is None:
             computed, how = session.compute(progress), "computed"
         else:
             computed, how = shared.run(session.key(), session.sharing(progress), tensor_bytes, waiting)
-        outcome = RunOutcome(computed.analysis, computed.hits, computed.misses, list(computed.notes), how)
-        if how != "computed":
-            outcome.hits, outcome.misses = 0, 0
-        self.analysis = computed.analysis
-        self.transformed = computed.transformed
+        counts = (computed.hits, computed.misses) if how == "computed" else (0, 0)
+        outcome = RunOutcome(computed.analysis, *counts, list(computed.notes), how)
+        self.analysis, self.transformed = computed.analysis, computed.transformed
         self.unpropagated = computed.unpropagated
-        self.last_run = outcome
-        self.last_request = self.request
+        self.last_run, self.last_request = outcome, self.request
         self.overrides = {}
         self.imported = ImportState()
         self.report_html = None
         self.layer_output = {}
         return outcome
+
+    def release(self) -> None:
+        """Give back what the session held once it ended: its uploads (removed), its analyses,
+        caches, models and evaluator (dropped), and the freed memory to the operating system. A
+        result other sessions still read stays in the server's shared cache."""
+        from sample_models.sequential import return_freed_memory
+
+        self.uploads.remove()
+        fresh = Workspace()
+        for name in ("analysis", "transformed", "unpropagated", "last_run", "result_cache", "capture_memo"):
+            setattr(self, name, getattr(fresh, name))
+        for name in ("own_models", "layer_output", "calibration_checks", "report_html", "effect"):
+            setattr(self, name, getattr(fresh, name))
+        gc.collect()
+        return_freed_memory()
 
     def transformed_entry(self, entry: TensorAnalysis) -> TensorAnalysis | None:
         """``entry`` as the run through the transform saw it (None without a transform)."""
@@ -410,17 +421,6 @@ class Workspace:
             state.evaluator_key = key
             state.sensitivity, state.evaluations = None, []
         return state.evaluator
-
-
-class Timer:
-    """Seconds since it was made (for progress lines)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
 
 
 def _same_entry(analysis: Analysis | None, entry: TensorAnalysis) -> TensorAnalysis | None:

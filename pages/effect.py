@@ -13,8 +13,8 @@ from lab.effect import evaluate
 from lab.effect.sensitivity import BY_MODEL, sensitivity
 from lab.results.plots import METRIC_LABELS
 from lab.results.plots import effect as effect_plots
+from lab.ui import serving
 from lab.vocab import DEFAULT_METRIC, MODEL_METRIC_PREFIX, model_metric
-from lab.workspace import Timer
 
 st.title("Model effect")
 ws = ui.workspace()
@@ -49,7 +49,7 @@ with right:
     )
 evaluator = None
 with ui.guard("Running the float model on the held-out text"), st.spinner("Running the float model…"):
-    evaluator = ws.effect_evaluator(model, ui.heavy_slot())
+    evaluator = ws.effect_evaluator(model, serving.heavy_slot())
 if evaluator is None:
     st.stop()
 st.caption(
@@ -78,12 +78,12 @@ metric = ui.bound(
 )
 if st.button("Measure sensitivity", icon=":material/troubleshoot:", disabled=not chosen_kinds):
     with ui.guard("Measuring sensitivity"), st.status("Quantizing one tensor at a time…", expanded=True) as status:
-        bar, timer = st.progress(0.0, text="starting"), Timer()
+        bar, timer = st.progress(0.0, text="starting"), ui.Timer()
 
         def progress(done: int, total: int, label: str) -> None:
             bar.progress(done / total if total else 1.0, text=f"{done}/{total} runs · {timer.elapsed:.1f} s · {label}")
 
-        with ui.heavy_slot(bar):
+        with serving.heavy_slot(bar):
             state.sensitivity = sensitivity(evaluator, analysis, tensors=chosen_kinds, metric=metric, progress=progress)
         state.choose_by = model_metric(metric)  # a fresh table: choose by what it measured
         ui.reseed("effect_choose_by")
@@ -158,7 +158,7 @@ go_left, go_right = st.columns(2)
 with go_left:
     if st.button("Evaluate end to end", icon=":material/play_arrow:", disabled=not keys):
         with ui.guard("Evaluating the choice sets"), st.spinner("Running the model with each choice set…"):
-            with ui.heavy_slot():
+            with serving.heavy_slot():
                 state.evaluations = [evaluator.evaluate(s) for s in sets]
 with go_right:
     if by_model and picked and st.button("Use these choices on Choose & export", icon=":material/done_all:"):

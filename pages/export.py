@@ -11,6 +11,7 @@ from lab import results, ui
 from lab.export import checkpoint, compressed_tensors, lab_json, recipe
 from lab.results import plots, report
 from lab.serve import roots
+from lab.ui import serving
 from lab.workspace import ImportState
 
 st.title("Choose & export")
@@ -145,9 +146,9 @@ with d1, ui.guard("Recipe"):
             for note in built_recipe.notes:
                 st.write(f"- {note}")
 with d2:
-    served = ui.served()
+    served = serving.served()
     directory = st.text_input("Checkpoint directory", placeholder="my-checkpoint", key="checkpoint_dir")
-    ui.roots_caption("output")
+    serving.roots_caption("output")
     overwrite = st.checkbox(
         "Replace it if it is not empty",
         key="checkpoint_overwrite",
@@ -160,7 +161,7 @@ with d2:
             if model is None:
                 raise ValueError("open the model this analysis was made on first (Model page)")
             bar = st.progress(0.0, text="Writing the weight files…")
-            with ui.heavy_slot(bar):
+            with serving.heavy_slot(bar):
                 saved = checkpoint.write(
                     lab_json.as_lab_file(analysis, choices, metric, allow_uncalibrated),
                     model,

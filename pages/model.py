@@ -6,6 +6,7 @@ from lab import ui
 from lab.serve import roots
 from lab.serve.config import MAX_UPLOAD_MB
 from lab.settings import CALIBRATION_KINDS, default_layer_names, layer_frame, layer_pattern, parse_bytes
+from lab.ui import serving
 from lab.workspace import ModelRequest
 
 SOURCES = {
@@ -80,7 +81,7 @@ def show_calibration_set(check) -> None:
 
 st.title("Model")
 ws = ui.workspace()
-served = ui.served()
+served = serving.served()
 form, run = ws.form, ws.settings
 left, right = st.columns([2, 1])
 with left:
@@ -88,7 +89,7 @@ with left:
     source = form.kind
     if form.kind == "dir":
         form.directory = ui.bound(st.text_input, "Directory (config.json + weights)", "source_dir", form.directory)
-        ui.roots_caption("models")
+        serving.roots_caption("models")
         source = ""
         if form.directory.strip():
             with ui.guard("Opening the directory"):
@@ -192,7 +193,7 @@ if wants["input"] or wants["output"] or wants["kv"]:
             if calib.kind == "local path":
                 label = "File (.txt, .jsonl, .json, .csv, .parquet) or save_to_disk directory"
                 calib.path = ui.bound(st.text_input, label, "calib_path", calib.path)
-                ui.roots_caption("data")
+                serving.roots_caption("data")
             else:
                 calib.hub_id = ui.bound(st.text_input, "Hub dataset id (e.g. org/dataset)", "calib_hub", calib.hub_id)
         with c2:

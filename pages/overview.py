@@ -36,9 +36,10 @@ if ws.analysis is None:
 analysis = ui.require_analysis(ws)
 metric = ui.metric_select("Metric", ws)
 frame = results.error_table(analysis)
+how = f" ({ui.run_summary(ws.last_run)})" if ws.last_run is not None and ws.last_run.analysis is analysis else ""
 st.caption(
     f"{analysis.facts.name}: {len(analysis.entries)} tensors × "
-    f"{len(analysis.config.observer_names)} observers, computed in {analysis.seconds:.1f} s. "
+    f"{len(analysis.config.observer_names)} observers, computed in {analysis.seconds:.1f} s{how}. "
     + ui.plain(ws.calibration_line(analysis) or "")
 )
 with ui.guard("Drawing the overview"):

@@ -21,8 +21,8 @@ def served_roots(tmp_path_factory, monkeypatch):
     outputs.mkdir(exist_ok=True)
     argv = ["app.py", "--data-root", str(base), "--model-root", str(base), "--output-root", str(outputs)]
     monkeypatch.setattr(sys, "argv", argv)
-    ui = sys.modules.get("lab.ui")
-    if ui is not None:
-        ui.served.clear()
-        ui.shared_runs.clear()
+    serving = sys.modules.get("lab.ui.serving")
+    if serving is not None:
+        serving.served.clear()
+        serving.shared_runs.clear()
     return outputs

@@ -389,3 +389,22 @@ def test_a_calibration_path_outside_the_data_roots_is_refused_before_it_is_read(
     check = ws.check_calibration(open_model("tiny-llama"), 4, 16, served)
     assert read == [] and check.preview is None and "outside the data roots" in check.error
     assert ws.calibration.problem == check.error
+
+
+def test_a_released_workspace_gives_back_its_uploads_analyses_and_caches(tmp_path, monkeypatch):
+    from lab.settings import RunSettings, SpecSettings
+    from lab.workspace import ModelRequest, Workspace
+    from sample_models import open_model
+
+    monkeypatch.setattr(serve_config, "UPLOADS_ROOT", tmp_path / "sessions")
+    model = open_model("tiny-llama")
+    ws = Workspace(request=ModelRequest("tiny-llama"), layers=[info.name for info in model.layers()][:1])
+    ws.settings = RunSettings(weight=SpecSettings(dtype="int8", strategy="channel"), observers=("minmax",))
+    ws.settings.samples, ws.settings.seq_len = 2, 16
+    ws.run(model, ws.settings.config())
+    folder = ws.save_calibration_upload("notes.txt", b"hello\n").parent
+    assert ws.analysis is not None and len(ws.result_cache) > 0 and ws.capture_memo
+    ws.release()
+    assert not folder.exists() and ws.upload_dir is None
+    assert ws.analysis is None and ws.last_run is None and len(ws.result_cache) == 0 and not ws.capture_memo
+    assert ws.layers and ws.request == ModelRequest("tiny-llama")  # what the person chose stays

@@ -73,6 +73,12 @@ class SessionUploads:
         """Whether ``source`` is a file in this session's folder."""
         return self.folder is not None and Path(source).resolve().is_relative_to(self.folder.resolve())
 
+    def remove(self) -> None:
+        """Remove the folder and everything in it now (the session ended)."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
     def _folder(self) -> Path:
         """The folder, made on first use (private to the server's user)."""
         if self.folder is not None and self.folder.is_dir():

@@ -13,14 +13,14 @@ the widget is drawn after a page without it, and the page writes the widget's va
 from __future__ import annotations
 
 import re
-import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import streamlit as st
 import torch
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 import observers as ob
 from lab import results
@@ -28,12 +28,12 @@ from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.run_config import RunConfig
 from lab.messages import explain
 from lab.results import plots
-from lab.serve.config import MAX_UPLOAD_MB, ServeConfig
+from lab.serve.config import MAX_UPLOAD_MB
 from lab.serve.session_runs import how_had
-from lab.serve.shared_runs import SharedRuns
 from lab.serve.uploads import UPLOAD_SUFFIXES
 from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
-from lab.workspace import ModelRequest, RunOutcome, Timer, Workspace
+from lab.ui import serving
+from lab.workspace import ModelRequest, RunOutcome, Workspace
 
 WORKSPACE = "workspace"
 WIDGET_PAGES = "widget_pages"
@@ -46,6 +46,9 @@ def workspace() -> Workspace:
     """This session's ``Workspace`` (created on first use; ``app.py`` calls this first)."""
     if WORKSPACE not in st.session_state:
         st.session_state[WORKSPACE] = Workspace()
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        serving.watch_session(ctx.session_id, st.session_state[WORKSPACE])
     return st.session_state[WORKSPACE]
 
 
@@ -72,8 +75,6 @@ def bound(fn: Callable[..., Any], label: str, name: str, value: Any, **kwargs: A
 
 def _page_id() -> str:
     """The page this script run draws (Streamlit's hash of the page's script)."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
     ctx = get_script_run_ctx()
     return "" if ctx is None else ctx.page_script_hash
 
@@ -146,42 +147,6 @@ def open_request(request: ModelRequest | None):
             ws.own_models[request] = open_model(request.source, device=request.device, dtype=request.dtype)
         return ws.own_models[request]
     return open_shared_model(request.source, request.device, request.dtype)
-
-
-# ---------------------------------------------------------------- serving a team
-
-
-@st.cache_resource(show_spinner=False)
-def served() -> ServeConfig:
-    """The server's declared roots and limits (``lab.serve.config``): ``app.py``'s flags after ``--``."""
-    config, _ = ServeConfig.parse(sys.argv[1:])
-    return config
-
-
-@st.cache_resource(show_spinner=False)
-def shared_runs() -> SharedRuns:
-    """The server's one queue and cache of runs, shared by every session (``lab.serve.shared_runs``)."""
-    config = served()
-    return SharedRuns(config.shared_cache_bytes, config.heavy_runs)
-
-
-@contextmanager
-def heavy_slot(bar: Any = None) -> Iterator[None]:
-    """Hold one of the server's heavy-run slots (an evaluation, a checkpoint write) while the block
-    runs; while it waits, ``bar`` (an ``st.progress``) or a caption says for how many runs."""
-    shown = st.empty() if bar is None else bar
-    say = shown.caption if bar is None else partial(bar.progress, 0.0)
-    with shared_runs().slot(lambda line: say(f"{line[:1].upper()}{line[1:]}…")):
-        if bar is None:
-            shown.empty()  # the wait is over
-        yield
-
-
-def roots_caption(*kinds: str) -> None:
-    """A caption naming the roots of ``kinds`` (``data``, ``models``, ``output``) this server serves."""
-    shown = served().describe()
-    labels = {"data": "Data roots", "models": "Model roots", "output": "Output root"}
-    st.caption(" · ".join(f"{labels[kind]}: `{shown[kind]}`" for kind in kinds) + " (set when the server starts).")
 
 
 def calibration_upload(ws: Workspace) -> None:
@@ -322,7 +287,7 @@ def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence
             bar.progress(0.0, text=f"{timer.elapsed:.1f} s · {line}")
 
         try:
-            outcome = ws.run(model, config, attention, progress, shared=shared_runs(), waiting=waiting)
+            outcome = ws.run(model, config, attention, progress, shared=serving.shared_runs(), waiting=waiting)
         except Exception:
             status.update(label="Run failed", state="error")
             raise
@@ -333,6 +298,17 @@ def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence
 def run_summary(outcome: RunOutcome) -> str:
     """How a run's results were had (``lab.serve.session_runs.how_had``)."""
     return how_had(outcome.shared, outcome.hits, outcome.misses)
+
+
+class Timer:
+    """Seconds since it was made (for progress lines)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
 
 
 # ---------------------------------------------------------------- result pages

@@ -1,0 +1,72 @@
+"""Serving a team, as the app draws it: the server's declared settings and shared runs (one per
+process), the heavy-run slot, the roots a page names, and the end of a session (its workspace
+released once the browser is gone past Streamlit's reconnect window). The rules live in
+``lab.serve``; this module binds them to Streamlit's process and sessions."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import streamlit as st
+from streamlit import runtime
+
+from lab.serve.config import ServeConfig
+from lab.serve.shared_runs import SharedRuns
+from lab.workspace import Workspace
+
+
+@st.cache_resource(show_spinner=False)
+def served() -> ServeConfig:
+    """The server's declared roots and limits (``lab.serve.config``): ``app.py``'s flags after ``--``."""
+    config, _ = ServeConfig.parse(sys.argv[1:])
+    return config
+
+
+@st.cache_resource(show_spinner=False)
+def shared_runs() -> SharedRuns:
+    """The server's one queue and cache of runs, shared by every session (``lab.serve.shared_runs``)."""
+    config = served()
+    return SharedRuns(config.shared_cache_bytes, config.heavy_runs)
+
+
+@contextmanager
+def heavy_slot(bar: Any = None) -> Iterator[None]:
+    """Hold one of the server's heavy-run slots (an evaluation, a checkpoint write) while the block
+    runs; while it waits, ``bar`` (an ``st.progress``) or a caption says for how many runs."""
+    shown = st.empty() if bar is None else bar
+    say = shown.caption if bar is None else partial(bar.progress, 0.0)
+    with shared_runs().slot(lambda line: say(f"{line[:1].upper()}{line[1:]}…")):
+        if bar is None:
+            shown.empty()  # the wait is over
+        yield
+
+
+def roots_caption(*kinds: str) -> None:
+    """A caption naming the roots of ``kinds`` (``data``, ``models``, ``output``) this server serves."""
+    shown = served().describe()
+    labels = {"data": "Data roots", "models": "Model roots", "output": "Output root"}
+    st.caption(" · ".join(f"{labels[kind]}: `{shown[kind]}`" for kind in kinds) + " (set when the server starts).")
+
+
+def _session_left(watched: tuple[str, Workspace]) -> None:
+    """When a browser disconnects: past Streamlit's reconnect window, release the session's
+    workspace (uploads, analyses, memory) unless it came back."""
+
+    def release_if_gone() -> None:
+        if not (runtime.exists() and runtime.get_instance().is_active_session(watched[0])):
+            watched[1].release()
+
+    timer = threading.Timer(float(st.get_option("server.disconnectedSessionTTL")) + 1.0, release_if_gone)
+    timer.daemon = True
+    timer.start()
+
+
+@st.cache_resource(scope="session", on_release=_session_left, show_spinner=False)
+def watch_session(session_id: str, _ws: Workspace) -> tuple[str, Workspace]:
+    """A session-scoped resource whose release (Streamlit's, on disconnect) starts ``_session_left``."""
+    return session_id, _ws
