@@ -7,6 +7,13 @@ per layer, the final file assembled), once per observer that takes int4 g128 wei
 agreement column gives weight elements per second. One timed run each, after the observer ran
 once on one layer: a sweep is seconds to minutes, and the figure is a whole-model wall time.
 
+Final write: a weights-only sweep (``run DIR --layers all --kinds weight --format int4 --strategy
+group --group-size 128 --observers minmax``) of the generated 4.4 GB Llama checkpoint
+(``bench_sequential.large_checkpoint``, TinyLlama-1.1B shapes, 156 weight matrices), and the same
+sweep of its first half of blocks: the peak RSS growth (the kernel's high-water mark, reset once
+every unit is in the partial file) and the time of turning the partial file into the Observer Lab
+file. Skipped with ``--quick`` or ``OBSERVER_LAB_BENCH_LARGE=0``, as the sequential bench's large case.
+
 Ranks: a tiny-llama sweep (weights and inputs, minmax and percentile, 32 samples of 64 tokens)
 through ``torchrun --nproc-per-node 1`` and ``2``, the two ranks splitting the layers or the
 calibration batches (``--split``), wall time including the launcher and each rank's start (after
@@ -31,6 +38,7 @@ from pathlib import Path
 import torch
 
 import observers as ob
+from bench.bench_sequential import LARGE_FLAG, large_checkpoint
 from bench.common import SETTINGS, case, median_seconds
 from lab.analyse.run_config import RunConfig
 from lab.scale.sweep import Plan, run_sweep
@@ -56,6 +64,45 @@ def _weight_rows(device: str, folder: Path) -> list[dict]:
         seconds = median_seconds(lambda plan=plan, out=out: run_sweep(plan, out), device, repeats=1, warmup=0)
         label = f"sweep MiniLM {len(names)} Linear weights ({elements / 1e6:.1f}M): {observer} int4 g128"
         rows.append(case(label, seconds, agreement=f"{elements / seconds / 1e6:.2f}M elements/s"))
+    return rows
+
+
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (``VmRSS``, ``VmHWM``), in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _final_write(plan: Plan, out: Path) -> tuple[float, int]:
+    """Seconds and peak RSS growth of the sweep's final write: the high-water mark is reset when the
+    progress says every unit is written (the last call before the final file), read when it is done."""
+    mark: dict[str, float] = {}
+
+    def progress(done: int, total: int, label: str) -> None:
+        if done == total:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            mark.update(rss=_status_bytes("VmRSS"), start=time.perf_counter())
+
+    run_sweep(plan, out, progress=progress)
+    return time.perf_counter() - mark["start"], _status_bytes("VmHWM") - int(mark["rss"])
+
+
+def _final_write_rows(device: str, folder: Path) -> list[dict]:
+    """The final write over half the model's blocks and over all of them: streamed a unit at a
+    time, its peak should not grow with the number of layers (issue 32)."""
+    label = "final write of a weights-only sweep, generated 4.4 GB Llama, minmax int4 g128"
+    if SETTINGS.quick or os.environ.get(LARGE_FLAG) == "0":
+        return [case(label, 0.0, agreement=f"skipped (--quick or {LARGE_FLAG}=0)")]
+    model = open_model(large_checkpoint(), device=device)
+    names = [info.name for info in model.layers() if len(info.shape) >= 2]
+    half = [name for name in names if not name.startswith("model.layers.") or int(name.split(".")[2]) < 11]
+    rows = []
+    for layers in (half, names):
+        plan = Plan(model, tuple(layers), RunConfig(specs={"weight": GROUP}, observers=("minmax",)))
+        out = folder / f"llama-{len(layers)}.json"
+        seconds, growth = _final_write(plan, out)
+        note = f"peak RSS +{growth / 2**20:.0f} MiB for a {out.stat().st_size / 1e6:.0f} MB file"
+        rows.append(case(f"{label}: {len(layers)} weights", seconds, agreement=note))
     return rows
 
 
@@ -102,4 +149,5 @@ def _rank_rows(device: str, folder: Path) -> list[dict]:
 
 def cases(device: str = "cpu") -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
-        return [*_weight_rows(device, Path(folder)), *_rank_rows(device, Path(folder))]
+        folder = Path(folder)
+        return [*_weight_rows(device, folder), *_final_write_rows(device, folder), *_rank_rows(device, folder)]

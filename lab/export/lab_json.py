@@ -1,10 +1,9 @@
 """The Observer Lab JSON file: chosen qparams written bit-exact, read back and checked.
 
 A file (``format = "observer-lab-qparams"``, ``version = 2``; version 1 is still read, see
-``FORMAT_VERSION``) records, per analysed layer and
-tensor kind, the chosen observer with its knobs, the full ``QuantSpec``, the qparams (bit-exact:
-``QParams.to_dict``) and the metrics of the chosen and runner-up observers, plus the model's
-source with a sha256 per weight file. It is validated against
+``FORMAT_VERSION``) records, per analysed layer and tensor kind, the chosen observer with its knobs,
+the full ``QuantSpec``, the qparams (bit-exact: ``QParams.to_dict``) and the metrics of the chosen
+and runner-up observers, plus the model's source with a sha256 per weight file. It is validated against
 ``lab/export/schema/observer_lab.schema.json`` on write and on read, so a broken file is rejected with
 one error that lists every problem, and nothing is applied partially.
 
@@ -36,14 +35,11 @@ from observers.suite import SuiteResult
 
 FORMAT_NAME = "observer-lab-qparams"
 FORMAT_VERSION = 2
-"""The version this lab writes. Version 2 writes a tensor of more than ``observers.qparams.DATA_LIMIT``
-(4,096) elements as its bytes (``bytes_b64``) only, so a big model's file is not millions of numbers
-twice; version 1 wrote every tensor's values as a list (``data``, with ``bytes_b64`` beside it as a
-check). Nothing else differs, and ``QParams.from_dict`` reads a tensor from its bytes or, lacking
-them, its values, so both versions read alike."""
+"""The version this lab writes. Version 1 wrote every tensor's values (``data``, beside ``bytes_b64``);
+version 2 writes a tensor of more than ``observers.qparams.DATA_LIMIT`` (4,096) elements as its bytes
+only. Nothing else differs, and a tensor reads from its bytes or else its values: both read alike."""
 READ_VERSIONS = (1, FORMAT_VERSION)
-"""The versions this lab reads; a file of another version (a newer lab's) is refused whole, since its
-fields may mean something else."""
+"""Another version (a newer lab's, whose fields may mean other things) is refused whole."""
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "observer_lab.schema.json"
 
 
