@@ -9,8 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,8 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key)$"
 SLOW_MS = 240_000
+SESSION_TTL_S = 2
+"""Streamlit's reconnect window for the test servers: a closed tab's session ends this soon."""
 UNSEEN_RUN_MS = 20_000
 """How long ``_settle`` waits to see the rerun an action started finish; a rerun so short that the
 page never showed it running has finished by then, and the app being idle is what the caller needs
@@ -48,15 +52,22 @@ IDLE = """(after) => window.__finishedRuns > after &&
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def app_url() -> Iterator[str]:
+@contextmanager
+def _served_app(base: Path, name: str, *flags: str) -> Iterator[str]:
+    """``bash scripts/app.sh`` as a team's server runs it (``python -m lab.serve``, loopback by the
+    project config) on a free port, with the test run's temporary folder as data and model root, an
+    output root of its own, a short reconnect window and its own temporary folder (where the
+    sessions' upload folders go); the log goes to ``test-artifacts/<name>.log``."""
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
-    command += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
-    command += ["--server.fileWatcherType", "none"]  # a repo-local .venv overflows inotify
+    outputs, tmp = base / f"{name}-outputs", base / f"{name}-tmp"
+    outputs.mkdir(exist_ok=True)
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
+    command = [sys.executable, "-m", "lab.serve", "--server.headless", "true", "--server.port", str(port)]
+    command += ["--browser.gatherUsageStats", "false", "--server.disconnectedSessionTTL", str(SESSION_TTL_S)]
+    command += ["--data-root", str(base), "--model-root", str(base), "--output-root", str(outputs), *flags]
     ARTIFACTS.mkdir(exist_ok=True)
-    log = (ARTIFACTS / "streamlit.log").open("w")
+    log = (ARTIFACTS / f"{name}.log").open("w")
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -69,6 +80,17 @@ def app_url() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def served_base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp()
+
+
+@pytest.fixture(scope="module")
+def app_url(served_base) -> Iterator[str]:
+    with _served_app(served_base, "streamlit") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -441,3 +463,157 @@ def test_calibration_set_from_a_local_path_in_a_browser(page, tmp_path):
     assert "from saved_set (fingerprint" in tab.get_by_text("Calibrated on 4 samples").first.inner_text()
     _no_exception(tab)
     _shot(tab, "18_run_calibration_set")
+
+
+# ---------------------------------------------------------------- a server a team shares (issue 32)
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Where something listens on ``port``, from the kernel's socket table (nothing is connected to)."""
+    import socket
+
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path("/proc/net", table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, local_port = local.split(":")
+            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
+                found.append(socket.inet_ntop(family, raw))
+    return found
+
+
+def test_the_server_listens_on_loopback_only(app_url):
+    port = int(app_url.rsplit(":", 1)[1])
+    assert _listening_addresses(port) == ["127.0.0.1"]
+
+
+@pytest.fixture
+def outside() -> Iterator[Path]:
+    """A folder outside every root the test server declared, holding what must never be shown."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="observer-lab-outside-", dir="/var/tmp"))
+    (folder / "secret.json").write_text(json.dumps([{"text": "Record: the admin password is hunter2"}]))
+    save_checkpoint(tiny_llama(), folder / "model")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_paths_outside_the_roots_are_refused_in_a_browser(page, served_base, outside):
+    """A calibration file or a model directory outside the roots, typed as it is, through ``..``
+    or through a symlink inside a root: one line naming the roots, and nothing of the file on the page."""
+    link = served_base / "innocent-link.json"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside / "secret.json")
+    tab = page
+    _go(tab, "Model")
+    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
+    runs = _runs(tab)
+    tab.get_by_text("local path", exact=True).click()
+    _settle(tab, after=runs)
+    _see(tab, "Data roots:")
+    label = "File (.txt, .jsonl, .json, .csv, .parquet) or save_to_disk directory"
+    for typed in (str(outside / "secret.json"), f"{served_base}/../../../..{outside}/secret.json", str(link)):
+        _fill(tab, label, typed)
+        _see(tab, "is outside the data roots")
+        assert "hunter2" not in tab.content() and tab.get_by_text("Usable records").count() == 0
+    _shot(tab, "19_refused_calibration_path")
+
+    tab.get_by_text("Local directory", exact=True).click()
+    _fill(tab, "Directory (config.json + weights)", str(outside / "model"))
+    _see(tab, "is outside the model roots")
+    assert tab.get_by_text("Layers to analyse").count() == 0
+    _shot(tab, "20_refused_model_directory")
+
+
+def test_checkpoints_are_written_only_under_the_output_root_in_a_browser(page, served_base, outside):
+    """Save checkpoint: a name escaping the output root creates nothing; a directory the lab did
+    not write is never replaced, even with Replace ticked; the lab's own checkpoint is."""
+    outputs = served_base / "streamlit-outputs"
+    foreign = outputs / "team-notes"
+    foreign.mkdir(exist_ok=True)
+    (foreign / "plan.txt").write_text("keep me")
+    tab = page
+    _go(tab, "Overview")
+    tab.get_by_role("button", name="Run the demo").click()
+    _see(tab, "minilm: 12 tensors")
+    _go(tab, "Choose & export")
+    _see(tab, "Output root:")
+    box = "Checkpoint directory"
+
+    def save(name: str, expected: str) -> None:
+        _fill(tab, box, name)
+        runs = _runs(tab)
+        tab.get_by_role("button", name="Save checkpoint").click()
+        _settle(tab, after=runs)
+        _see(tab, expected)
+
+    save(f"../../../..{outside}/new-checkpoint", "is outside the output roots")
+    assert not (outside / "new-checkpoint").exists()
+    tab.get_by_text("Replace it if it is not empty").click()
+    save("team-notes", "was not written by Observer Lab")
+    assert sorted(p.name for p in foreign.iterdir()) == ["plan.txt"] and (foreign / "plan.txt").read_text() == "keep me"
+    _shot(tab, "21_refused_checkpoint")
+    save("demo-checkpoint", "packed layer(s) to")
+    save("demo-checkpoint", "packed layer(s) to")  # replaced: the lab wrote it
+    _no_exception(tab)
+    assert (outputs / "demo-checkpoint" / "config.json").is_file()
+    assert sorted(p.name for p in outputs.iterdir() if not p.name.startswith(".")) == ["demo-checkpoint", "team-notes"]
+
+
+def test_a_closed_session_leaves_no_upload_behind(browser, app_url, served_base):
+    """A session's uploaded calibration file lives in its own folder, which goes once the tab is
+    closed and Streamlit's reconnect window has passed."""
+    sessions = served_base / "streamlit-tmp" / "observer_lab_sessions"
+    before = set(sessions.glob("session-*")) if sessions.is_dir() else set()
+    records = served_base / "upload-records.jsonl"
+    lines = [json.dumps({"text": f"upload record {i}: the rivers run to the sea"}) for i in range(4)]
+    records.write_text("\n".join(lines) + "\n")
+    tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+    tab.add_init_script(RUN_COUNTER)
+    tab.goto(app_url)
+    _go(tab, "Model")
+    tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
+    runs = _runs(tab)
+    tab.get_by_text("uploaded file", exact=True).click()
+    _settle(tab, after=runs)
+    tab.locator('input[type="file"]').set_input_files(str(records))
+    _see(tab, "Usable records")
+    created = set(sessions.glob("session-*")) - before
+    assert len(created) == 1 and (created.pop() / "calibration.jsonl").is_file()
+    folder = next(iter(set(sessions.glob("session-*")) - before))
+    tab.close()
+    deadline = time.monotonic() + 60
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not folder.exists(), "the closed session's upload folder is still there a minute later"
+
+
+def test_two_sessions_share_one_computation_in_a_browser(browser, served_base):
+    """Two people press "Run the demo" at once on a fresh server: one computes, the other waits for
+    that computation and reads its result; both see the same analysis."""
+    with _served_app(served_base, "shared") as url:
+        tabs = []
+        for _ in range(2):
+            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+            tab.add_init_script(RUN_COUNTER)
+            tab.goto(url)
+            tab.get_by_role("button", name="Run the demo").wait_for(timeout=SLOW_MS)
+            _settle(tab)
+            tabs.append(tab)
+        for tab in tabs:
+            tab.get_by_role("button", name="Run the demo").click()
+        captions = []
+        for tab in tabs:
+            _see(tab, "minilm: 12 tensors")
+            captions.append(tab.get_by_text("minilm: 12 tensors").first.inner_text())
+            _no_exception(tab)
+        _shot(tabs[1], "22_shared_run")
+        for tab in tabs:
+            tab.close()
+    computed = [c for c in captions if "reused from cache" in c]
+    shared = [c for c in captions if "shared the run another session was computing" in c or "recent results" in c]
+    assert len(computed) == 1 and len(shared) == 1, captions
+    seconds = [c.split("computed in ", 1)[1].split(" s", 1)[0] for c in captions]
+    assert seconds[0] == seconds[1]  # one analysis, computed once, read by both
