@@ -38,6 +38,7 @@ MODULES = [
     "bench_recipe",
     "bench_float_grid",
     "bench_minilm_nvfp4",
+    "bench_serve",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 
