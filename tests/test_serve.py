@@ -408,3 +408,21 @@ def test_a_released_workspace_gives_back_its_uploads_analyses_and_caches(tmp_pat
     assert not folder.exists() and ws.upload_dir is None
     assert ws.analysis is None and ws.last_run is None and len(ws.result_cache) == 0 and not ws.capture_memo
     assert ws.layers and ws.request == ModelRequest("tiny-llama")  # what the person chose stays
+
+
+def test_an_app_started_with_a_missing_root_says_so_in_one_line_and_serves_nothing(tmp_path, monkeypatch):
+    """``streamlit run app.py -- --data-root missing`` (without the launcher's check): the page is
+    that one line, no traceback, no page of the app."""
+    from streamlit.testing.v1 import AppTest
+
+    from lab.ui import serving
+
+    monkeypatch.setattr(sys, "argv", ["app.py", "--data-root", str(tmp_path / "missing")])
+    serving.served.clear()
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app.py"), default_timeout=120).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == [
+        f"This server cannot serve the app: the declared data root {str(tmp_path / 'missing')!r} "
+        f"({tmp_path / 'missing'}) does not exist: create it or leave the flag out."
+    ]
+    assert not at.button
