@@ -3,7 +3,11 @@ counts as the eager path bit for bit, every variant and thread split, the same q
 every histogram observer, and a clear refusal of inputs it cannot read. Last, the shortcuts of
 the L2 search made with it (observers/hist_search.py) against their plain forms."""
 
+import ctypes
+import ctypes.util
+import mmap
 import shutil
+import sys
 
 import pytest
 import torch
@@ -167,6 +171,28 @@ def test_absolute_histogram_counts_match_the_eager_path_after_growth():
             eager = update_histogram(eager, x, 2048, absolute=True)
     assert torch.equal(native.counts, eager.counts) and torch.equal(native.width, eager.width)
     assert float(native.counts.sum()) == 5 * 40_000
+
+
+@needs_kernel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through ctypes: Linux only here")
+@pytest.mark.parametrize("rows,n", [(1, 1000), (2, 500), (1, 7)])
+def test_values_that_end_where_memory_becomes_unreadable(rows, n, every_call_splits):
+    """The values end exactly at a page that may not be read. The tail's masked loads stop at the
+    last value, and the prefetch 4 KiB ahead of the counting names that page (with 4 KiB pages,
+    every prefetch of a row this short does) without faulting: the eager path's counts, no crash."""
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(ctypes.c_void_p(start + page), ctypes.c_size_t(page), 0) == 0, ctypes.get_errno()  # PROT_NONE
+    try:
+        count = rows * n
+        values = torch.frombuffer(region, dtype=torch.float32, count=count, offset=page - 4 * count).view(rows, n)
+        values.copy_(torch.randn(rows, n, generator=torch.Generator().manual_seed(n)))
+        scale, shift = _transform([-3.0] * rows, [6.0 / 2048] * rows)
+        _assert_every_variant_matches(values, scale, shift, 2048, False)
+    finally:
+        libc.mprotect(ctypes.c_void_p(start + page), ctypes.c_size_t(page), 3)  # PROT_READ | PROT_WRITE
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,18 @@
  * nothing more). The copies are summed into the row's int64 counts when the thread moves to
  * another row and at the end (atomically when other threads count pieces of the same row: bins
  * adds per thread).
+ *
+ * Prefetch: the slice loops ask for the values PREFETCH_AHEAD floats (4 KiB) ahead. The counting
+ * (about 40 instructions per 16 values, most of them scalar) fills the out-of-order window, so the
+ * loads of the next values were issued late and reading and counting took turns instead of
+ * overlapping. Measured on a Xeon (AVX-512), the growing benchmark's 8 batches of 4M values, each
+ * read once just before as the observer's min/max pass does: one thread 28.3 -> 22.3 ms, two
+ * threads 14.5 -> 11.5 ms (medians of 9; the AVX2 variant alike, the same counts), where reading
+ * them and computing the bins alone takes 12.5 ms and counting an index buffer held in L1 12 ms.
+ * 512 to 2048 floats ahead measured alike; 8 copies instead of 4 gained nothing. Counting the row's
+ * most frequent bin in a vector register (the others compressed into a buffer) made the batches
+ * with one dominant bin 30-40 % quicker but the 8 batches only 5-12 % (2-5 % of the observer's
+ * time), so it is not done.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +49,7 @@
 #define SCRATCH_BYTES (128 * 1024) /* more copies only while they fit in half of this (4 of 4200 bins: 66 KiB) */
 #define MAX_SLICE ((int64_t)1 << 30) /* values counted between flushes: a uint32 counter cannot overflow */
 #define PIECES_PER_THREAD 4 /* rows split over threads are cut this much finer and taken as threads free up */
+#define PREFETCH_AHEAD 1024 /* floats: how far ahead of the counting the values are asked for (see above) */
 
 /* The row's map to bin positions, the last bin as a float, the |v| mask (all ones when signed)
  * and the scratch layout: what a slice function needs besides the values. */
@@ -82,6 +95,13 @@ static void flush(uint32_t *scratch, int copies, int64_t stride, int64_t bins, i
     }
 }
 
+/* Ask for the cache line PREFETCH_AHEAD floats after p. A prefetch never faults, so near the end
+ * of the values it may name memory past them; the address is formed as an integer, not as a
+ * pointer beyond the array. */
+static inline void prefetch_ahead(const float *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + PREFETCH_AHEAD * sizeof(float)), _MM_HINT_T0);
+}
+
 /* Two bin indices packed in 64 bits (the lower lane in the low half) count once each. The
  * indices leave the vector register through 64-bit moves: storing the vector and reloading the
  * lanes measured 2-3x slower (each reload waits behind the counter stores). */
@@ -117,6 +137,8 @@ __attribute__((target("avx512f"))) static void bin_slice_avx512(const float *p, 
         _mm512_mullo_epi32(_mm512_and_si512(lanes, _mm512_set1_epi32(how->copies - 1)), _mm512_set1_epi32(how->stride));
     int64_t i = 0;
     for (; i + 32 <= count; i += 32) {
+        prefetch_ahead(p + i);
+        prefetch_ahead(p + i + 16);
         __m512i first = index16(_mm512_loadu_ps(p + i), how, copy_offset);
         __m512i second = index16(_mm512_loadu_ps(p + i + 16), how, copy_offset);
         count16(first, scratch);
@@ -153,6 +175,7 @@ __attribute__((target("avx2,fma"))) static void bin_slice_avx2(const float *p, i
         _mm256_mullo_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(how->copies - 1)), _mm256_set1_epi32(how->stride));
     int64_t i = 0;
     for (; i + 16 <= count; i += 16) {
+        prefetch_ahead(p + i);
         __m256i first = index8(_mm256_loadu_ps(p + i), how, copy_offset);
         __m256i second = index8(_mm256_loadu_ps(p + i + 8), how, copy_offset);
         count8(first, scratch);
