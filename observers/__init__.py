@@ -37,6 +37,7 @@ from observers.base import (
 from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
+from observers.gptq import GPTQResult, HessianAccumulator, check_gptq_spec, gptq_quantize, layer_output_error
 from observers.knobs import Knob
 from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics, quantization_metrics
 from observers.presets import PRESET_NAMES, preset
@@ -57,6 +58,8 @@ __all__ = [
     "STRATEGIES_BY_KIND",
     "ElementFormat",
     "Flat",
+    "GPTQResult",
+    "HessianAccumulator",
     "Knob",
     "Observer",
     "ObserverKind",
@@ -73,6 +76,7 @@ __all__ = [
     "applicable",
     "available",
     "calculate_qparams",
+    "check_gptq_spec",
     "column_importance",
     "compare_tensors",
     "create",
@@ -87,8 +91,10 @@ __all__ = [
     "fake_quantize",
     "flatten",
     "get_format",
+    "gptq_quantize",
     "knob_specs",
     "knobs",
+    "layer_output_error",
     "local_hessian",
     "merge_rule",
     "observer_class",
