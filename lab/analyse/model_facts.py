@@ -45,6 +45,16 @@ def _weight_files(path: Path) -> list[Path]:
         return sorted([*path.glob("*.safetensors"), *path.glob("*.bin")])
 
 
+def source_stamp(model: Any) -> dict[str, Any]:
+    """What identifies an opened model's weights without reading them: its name and source, and
+    each weight file's resolved path, size and modification time (the same assumption the sha256
+    memo makes). Cheap enough to ask on every Run, where ``describe_source`` reads every file once."""
+    source = Path(str(getattr(model, "source", "") or getattr(model, "name", "")))
+    files = _weight_files(source) if source.exists() else []
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return {"name": str(getattr(model, "name", "")), "source": str(source), "files": stats}
+
+
 def describe_source(model: Any) -> dict[str, Any]:
     """``{"kind", "name", "path", "id", "files": [{"name", "sha256"}]}`` of an opened model.
 

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from lab.analyse.analysis import Analysis
-from lab.analyse.model_facts import describe_source
+from lab.analyse.model_facts import source_stamp
 from lab.analyse.pipeline import analyse
 from lab.analyse.result_cache import ResultCache
 from lab.analyse.run_config import RunConfig
@@ -50,11 +50,11 @@ class SessionRun:
 
     def key(self) -> str:
         """The same for two runs exactly when they compute the same: the model (its weight files'
-        sha256 as the analysis records them, dtype, device), the layers and attention blocks, the
+        paths, sizes and modification times, dtype, device), the layers and attention blocks, the
         settings (specs, observers, knobs, transform, tools, propagation), the calibration set's
         fingerprint and how it is captured."""
         payload = {
-            "model": describe_source(self.model),
+            "model": source_stamp(self.model),
             "dtype": str(getattr(self.model, "dtype", "")),
             "device": str(getattr(self.model, "device", "")),
             "layers": self.layers,
