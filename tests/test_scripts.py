@@ -72,11 +72,12 @@ def _open_session(port: int) -> socket.socket:
 
 @pytest.mark.slow
 def test_served_app_does_not_flood_the_terminal(tmp_path):
-    """``streamlit run app.py`` from the repository root with the project config only (as
-    scripts/app.sh runs it), a session open for about 20 s: not one inotify message."""
+    """``python -m lab.serve`` from the repository root with the project config only (as
+    scripts/app.sh runs it), a session open for about 20 s: not one inotify message, and the one URL
+    it prints is the loopback one (no "Network URL")."""
     port = free_port()
-    command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
-    command += ["--server.port", str(port)]
+    command = [sys.executable, "-m", "lab.serve", "--server.headless", "true", "--server.port", str(port)]
+    command += ["--data-root", str(tmp_path), "--model-root", str(tmp_path), "--output-root", str(tmp_path)]
     log_path = tmp_path / "streamlit.log"
     started = time.monotonic()
     with log_path.open("w") as log:
@@ -92,7 +93,7 @@ def test_served_app_does_not_flood_the_terminal(tmp_path):
             server.terminate()
             server.wait(timeout=20)
     output = log_path.read_text()
-    assert "Local URL" in output
+    assert f"URL: http://127.0.0.1:{port}" in output and "Network URL" not in output
     assert [line for line in output.splitlines() if "Inotify" in line] == []
 
 
