@@ -148,6 +148,7 @@ def _choice_line(layer: str, tensor: str, observer: str, metric: str, value: Any
 def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
     from lab.analyse.pipeline import analyse
     from lab.export import compressed_tensors, lab_json
+    from lab.gptq.table import gptq_lines
     from lab.results import check_metric, choose, override
 
     check_metric(args.choose_by)
@@ -216,6 +217,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
                 out.write(f"{layer}\t{tensor}\tas {run.tool}: not available ({run.result.error})\n")
             else:
                 out.write(_choice_line(layer, tensor, f"as {run.result.name}", args.choose_by, value))
+    out.writelines(gptq_lines(analysis))
     out.write(f"wrote {', '.join(written)}\n")
 
 

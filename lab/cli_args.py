@@ -181,6 +181,31 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--actorder", action="store_true", help="group weight columns by input importance (GPTQ actorder)"
     )
+    defaults = ob.GPTQSpec()
+    parser.add_argument(
+        "--gptq",
+        action="store_true",
+        help="also put each weight observer's qparams through GPTQ on its layer (the layer-output error and clipped "
+        "share of round-to-nearest and of GPTQ, on the calibration inputs' Hessian); defaults are llm-compressor's",
+    )
+    parser.add_argument("--gptq-block-size", type=int, default=defaults.block_size, help="GPTQ's block of columns")
+    parser.add_argument(
+        "--gptq-dampening", type=float, default=defaults.dampening, help="added to H's diagonal, times its mean"
+    )
+    parser.add_argument(
+        "--gptq-actorder",
+        choices=list(ob.gptq.ACTORDER_ALIASES),
+        default=defaults.actorder,
+        help="sweep columns by decreasing H diagonal: static/weight (llm-compressor's default) keeps each column's "
+        "group, group/dynamic forms groups in sweep order, none sweeps in order",
+    )
+    parser.add_argument(
+        "--gptq-scales",
+        choices=list(ob.gptq.SCALES),
+        default=defaults.scales,
+        help="fixed: the observer's scales from the original weight before the sweep (llm-compressor 0.14); refit: "
+        "from the updated weights as the sweep reaches each group (the GPTQ paper, GPTQModel)",
+    )
     parser.add_argument(
         "--transform",
         choices=[kind.value for kind in ob.TransformKind],
@@ -331,11 +356,30 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         settings.dataset = CalibrationSource(args.dataset, args.text_column, args.dataset_split, args.shuffle_seed)
     settings.transform, settings.transform_seed, settings.smooth_alpha = args.transform, args.transform_seed, args.alpha
     settings.tools = _tools(args.as_tools)
+    settings.gptq = _gptq(args)
     settings.sequential = args.sequential
     settings.max_memory = None if args.max_memory is None else parse_bytes(args.max_memory)
     if args.actorder and not settings.actorder_applies:
         raise CliError("--actorder needs group-wise integer weights (--strategy group) and input activations")
     return settings
+
+
+def _gptq(args: argparse.Namespace) -> ob.GPTQSpec | None:
+    """``--gptq`` and its knobs (a knob without ``--gptq`` is a mistake worth a line)."""
+    given = {
+        "block_size": args.gptq_block_size,
+        "dampening": args.gptq_dampening,
+        "actorder": args.gptq_actorder,
+        "scales": args.gptq_scales,
+    }
+    if not args.gptq:
+        if given != ob.GPTQSpec().to_dict():
+            raise CliError("--gptq-block-size, --gptq-dampening, --gptq-actorder and --gptq-scales need --gptq")
+        return None
+    try:
+        return ob.GPTQSpec(**given)
+    except ValueError as err:
+        raise CliError(f"--gptq: {err}") from None
 
 
 def _observer_names(text: str | None) -> tuple[str, ...] | None:

@@ -218,6 +218,8 @@ class RunSettings:
     smooth_alpha: float = 0.5
     tools: tuple[str, ...] = ()
     """Also run each tensor as these tools would by default (``lab.analyse.tools``)."""
+    gptq: ob.GPTQSpec | None = None
+    """Also put the weight observers' qparams through GPTQ (``lab.gptq``), or None."""
 
     def editor(self, role: str) -> SpecSettings:
         """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""
@@ -300,6 +302,7 @@ class RunSettings:
             max_memory=self.max_memory,
             transform=self.transform_spec(),
             tools=tuple(self.tools),
+            gptq=self.gptq,
         )
 
     def transform_spec(self) -> ob.TransformSpec | None:

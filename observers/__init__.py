@@ -37,7 +37,15 @@ from observers.base import (
 from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
-from observers.gptq import GPTQResult, HessianAccumulator, check_gptq_spec, gptq_quantize, layer_output_error
+from observers.gptq import (
+    GPTQResult,
+    GPTQSpec,
+    HessianAccumulator,
+    check_gptq_spec,
+    gptq_quantize,
+    hessian_of_rows,
+    layer_output_error,
+)
 from observers.knobs import Knob
 from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics, quantization_metrics
 from observers.presets import PRESET_NAMES, preset
@@ -59,6 +67,7 @@ __all__ = [
     "ElementFormat",
     "Flat",
     "GPTQResult",
+    "GPTQSpec",
     "HessianAccumulator",
     "Knob",
     "Observer",
@@ -92,6 +101,7 @@ __all__ = [
     "flatten",
     "get_format",
     "gptq_quantize",
+    "hessian_of_rows",
     "knob_specs",
     "knobs",
     "layer_output_error",

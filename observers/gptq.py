@@ -54,6 +54,47 @@ QParamsFn = Callable[[torch.Tensor], QParams]
 ACTORDER_ALIASES = {"none": "none", "weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
 """llm-compressor's words (``static`` = ``weight``, ``dynamic`` = ``group``) and ours."""
 SCALES = ("fixed", "refit")
+GPTQ_SETTINGS = ("block_size", "dampening", "actorder", "scales")
+
+
+@dataclass(frozen=True)
+class GPTQSpec:
+    """How a run applies GPTQ to its weight observers: the knobs of ``gptq_quantize`` and the scale
+    semantics, validated once and serializable like ``QuantSpec``. Defaults are llm-compressor 0.14's
+    ``GPTQModifier``: block 128, dampening 0.01 of the mean diagonal, activation order ``static``
+    (= ``weight``, its default even when the scheme says none), scales fixed before the sweep."""
+
+    block_size: int = 128
+    dampening: float = 0.01
+    actorder: str = "static"
+    scales: str = "fixed"
+
+    def __post_init__(self) -> None:
+        _check_knobs(self.block_size, self.dampening)
+        _choice("actorder", self.actorder, ACTORDER_ALIASES)
+        _choice("scales", self.scales, SCALES)
+
+    def kwargs(self) -> dict[str, object]:
+        """The keyword arguments of ``gptq_quantize``."""
+        return {name: getattr(self, name) for name in GPTQ_SETTINGS}
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.kwargs())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> GPTQSpec:
+        unknown = set(data) - set(GPTQ_SETTINGS)
+        if unknown:
+            raise ValueError(f"unknown GPTQ setting(s) {sorted(unknown)}; allowed: {', '.join(GPTQ_SETTINGS)}")
+        return cls(**data)
+
+
+def hessian_of_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``2/n · XᵀX`` of one batch of input rows ``(n, in)`` in fp32: a batch's Hessian as a mean over
+    its rows, so a token-weighted running mean of it (the lab's streamed statistics) is the
+    Hessian over every token, ``HessianAccumulator``'s."""
+    x = rows.reshape(-1, rows.shape[-1]).float()
+    return 2.0 * (x.T @ x) / max(x.shape[0], 1)
 
 
 # ---------------------------------------------------------------------------------------- Hessian

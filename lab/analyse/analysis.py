@@ -21,6 +21,7 @@ import torch
 import observers as ob
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.run_config import RunConfig
+from lab.gptq.layer import GPTQRow
 from lab.vocab import KV_TENSORS
 from observers.suite import SuiteResult
 
@@ -57,6 +58,9 @@ class TensorAnalysis:
     tool_results: list[ToolResult] = field(default_factory=list)
     """What each of ``RunConfig.tools`` produces by default (``lab.analyse.tools``): shown beside the
     observers, recorded in the JSON, never ranked, chosen or exported as qparams."""
+    gptq: list[GPTQRow] = field(default_factory=list)
+    """Of a weight, with ``RunConfig.gptq``: each observer's qparams under GPTQ beside round-to-nearest
+    (``lab.gptq.layer``)."""
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
     sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""

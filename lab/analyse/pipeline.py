@@ -30,6 +30,7 @@ from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
 from lab.calibrate.activations import tensor_id as activations_tensor_id
+from lab.gptq.layer import gptq_rows
 from lab.results import choose
 from lab.scale.distributed import SINGLE, Ranks, owner
 from lab.vocab import (
@@ -105,7 +106,13 @@ def analyse(
     total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
     if progress is not None:
         progress(0, total, "calibrating")
-    streams = bool(activation_keys(layers, attention, config) or config.actorder or observed.smooths(config))
+    if config.gptq is not None and not getattr(model, "supports_activations", True):
+        raise ValueError(
+            f"GPTQ needs each layer's calibration inputs for its Hessian, and {getattr(model, 'name', 'this model')} "
+            "holds weights only: open a full model (directory with config.json, or a built-in sample)"
+        )
+    gptq = config.gptq is not None
+    streams = bool(activation_keys(layers, attention, config) or config.actorder or gptq or observed.smooths(config))
     calibration = _calibration_set(model, config) if streams else None  # a bad dataset stops it here
     entries: list[TensorAnalysis] = []
     warnings: list[str] = [calibration.shortfall] if calibration is not None and calibration.shortfall else []
@@ -233,6 +240,8 @@ def _weight_entry(
         results.append(cache.get_or_run(key, run))
     entry = TensorAnalysis(layer, "weight", spec, read, results, g_idx, tuple(data.shape), rank)
     entry.tool_results = [_as_tool(tool, entry, data, cache, tensor_id, weight_extra) for tool in config.tools]
+    if config.gptq is not None:
+        entry.gptq = gptq_rows(results, data, given.get("gptq_hessian"), spec, config.gptq, config.knobs)
     return entry
 
 

@@ -58,6 +58,9 @@ class RunConfig:
     transform: ob.TransformSpec | None = None
     tools: tuple[str, ...] = ()
     """Also run each tensor as these tools would by default (``lab.analyse.tools``), beside the observers."""
+    gptq: ob.GPTQSpec | None = None
+    """Also put each weight observer's qparams through GPTQ on its layer (``lab.gptq``): the layer's
+    inputs are captured for their Hessian even when only weights are analysed."""
 
     def __post_init__(self) -> None:
         unknown = set(self.specs) - set(SPEC_KEYS)
@@ -88,6 +91,15 @@ class RunConfig:
             raise ValueError("calibrate on a dataset or on pasted texts, not both")
         if self.transform is not None and not isinstance(self.transform, ob.TransformSpec):
             raise ValueError(f"transform must be an observers.TransformSpec, got {type(self.transform).__name__}")
+        if self.gptq is not None:
+            if not isinstance(self.gptq, ob.GPTQSpec):
+                raise ValueError(f"gptq must be an observers.GPTQSpec, got {type(self.gptq).__name__}")
+            if "weight" not in self.specs:
+                raise ValueError("GPTQ quantizes weights, not activations or KV states: analyse the weights too")
+            try:
+                ob.check_gptq_spec(self.specs["weight"], self.gptq.scales, self.gptq.actorder)
+            except ValueError as err:
+                raise ValueError(f"--gptq: {err}") from None
 
     @property
     def observer_names(self) -> tuple[str, ...]:
@@ -116,7 +128,7 @@ class RunConfig:
             "propagate": self.propagate,
             "transform": None if self.transform is None else self.transform.to_dict(),
             "tools": list(self.tools),
-        }
+        } | ({"gptq": self.gptq.to_dict()} if self.gptq is not None else {})
 
     def capture_options(self) -> dict[str, Any]:
         """The keyword arguments of ``capture`` / ``capture_kv`` for this run: the calibration set,

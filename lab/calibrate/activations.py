@@ -249,7 +249,7 @@ def _capture(
     real tokens each saw. The sample is meant to be a sample (the observers see every token), so
     the capture's subsampling warning is not passed on; ``TensorAnalysis.metrics_note`` says it."""
     options = _options(config, ranks)
-    wants_input = "input" in config.specs or config.actorder or observed.smooths(config)
+    wants_input = "input" in config.specs or bool(observed.wanted_statistics(config)) or observed.smooths(config)
     wants_output = "output" in config.specs
     busy = stream if any(stream.observations.values()) or stream.statistics else None  # else: a memo will do
     with warnings.catch_warnings():

@@ -38,17 +38,20 @@ def g_idx_for(config: RunConfig, spec: ob.QuantSpec, importance: torch.Tensor | 
 INPUT_STATISTICS = {
     "importance": ob.column_importance,
     "hessian": ob.local_hessian,
+    "gptq_hessian": ob.hessian_of_rows,
 }
 """Observer knobs filled from a layer's inputs when the person left them empty: the mean squared
 input per column (``imatrix_mse``, activation order) and the per-block input Hessian
-(``local_hessian``). Each is a mean over tokens, so ``lab.calibrate.stream.MeanStatistic`` sums it batch by
+(``local_hessian``); and GPTQ's whole input Hessian ``2/n Σ xxᵀ`` (``lab.gptq``), no observer's
+knob. Each is a mean over tokens, so ``lab.calibrate.stream.MeanStatistic`` sums it batch by
 batch and merges it across ranks."""
 
 
 def wanted_statistics(config: RunConfig) -> list[str]:
-    """The ``INPUT_STATISTICS`` this run's weight observers (or activation order) take."""
+    """The ``INPUT_STATISTICS`` this run's weight observers (or activation order, or GPTQ) take."""
     if "weight" not in config.specs:
         return []
     names = [name for name in config.observers_for("weight") if name in ob.available()]
     taken = {knob for name in names for knob in ob.knobs(name)}
-    return [knob for knob in INPUT_STATISTICS if knob in taken or (knob == "importance" and config.actorder)]
+    asked = {"importance": config.actorder, "gptq_hessian": config.gptq is not None}
+    return [knob for knob in INPUT_STATISTICS if knob in taken or asked.get(knob, False)]

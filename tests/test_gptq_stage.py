@@ -1,0 +1,160 @@
+"""GPTQ as a stage of a run (issue 33, first part): ``RunConfig.gptq`` captures each layer's inputs
+for their Hessian even when only weights are analysed, puts every weight observer's qparams through
+GPTQ, and reports round-to-nearest and GPTQ side by side; the CLI's ``--gptq`` flags and bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+import observers as ob
+from lab.analyse.pipeline import analyse
+from lab.analyse.run_config import RunConfig
+from lab.cli import main
+from lab.gptq.table import gptq_frame
+from sample_models import open_model
+
+SPEC = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+SAMPLES, SEQ_LEN = 4, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return open_model("tiny-llama")
+
+
+def _layers(model, count: int = 3) -> list[str]:
+    return [info.name for info in model.layers() if info.type == "Linear"][:count]
+
+
+def _config(**gptq) -> RunConfig:
+    return RunConfig(
+        specs={"weight": SPEC},
+        observers=("minmax", "mse_grid"),
+        samples=SAMPLES,
+        seq_len=SEQ_LEN,
+        gptq=ob.GPTQSpec(**gptq),
+    )
+
+
+def test_a_weights_only_run_reports_every_observer_under_rtn_and_gptq(model):
+    layers = _layers(model)
+    analysis = analyse(model, layers, _config())
+    frame = gptq_frame(analysis)
+    assert sorted(set(frame["layer"])) == sorted(layers) and set(frame["observer"]) == {"minmax", "mse_grid"}
+    assert frame["error"].isna().all() and not frame["fallback"].any()
+    assert (frame["gptq_error"] < frame["rtn_error"]).all()  # error feedback helps on every layer here
+    assert frame[["rtn_error", "gptq_error", "rtn_clipped", "gptq_clipped"]].notna().all().all()
+    assert set(frame["gptq_rank"]) <= {1, 2} and set(frame["rtn_rank"]) <= {1, 2}
+    assert analysis.config.to_dict()["gptq"] == {
+        "block_size": 128,
+        "dampening": 0.01,
+        "actorder": "static",
+        "scales": "fixed",
+    }
+
+
+def test_the_errors_are_those_of_the_layer_outputs_on_every_calibration_token(model):
+    """The streamed Hessian (batch by batch, no token kept) gives the relative ‖WX − ŴX‖² that the
+    captured inputs give directly, for round-to-nearest and GPTQ alike."""
+    layer = _layers(model, 1)[0]
+    config = _config(actorder="none")
+    analysis = analyse(model, [layer], config)
+    entry = analysis.entry(layer, "weight")
+    inputs = model.capture([layer], samples=SAMPLES, seq_len=SEQ_LEN, batch_size=config.batch_size)[layer].double()
+    weight = model.weight(layer).double()
+    hessian = 2 * inputs.T @ inputs / inputs.shape[0]
+    for row, result in zip(entry.gptq, entry.results, strict=True):
+        rtn = ob.fake_quantize(weight.float(), result.qparams, SPEC).double()
+        direct = ((inputs @ (weight - rtn).T) ** 2).sum() / ((inputs @ weight.T) ** 2).sum()
+        assert row.rtn_error == pytest.approx(float(direct), rel=1e-4)
+        done = ob.gptq_quantize(weight.float(), hessian.float(), SPEC, lambda w, r=result: r.qparams, actorder="none")
+        direct = ((inputs @ (weight - done.weight.double()).T) ** 2).sum() / ((inputs @ weight.T) ** 2).sum()
+        assert row.gptq_error == pytest.approx(float(direct), rel=1e-3)
+
+
+def test_refit_scales_run_the_observer_per_group(model):
+    layers = _layers(model, 2)
+    fixed = gptq_frame(analyse(model, layers, _config(scales="fixed", actorder="none")))
+    refit = gptq_frame(analyse(model, layers, _config(scales="refit", actorder="none")))
+    assert refit["error"].isna().all()
+    assert (refit["gptq_clipped"] <= fixed["gptq_clipped"] + 1e-12).all()  # refit ranges follow the updated weights
+    assert not refit["gptq_error"].equals(fixed["gptq_error"])
+
+
+def test_gptq_without_weights_or_on_weights_only_sources_is_one_line(model, tmp_path):
+    with pytest.raises(ValueError, match="GPTQ quantizes weights"):
+        RunConfig(specs={"input": ob.QuantSpec(dtype="int8")}, gptq=ob.GPTQSpec())
+    with pytest.raises(ValueError, match="--gptq: GPTQ does not serve dynamic"):
+        RunConfig(specs={"weight": ob.QuantSpec(dtype="int8", dynamic=True)}, gptq=ob.GPTQSpec())
+    with pytest.raises(ValueError, match="actorder"):
+        ob.GPTQSpec(actorder="sideways")
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "weights.safetensors"
+    save_file({"layer.weight": torch.randn(8, 32)}, str(weights))
+    with pytest.raises(ValueError, match="holds weights only"):
+        analyse(open_model(str(weights)), ["layer"], _config())
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_cli_prints_the_table_and_records_gptq_in_the_json(tmp_path):
+    target = tmp_path / "run.json"
+    code, out, err = _cli(
+        "run",
+        "tiny-llama",
+        "--layers",
+        "model.layers.0.mlp.*",
+        "--kinds",
+        "weight",
+        "--format",
+        "int4",
+        "--strategy",
+        "group",
+        "--group-size",
+        "16",
+        "--observers",
+        "minmax,mse_grid",
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--gptq",
+        "--gptq-scales",
+        "refit",
+        "--gptq-actorder",
+        "none",
+        "--out",
+        str(target),
+        "--quiet",
+    )
+    assert code == 0, err
+    assert "# GPTQ (refit scales, actorder none, block 128, dampening 0.01)" in out
+    lines = [line for line in out.splitlines() if "\tgptq " in line]
+    assert len(lines) == 3 * 2 and all("clipped" in line for line in lines)
+    config = json.loads(target.read_text())["config"]
+    assert config["gptq"] == {"block_size": 128, "dampening": 0.01, "actorder": "none", "scales": "refit"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gptq-scales", "refit"], "need --gptq"),
+        (["--gptq", "--gptq-block-size", "0"], "block_size must be a positive integer"),
+        (["--gptq", "--kinds", "input"], "GPTQ quantizes weights"),
+    ],
+)
+def test_bad_gptq_flags_are_one_line(tmp_path, flags, message):
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", "model.layers.0.mlp.up_proj", "--format", "int4", "--out",
+        str(tmp_path / "x.json"), *flags
+    )
+    assert code == 2 and message in err and err.count("\n") == 1 and not (tmp_path / "x.json").exists()
