@@ -222,22 +222,23 @@ def _threads(*targets) -> None:
 
 
 def test_identical_runs_are_computed_once_and_read_by_every_session():
+    """The computation holds until the second session is seen waiting on it (no race with a clock)."""
     runs, calls, got = SharedRuns(max_bytes=1 << 20), [], []
-    started = threading.Event()
+    started, joined = threading.Event(), threading.Event()
 
     def compute(tell):
         calls.append(1)
         started.set()
         tell("1/2 steps")
-        time.sleep(0.3)
+        assert joined.wait(30), "the second session never waited on the computation"
         return {"scale": torch.ones(4)}
 
     def session():
         got.append(runs.run("demo", compute, tensor_bytes))
 
     def late_session():
-        started.wait(5)
-        got.append(runs.run("demo", compute, tensor_bytes))
+        started.wait(30)
+        got.append(runs.run("demo", compute, tensor_bytes, waiting=lambda line: joined.set()))
 
     _threads(session, late_session)
     assert len(calls) == 1
@@ -248,14 +249,16 @@ def test_identical_runs_are_computed_once_and_read_by_every_session():
 
 
 def test_different_runs_queue_and_the_waiting_session_is_told_how_many_are_ahead():
+    """The first run holds until the second is seen waiting for it (no race with a clock)."""
     runs, running, peak, lines = SharedRuns(max_bytes=1 << 20, slots=1), [], [], []
-    first_started = threading.Event()
+    first_started, second_waits = threading.Event(), threading.Event()
 
     def compute(tell, name):
         running.append(name)
         peak.append(len(running))
         first_started.set()
-        time.sleep(1.2)
+        if name == "a":
+            assert second_waits.wait(30), "the second run never waited"
         running.remove(name)
         return name
 
@@ -263,8 +266,12 @@ def test_different_runs_queue_and_the_waiting_session_is_told_how_many_are_ahead
         runs.run("a", lambda tell: compute(tell, "a"), lambda v: 1)
 
     def second():
-        first_started.wait(5)
-        runs.run("b", lambda tell: compute(tell, "b"), lambda v: 1, waiting=lines.append)
+        first_started.wait(30)
+        def waiting(line: str) -> None:
+            lines.append(line)
+            second_waits.set()
+
+        runs.run("b", lambda tell: compute(tell, "b"), lambda v: 1, waiting=waiting)
 
     _threads(first, second)
     assert max(peak) == 1
