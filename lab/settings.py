@@ -220,6 +220,8 @@ class RunSettings:
     """Also run each tensor as these tools would by default (``lab.analyse.tools``)."""
     gptq: ob.GPTQSpec | None = None
     """Also put the weight observers' qparams through GPTQ (``lab.gptq``), or None."""
+    gptq_knobs: ob.GPTQSpec = field(default_factory=ob.GPTQSpec)
+    """The Run page's GPTQ knobs, kept while its switch is off (``gptq`` is these when it is on)."""
 
     def editor(self, role: str) -> SpecSettings:
         """The spec editor of ``role`` (``weight``, ``act`` or ``kv``)."""

@@ -1,9 +1,36 @@
-"""Error: metrics per layer and observer, SQNR bars, the error histogram and layer-output error."""
+"""Error: metrics per layer and observer, SQNR bars, the error histogram, each observer under GPTQ
+beside round-to-nearest, and layer-output error."""
 
+import pandas as pd
 import streamlit as st
 
 from lab import results, ui
+from lab.gptq.table import gptq_frame
 from lab.results import plots
+
+GPTQ_COLUMNS = {
+    "observer": st.column_config.TextColumn("observer"),
+    "rtn_error": st.column_config.NumberColumn("RTN error", help="relative ‖WX − ŴX‖² after round-to-nearest"),
+    "gptq_error": st.column_config.NumberColumn("GPTQ error", help="relative ‖WX − ŴX‖² after GPTQ"),
+    "rtn_rank": st.column_config.NumberColumn("RTN rank", help="place in this layer by RTN error (1 = least)"),
+    "gptq_rank": st.column_config.NumberColumn("GPTQ rank", help="place in this layer by GPTQ error (1 = least)"),
+    "rtn_clipped": st.column_config.NumberColumn("clipped after RTN", help="share of the weight outside the range"),
+    "gptq_clipped": st.column_config.NumberColumn(
+        "clipped after GPTQ", help="share of the error-updated weights outside the observer's range"
+    ),
+    "fallback": st.column_config.CheckboxColumn("RTN fallback", help="the Hessian would not factor: RTN instead"),
+    "error": st.column_config.TextColumn("why not", width="large"),
+}
+BEST = "font-weight: bold; background-color: rgba(46, 160, 67, 0.25)"
+
+
+def best_by_gptq(rows: pd.DataFrame):
+    """The layer's rows with the best by GPTQ error in bold and green, errors and shares readable."""
+    best = rows["gptq_rank"].eq(1).fillna(False)
+    styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
+    styled = styled.format("{:.4g}", subset=["rtn_error", "gptq_error"], na_rep="–")
+    return styled.format("{:.2%}", subset=["rtn_clipped", "gptq_clipped"], na_rep="–")
+
 
 st.title("Error")
 ws = ui.workspace()
@@ -23,6 +50,34 @@ entry = ui.tensor_picker(ws, analysis)
 with ui.guard("Drawing the error histogram"):
     st.plotly_chart(plots.error_histogram(entry, order=order), theme="streamlit")
 ui.metrics_note(entry)
+
+gptq = gptq_frame(analysis)
+if not gptq.empty:
+    st.subheader("Under GPTQ")
+    knobs = analysis.config.gptq
+    if entry.tensor != "weight":
+        st.caption("GPTQ quantizes weights: pick a layer's weight above to see its observers under GPTQ.")
+    elif entry.layer not in set(gptq["layer"]):
+        st.caption("This weight has no GPTQ rows.")
+    else:
+        layer_rows = gptq[gptq["layer"] == entry.layer]
+        st.caption(
+            f"Each observer's qparams put through GPTQ ({knobs.scales} scales, activation order {knobs.actorder}, "
+            f"block {knobs.block_size}, dampening {knobs.dampening}) beside round-to-nearest (RTN): the relative "
+            "layer-output error ‖WX − ŴX‖² / ‖WX‖² on the calibration inputs, each observer's rank under each, and "
+            "the share of weights outside its range, which clip. The best by GPTQ error is highlighted."
+        )
+        missing = layer_rows[layer_rows["error"].notna()]
+        shown = layer_rows[layer_rows["error"].isna()].drop(columns=["layer", "error"]).reset_index(drop=True)
+        st.dataframe(best_by_gptq(shown), hide_index=True, column_config=GPTQ_COLUMNS)
+        if not missing.empty:
+            with st.expander(f"Why {len(missing)} observer(s) have no GPTQ figures here"):
+                st.dataframe(missing[["observer", "error"]], hide_index=True, column_config=GPTQ_COLUMNS)
+        with ui.guard("Drawing the GPTQ bars"):
+            st.plotly_chart(plots.gptq_bars(layer_rows), theme="streamlit")
+        st.caption(ui.plain(plots.gptq_turnover(layer_rows)))
+        if gptq["layer"].nunique() > 1:
+            st.caption(ui.plain(plots.gptq_turnover_summary(gptq)))
 
 st.subheader("Layer-output error")
 weights = {e.layer for e in analysis.entries if e.tensor == "weight"}

@@ -5,6 +5,7 @@ import streamlit as st
 import observers as ob
 from lab import results, ui
 from lab.settings import check_knobs
+from observers.gptq import ACTORDER_ALIASES, SCALES
 
 st.title("Run")
 ws = ui.workspace()
@@ -25,6 +26,96 @@ st.caption(
     f"**{model.name}** · {len(ws.layers)} layer(s), {len(attention)} attention block(s) · "
     f"analysing {', '.join(kinds) or 'nothing: tick what to analyse on the Model page'}"
 )
+
+
+GPTQ_DEFAULTS = ob.GPTQSpec()
+ACTORDERS = list(dict.fromkeys(ACTORDER_ALIASES.values()))  # in our words; llm-compressor's are aliases
+
+
+def _llm_compressor_word(order: str) -> str:
+    aliases = [word for word, meaning in ACTORDER_ALIASES.items() if meaning == order and word != order]
+    return f"{order} (llm-compressor: {aliases[0]})" if aliases else order
+
+
+def _marked(label: str, is_default: bool) -> str:
+    return f"{label} · default" if is_default else label
+
+
+def gptq_knob_editor(knobs: ob.GPTQSpec) -> ob.GPTQSpec:
+    """GPTQ's knobs (block size, dampening, activation order, scale semantics) as widgets; a
+    choice that means what ``knobs`` already says keeps its spelling (``static`` stays ``static``)."""
+    d = GPTQ_DEFAULTS
+    st.caption(
+        f"Defaults are llm-compressor 0.14's GPTQModifier: block {d.block_size}, dampening {d.dampening}, "
+        f"activation order {d.actorder} (= {ACTORDER_ALIASES[d.actorder]}, its default even when the scheme says "
+        f"none), {d.scales} scales."
+    )
+    left, right = st.columns(2)
+    with left:
+        block = ui.bound(
+            st.number_input,
+            "GPTQ block size (columns)",
+            "gptq_block_size",
+            knobs.block_size,
+            min_value=1,
+            step=1,
+            help=f"Columns swept at once between the Hessian-wide updates (default {d.block_size}).",
+        )
+    with right:
+        dampening = ui.bound(
+            st.number_input,
+            "Dampening (× mean of H's diagonal)",
+            "gptq_dampening",
+            float(knobs.dampening),
+            min_value=0.0,
+            step=0.005,
+            format="%.4g",
+            help=f"Added to the Hessian's diagonal before it is inverted (default {d.dampening}).",
+        )
+    order = ui.bound(
+        st.radio,
+        "GPTQ activation order",
+        "gptq_actorder",
+        ACTORDER_ALIASES[knobs.actorder],
+        options=ACTORDERS,
+        format_func=lambda o: _marked(_llm_compressor_word(o), o == ACTORDER_ALIASES[d.actorder]),
+        horizontal=True,
+        help="Sweep the columns by decreasing H diagonal. weight keeps each column's group scale; group forms "
+        "groups of consecutive swept columns (GPTQModel's desc_act); none sweeps in column order.",
+    )
+    scales = ui.bound(
+        st.radio,
+        "Scale semantics",
+        "gptq_scales",
+        knobs.scales,
+        options=list(SCALES),
+        format_func=lambda s: _marked(s, s == d.scales),
+        horizontal=True,
+        help="fixed: llm-compressor 0.14, each group's scale from the original weight before the sweep (updated "
+        "weights pushed past a shrunk range clip). refit: the GPTQ paper, AutoGPTQ and GPTQModel, each group's "
+        "scale from the error-updated weights as the sweep reaches it.",
+    )
+    actorder = knobs.actorder if ACTORDER_ALIASES[knobs.actorder] == order else order
+    return ob.GPTQSpec(block_size=int(block), dampening=float(dampening), actorder=actorder, scales=scales)
+
+
+def gptq_refusal(gptq: ob.GPTQSpec | None) -> str | None:
+    """Why GPTQ cannot run with these settings (None: it can, or it is off)."""
+    if gptq is None:
+        return None
+    if "weight" not in kinds:
+        return "GPTQ quantizes weights: tick Weights on the Model page."
+    if not model.supports_activations:
+        return f"GPTQ needs each layer's calibration inputs for its Hessian, and {model.name} holds weights only."
+    try:
+        spec = run.weight.spec()
+    except ValueError:
+        return None  # the weight format's own problem: the run says it
+    try:
+        ob.check_gptq_spec(spec, gptq.scales, ACTORDER_ALIASES[gptq.actorder])
+    except ValueError as err:
+        return f"{err}."
+    return None
 
 
 def _apply_preset() -> None:
@@ -51,6 +142,22 @@ with weight_tab:
         run.actorder,
         disabled=not run.actorder_applies,
     )
+    gptq_on = ui.bound(
+        st.toggle,
+        "Also run GPTQ with each weight observer",
+        "gptq",
+        run.gptq is not None,
+        help="Each weight observer's qparams go through GPTQ on its layer, with the Hessian of the layer's "
+        "calibration inputs (captured even when only weights are analysed). The Error page shows every "
+        "observer's layer-output error and clipped share under round-to-nearest and under GPTQ, and the "
+        "ranking under each: most 4-bit models are made with GPTQ, where the ranking can turn over.",
+    )
+    if gptq_on:
+        run.gptq_knobs = gptq_knob_editor(run.gptq_knobs)
+    run.gptq = run.gptq_knobs if gptq_on else None
+    gptq_problem = gptq_refusal(run.gptq)
+    if gptq_problem:
+        st.error(gptq_problem)
 with act_tab:
     ui.spec_editor("act", run.act)
 with kv_tab:
@@ -130,7 +237,9 @@ blocked = (
 )
 if problems:
     blocked = "fix the knob values above"
-if ws.calibration.problem and run.calibrates(**scope):
+if gptq_problem:
+    blocked = "GPTQ cannot run with these settings (the Weights tab says why)"
+if ws.calibration.problem and (run.calibrates(**scope) or run.gptq is not None):
     blocked = f"the calibration set on the Model page cannot be used ({ws.calibration.problem})"
 if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None):
     with ui.guard("The run"):

@@ -16,6 +16,8 @@ import observers as ob
 from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.run_config import RunConfig
+from lab.gptq.layer import GPTQRow
+from lab.gptq.table import gptq_frame
 from lab.results import envelope, plots
 from lab.results.report import report_figures
 from observers.suite import SuiteResult
@@ -286,3 +288,76 @@ def test_a_long_legend_pushes_the_plot_down_instead_of_into_the_title():
         result.name = f"{result.name}#{i}"
     top = {n: plots.range_histogram(x, r, spec).layout.margin.t for n, r in (("few", few), ("many", many))}
     assert top["many"] > top["few"] >= 120
+
+
+# GPTQ beside round-to-nearest (issue 33)
+
+
+def _gptq_analysis(rows_by_layer: dict[str, list]) -> Analysis:
+    spec = ob.QuantSpec(dtype="int4")
+    config = RunConfig(specs={"weight": spec}, observers=("minmax", "mse_grid", "percentile"), gptq=ob.GPTQSpec())
+    entries = []
+    for layer, rows in rows_by_layer.items():
+        entry = TensorAnalysis(layer, "weight", spec, _weight(8, 16), [])
+        entry.gptq = [GPTQRow(*row) if isinstance(row, tuple) else row for row in rows]
+        entries.append(entry)
+    return Analysis(ModelFacts({"name": "t"}), config, entries)
+
+
+GPTQ_TURNS = [  # observer, rtn_error, gptq_error, rtn_clipped, gptq_clipped
+    ("minmax", 0.30, 0.040, 0.0, 0.001),
+    ("mse_grid", 0.10, 0.060, 0.02, 0.09),
+    ("percentile", 0.20, 0.050, 0.01, 0.03),
+]
+
+
+def test_gptq_bars_carry_the_frames_errors_and_ranks_best_by_rtn_first():
+    failed = GPTQRow("lwp", error="no qparams")
+    frame = gptq_frame(_gptq_analysis({"l0": [*GPTQ_TURNS, failed]}))
+    fig = plots.gptq_bars(frame)
+    assert [t.name for t in fig.data] == ["round-to-nearest", "GPTQ"]
+    assert fig.layout.barmode == "group"
+    ordered = frame.dropna(subset=["rtn_error"]).sort_values("rtn_error")
+    for trace, side in zip(fig.data, ("rtn", "gptq"), strict=True):
+        assert list(trace.x) == list(ordered["observer"]) == ["mse_grid", "percentile", "minmax"]
+        assert list(trace.y) == list(ordered[f"{side}_error"])
+        assert list(trace.text) == [f"#{r}" for r in ordered[f"{side}_rank"]]
+        assert [c[0] for c in trace.customdata] == list(ordered[f"{side}_clipped"])
+    assert list(fig.data[1].text) == ["#3", "#2", "#1"]  # the turnover, read off the bars
+    assert "lwp" not in fig.data[0].x  # no figures to draw
+    assert [t.yaxis for t in fig.data] == ["y", "y2"] and fig.layout.yaxis2.overlaying == "y"
+    assert fig.layout.yaxis.type == fig.layout.yaxis2.type == "linear"
+
+
+def test_gptq_bars_go_log_when_errors_span_orders_of_magnitude_and_take_one_layer():
+    wide = [("minmax", 1e-1, 1e-4, 0.0, 0.0), ("mse_grid", 2e-1, 5e-2, 0.0, 0.0)]
+    frame = gptq_frame(_gptq_analysis({"l0": wide, "l1": wide}))
+    fig = plots.gptq_bars(frame[frame["layer"] == "l0"])
+    assert (fig.layout.yaxis.type, fig.layout.yaxis2.type) == ("linear", "log")  # each side its own axis
+    with pytest.raises(ValueError, match="one layer"):
+        plots.gptq_bars(frame)
+
+
+def test_gptq_turnover_says_when_the_best_by_rtn_is_not_the_best_under_gptq():
+    kept = [("minmax", 0.1, 0.01, 0.0, 0.0), ("mse_grid", 0.2, 0.02, 0.0, 0.0)]
+    frame = gptq_frame(_gptq_analysis({"turns": GPTQ_TURNS, "keeps": kept}))
+    turns = plots.gptq_turnover(frame[frame["layer"] == "turns"])
+    assert "turns over" in turns
+    assert "best by round-to-nearest error, mse_grid, is #3 under GPTQ" in turns
+    assert "best under GPTQ is minmax, #3 by round-to-nearest" in turns
+    keeps = plots.gptq_turnover(frame[frame["layer"] == "keeps"])
+    assert "minmax" in keeps and "also the best under GPTQ" in keeps and "turns over" not in keeps
+    assert plots.turned_over(frame) == ["turns"]
+    assert "not the best under GPTQ in 1: turns" in plots.gptq_turnover_summary(frame)
+
+
+def test_gptq_turnover_names_observers_tied_for_best_together():
+    tied = [("minmax", 0.1, 0.03, 0.0, 0.0), ("memoryless_minmax", 0.1, 0.03, 0.0, 0.0), ("mse_grid", 0.2, 0.02, 0, 0)]
+    kept = [("minmax", 0.1, 0.03, 0.0, 0.0), ("memoryless_minmax", 0.1, 0.02, 0.0, 0.0), ("mse_grid", 0.2, 0.04, 0, 0)]
+    frame = gptq_frame(_gptq_analysis({"tied": tied, "kept": kept}))
+    text = plots.gptq_turnover(frame[frame["layer"] == "tied"])
+    assert "best by round-to-nearest error, memoryless_minmax (tied with minmax), is #2 under GPTQ" in text
+    assert "the best under GPTQ is mse_grid, #3 by round-to-nearest" in text
+    text = plots.gptq_turnover(frame[frame["layer"] == "kept"])
+    assert text.startswith("kept: memoryless_minmax, the best by round-to-nearest error, is also the best under GPTQ")
+    assert plots.turned_over(frame) == ["tied"]

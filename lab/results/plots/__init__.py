@@ -1,6 +1,6 @@
 """Plotly figures for the app: every figure is built from tensors, QParams and result frames by a
 pure function in one of this package's modules (``style``, ``ranges``, ``scales``, ``errors``,
-``dynamic``), so pages stay thin and each figure can be unit-tested on its data.
+``dynamic``, ``gptq``), so pages stay thin and each figure can be unit-tested on its data.
 
 Figures set no template: the app draws them with ``st.plotly_chart(fig, theme="streamlit")`` so
 they follow the light or dark theme. Trace colors are explicit and come from ``observer_color``,
@@ -19,6 +19,12 @@ from lab.results.plots.errors import (
     metric_bars,
     metric_heatmap,
     quantization_error,
+)
+from lab.results.plots.gptq import (
+    gptq_bars,
+    gptq_turnover,
+    gptq_turnover_summary,
+    turned_over,
 )
 from lab.results.plots.ranges import (
     VIEW_REACH,
@@ -82,6 +88,9 @@ __all__ = [
     "error_bound",
     "error_histogram",
     "exponent_grid",
+    "gptq_bars",
+    "gptq_turnover",
+    "gptq_turnover_summary",
     "head_range_figure",
     "layer_output_bars",
     "legend_on_right",
@@ -101,6 +110,7 @@ __all__ = [
     "tail_bounds",
     "tensor_label",
     "token_channel_figure",
+    "turned_over",
     "value_histogram",
     "view_bounds",
 ]
