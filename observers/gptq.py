@@ -233,6 +233,7 @@ def check_gptq_spec(spec: QuantSpec, scales: str = "fixed", actorder: str = "non
     split)."""
     if not isinstance(spec, QuantSpec):
         raise ValueError(f"GPTQ needs a QuantSpec, got {type(spec).__name__}")
+    actorder = ACTORDER_ALIASES.get(actorder, actorder)  # llm-compressor's "dynamic" is "group"
     fmt = spec.format
     if fmt.kind == "cast":
         raise ValueError(f"GPTQ does not serve {spec.dtype!r}: a plain cast has no grid to round onto")

@@ -92,6 +92,9 @@ def test_gptq_without_weights_or_on_weights_only_sources_is_one_line(model, tmp_
         RunConfig(specs={"weight": ob.QuantSpec(dtype="int8", dynamic=True)}, gptq=ob.GPTQSpec())
     with pytest.raises(ValueError, match="actorder"):
         ob.GPTQSpec(actorder="sideways")
+    for order in ("group", "dynamic"):  # llm-compressor's word for it is refused alike
+        with pytest.raises(ValueError, match="block format"):
+            RunConfig(specs={"weight": ob.QuantSpec(dtype="nvfp4")}, gptq=ob.GPTQSpec(actorder=order))
     from safetensors.torch import save_file
 
     weights = tmp_path / "weights.safetensors"
