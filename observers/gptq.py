@@ -166,9 +166,12 @@ class HessianAccumulator:
         return self._sum() * (2.0 / self.count)
 
 
-def layer_output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+def layer_output_error(
+    weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor, energy: float | None = None
+) -> float:
     """Relative ``‖WX − ŴX‖² / ‖WX‖²`` on the inputs behind ``hessian``, as ``tr(ΔHΔᵀ) / tr(WHWᵀ)``:
-    the figure GPTQ minimises, computed without the tokens (0 when ``WX`` and ``Δ`` are both 0)."""
+    the figure GPTQ minimises, computed without the tokens (0 when ``WX`` and ``Δ`` are both 0).
+    ``energy`` is ``output_energy(weight, hessian)`` when the caller compares several ``approx``."""
     w = weight.reshape(weight.shape[0], -1).float()
     h = hessian.to(device=w.device, dtype=torch.float32)
     if approx.shape != weight.shape or h.shape != (w.shape[1], w.shape[1]):
@@ -178,10 +181,16 @@ def layer_output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torc
         )
     delta = w - approx.reshape(w.shape).to(w.device).float()
     error = float(((delta @ h) * delta).sum())
-    reference = float(((w @ h) * w).sum())
+    reference = output_energy(weight, hessian) if energy is None else energy
     if reference > 0:
         return error / reference
     return 0.0 if error == 0 else math.inf
+
+
+def output_energy(weight: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr(WHWᵀ)``: ``‖WX‖²`` (times 2/n) on the inputs behind ``hessian``, the error's reference."""
+    w = weight.reshape(weight.shape[0], -1).float()
+    return float(((w @ hessian.to(device=w.device, dtype=torch.float32)) * w).sum())
 
 
 # ------------------------------------------------------------------------------------- the result
@@ -505,6 +514,7 @@ def gptq_quantize(
     dampening: float = 0.01,
     actorder: ActOrder | str | None = "none",
     scales: Scales | str = "fixed",
+    factors: dict[tuple[str, float], torch.Tensor | None] | None = None,
 ) -> GPTQResult:
     """GPTQ of ``weight`` ``(out, in, ...)`` with the inputs' ``hessian`` ``(in, in)`` (or its
     ``HessianAccumulator``), rounding with an observer's qparams: ``qparams_fn(tensor) -> QParams``
@@ -517,6 +527,10 @@ def gptq_quantize(
     says none: pass ``actorder="weight"`` to reproduce a plain ``GPTQModifier``. Everything runs in
     fp32 on the weight's device. Bad input: one-line ValueError for shapes, knobs and unserved
     specs (``check_gptq_spec``); dead columns and an unusable Hessian are handled and noted.
+
+    ``factors``: a dict the caller keeps for one layer and Hessian while several observers' qparams
+    go through GPTQ on it; the inverse factor (a Cholesky, an inverse and another Cholesky, which
+    depend on the Hessian, the order and the dampening only) is then computed once per order.
     """
     actorder = _choice("actorder", actorder, ACTORDER_ALIASES)
     scales = _choice("scales", scales, SCALES)
@@ -546,7 +560,12 @@ def gptq_quantize(
             f"{dead} of {columns} input columns saw only zeros (dead): their weights were set to 0 and their "
             "Hessian diagonal to 1 before the sweep, as llm-compressor does"
         )
-    factor = inverse_hessian_factor(swept_h, dampening) if usable else None
+    if factors is not None and (actorder, dampening) in factors:
+        factor = factors[(actorder, dampening)]
+    else:
+        factor = inverse_hessian_factor(swept_h, dampening) if usable else None
+        if factors is not None:
+            factors[(actorder, dampening)] = factor
     fallback = factor is None
     if fallback:
         if usable:

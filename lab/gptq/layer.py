@@ -46,20 +46,33 @@ def gptq_rows(
     ``weight``), GPTQ with ``gptq``'s knobs and scale semantics; ``hessian`` is None when no
     calibration token reached the layer. ``knobs`` are the run's knobs per observer (a refit runs
     the observer with them)."""
-    rows = []
+    rows, layer = [], _Layer(weight, hessian) if hessian is not None else None
     for result in results:
         if result.qparams is None:
             rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
-        elif hessian is None:
+        elif layer is None:
             rows.append(GPTQRow(result.name, error="no calibration token reached this layer: no Hessian"))
         else:
-            rows.append(_row(result, weight, hessian, spec, gptq, knobs.get(result.name, {})))
+            rows.append(_row(result, layer, spec, gptq, knobs.get(result.name, {})))
     return rows
 
 
-def _row(
-    result: SuiteResult, weight: torch.Tensor, hessian: torch.Tensor, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs
-) -> GPTQRow:
+class _Layer:
+    """What every observer's GPTQ on one layer shares: the weight and Hessian, ``‖WX‖²`` (the
+    errors' reference) and the inverse factors per order (``gptq_quantize``'s ``factors``)."""
+
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor) -> None:
+        self.weight, self.hessian = weight, hessian
+        self.energy = ob.gptq.output_energy(weight, hessian)
+        self.factors: dict = {}
+
+    def error(self, approx: torch.Tensor) -> float:
+        return ob.layer_output_error(self.weight, approx, self.hessian, self.energy)
+
+
+def _row(result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs) -> GPTQRow:
+    weight = layer.weight
+
     def observe(tensor: torch.Tensor) -> ob.QParams:
         if gptq.scales == "fixed" and tensor.shape == weight.shape and torch.equal(tensor, weight):
             return result.qparams  # the observer's qparams on the original weight, as computed
@@ -69,14 +82,13 @@ def _row(
         return found.qparams
 
     try:
-        done = ob.gptq_quantize(weight, hessian, spec, observe, **gptq.kwargs())
+        done = ob.gptq_quantize(weight, layer.hessian, spec, observe, factors=layer.factors, **gptq.kwargs())
     except ValueError as err:
         return GPTQRow(result.name, error=str(err))
-    rtn = ob.fake_quantize(weight.float(), result.qparams, spec)
     return GPTQRow(
         result.name,
-        rtn_error=ob.layer_output_error(weight, rtn, hessian),
-        gptq_error=ob.layer_output_error(weight, done.weight, hessian),
+        rtn_error=layer.error(ob.fake_quantize(weight.float(), result.qparams, spec)),
+        gptq_error=layer.error(done.weight),
         rtn_clipped=result.metrics.get("clip_ratio"),
         gptq_clipped=done.clip_ratio,
         fallback=done.fallback,
