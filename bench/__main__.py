@@ -39,6 +39,7 @@ MODULES = [
     "bench_float_grid",
     "bench_minilm_nvfp4",
     "bench_serve",
+    "bench_gptq",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 
