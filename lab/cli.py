@@ -30,6 +30,7 @@ from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args,
 from lab.results import first_error, spec_text
 from lab.scale import distributed
 from lab.settings import parse_bytes
+from lab.vocab import DEFAULT_METRIC
 from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
@@ -142,14 +143,15 @@ def _is_sweep(args: argparse.Namespace) -> bool:
 
 
 def _choice_line(layer: str, tensor: str, observer: str, metric: str, value: Any) -> str:
-    return f"{layer}\t{tensor}\t{observer}\t{metric}={float(value):.6g}\n"
+    shown = f"n/a (chosen by {DEFAULT_METRIC})" if value is None else f"{float(value):.6g}"
+    return f"{layer}\t{tensor}\t{observer}\t{metric}={shown}\n"
 
 
 def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
     from lab.analyse.pipeline import analyse
     from lab.export import compressed_tensors, lab_json
     from lab.gptq.table import gptq_lines
-    from lab.results import check_metric, choose, override
+    from lab.results import check_metric, choose, metric_value, override
 
     check_metric(args.choose_by)
     settings = settings_from_args(args)
@@ -209,7 +211,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     for (layer, tensor), observer in choices.items():
         entry = analysis.entry(layer, tensor)
         out.write(
-            _choice_line(layer, tensor, observer, args.choose_by, entry.result(observer).metrics.get(args.choose_by))
+            _choice_line(layer, tensor, observer, args.choose_by, metric_value(entry, observer, args.choose_by))
         )
         for run in entry.tool_results:
             value = run.result.metrics.get(args.choose_by)

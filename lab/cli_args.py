@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     run = commands.add_parser("run", help="run observers on layers and export the chosen qparams")
     add_scheme_flags(run)
-    run.add_argument("--choose-by", default=DEFAULT_METRIC, help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}")
+    run.add_argument(
+        "--choose-by",
+        default=DEFAULT_METRIC,
+        help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}; with --gptq also gptq:gptq_error, gptq:gptq_clipped",
+    )
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
     run.add_argument("--report", help="HTML report to write")
     run.add_argument(

@@ -79,6 +79,14 @@ MODEL_METRIC_PREFIX = "model:"
 ``cosine`` of a tensor and the model-level ``cosine`` of sentence embeddings are different things."""
 
 
+GPTQ_METRICS = {"gptq_error": False, "gptq_clipped": False}
+"""What a weight observer's qparams give under GPTQ (``lab.gptq``), and whether higher is better:
+the relative layer-output error on the calibration inputs, the share of updated weights that clip."""
+GPTQ_METRIC_PREFIX = "gptq:"
+"""How "choose by" names a GPTQ figure (``gptq:gptq_error``); tensors GPTQ does not touch
+(activations, key/value states) are then chosen by ``DEFAULT_METRIC``."""
+
+
 def model_metric(name: str) -> str:
     """The "choose by" key of a model-level metric: ``kl`` -> ``model:kl``."""
     return MODEL_METRIC_PREFIX + name

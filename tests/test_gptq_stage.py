@@ -161,3 +161,30 @@ def test_bad_gptq_flags_are_one_line(tmp_path, flags, message):
         str(tmp_path / "x.json"), *flags
     )
     assert code == 2 and message in err and err.count("\n") == 1 and not (tmp_path / "x.json").exists()
+
+
+def test_choosing_by_a_gptq_figure_ranks_weights_by_it_and_activations_by_the_default(model, tmp_path):
+    from lab import results
+    from lab.export import lab_json
+
+    layers = _layers(model, 2)
+    config = RunConfig(
+        specs={"weight": SPEC, "input": ob.QuantSpec(dtype="int8")},
+        observers=("minmax", "mse_grid"),
+        samples=SAMPLES,
+        seq_len=SEQ_LEN,
+        gptq=ob.GPTQSpec(),
+    )
+    analysis = analyse(model, layers, config)
+    chosen = results.choose(analysis, "gptq:gptq_error")
+    frame = gptq_frame(analysis)
+    for layer in layers:
+        rows = frame[frame["layer"] == layer]
+        assert chosen[(layer, "weight")] == rows.loc[rows["gptq_error"].idxmin(), "observer"]
+        assert chosen[(layer, "input")] == results.choose(analysis)[(layer, "input")]
+    assert results.higher_is_better("gptq:gptq_clipped") is False
+    with pytest.raises(ValueError, match="gptq:gptq_error"):
+        results.check_metric("gptq:nothing")
+    path = tmp_path / "by_gptq.json"
+    lab_json.save_file(analysis, chosen, str(path), "gptq:gptq_error")
+    assert lab_json.load_file(str(path)).metric == "gptq:gptq_error"

@@ -24,7 +24,15 @@ import torch
 
 import observers as ob
 from lab.analyse.analysis import Analysis, TensorAnalysis
-from lab.vocab import DEFAULT_METRIC, FEW_TOKENS, MODEL_METRIC_PREFIX, MODEL_METRICS, TensorKind
+from lab.vocab import (
+    DEFAULT_METRIC,
+    FEW_TOKENS,
+    GPTQ_METRIC_PREFIX,
+    GPTQ_METRICS,
+    MODEL_METRIC_PREFIX,
+    MODEL_METRICS,
+    TensorKind,
+)
 from observers.suite import SuiteResult
 
 Choices = dict[tuple[str, str], str]
@@ -34,10 +42,13 @@ Effect = Mapping[tuple[str, str], Mapping[str, Mapping[str, float]]]
 
 
 def check_metric(metric: str) -> str:
-    """``metric`` itself (a local metric of ``ob.HIGHER_IS_BETTER``, or a model-level one as
-    ``model:<name>``), or a ``ValueError`` naming the metrics there are."""
+    """``metric`` itself (a local metric of ``ob.HIGHER_IS_BETTER``, a model-level one as
+    ``model:<name>``, a GPTQ figure as ``gptq:<name>``), or a ``ValueError`` naming the metrics there are."""
+    if metric.startswith(GPTQ_METRIC_PREFIX) and metric.removeprefix(GPTQ_METRIC_PREFIX) in GPTQ_METRICS:
+        return metric
     if metric not in ob.HIGHER_IS_BETTER and metric.removeprefix(MODEL_METRIC_PREFIX) not in MODEL_METRICS:
         known = [*ob.HIGHER_IS_BETTER, *(MODEL_METRIC_PREFIX + m for m in MODEL_METRICS)]
+        known += [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS]
         raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(known)}")
     if metric not in ob.HIGHER_IS_BETTER and not metric.startswith(MODEL_METRIC_PREFIX):
         raise ValueError(f"{metric!r} is a model-level metric: choose by {MODEL_METRIC_PREFIX}{metric}")
@@ -50,6 +61,8 @@ def higher_is_better(metric: str) -> bool:
     lab; an unknown metric is a ``ValueError`` naming the known ones (``check_metric``), never a guess."""
     if check_metric(metric) in ob.HIGHER_IS_BETTER:
         return ob.HIGHER_IS_BETTER[metric]
+    if metric.startswith(GPTQ_METRIC_PREFIX):
+        return GPTQ_METRICS[metric.removeprefix(GPTQ_METRIC_PREFIX)]
     return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]
 
 
@@ -58,11 +71,19 @@ def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[s
     model-level effect of quantizing this tensor with it for a ``model:`` one (none without ``effect``)."""
     if metric in ob.HIGHER_IS_BETTER:
         found = {r.name: r.metrics.get(metric) for r in entry.results}
+    elif metric.startswith(GPTQ_METRIC_PREFIX):
+        found = {row.observer: getattr(row, metric.removeprefix(GPTQ_METRIC_PREFIX)) for row in entry.gptq}
     else:
         name = metric.removeprefix(MODEL_METRIC_PREFIX)
         per_observer = (effect or {}).get((entry.layer, entry.tensor), {})
         found = {observer: values.get(name) for observer, values in per_observer.items()}
     return {k: float(v) for k, v in found.items() if v is not None and not math.isnan(float(v))}
+
+
+def metric_value(entry: TensorAnalysis, observer: str, metric: str, effect: Effect | None = None) -> float | None:
+    """``observer``'s value of ``metric`` on ``entry`` (None when it has none: a GPTQ figure of an
+    activation, say)."""
+    return _values(entry, metric, effect).get(observer)
 
 
 def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC, effect: Effect | None = None) -> list[SuiteResult]:
@@ -75,11 +96,14 @@ def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC, effect: Effect | N
 
 
 def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | None = None) -> Choices:
-    """The best observer per ``(layer, tensor)`` by ``metric`` (local, or model-level with
-    ``effect``); tensors where no observer gave a value are left out."""
+    """The best observer per ``(layer, tensor)`` by ``metric`` (local, model-level with ``effect``,
+    or a GPTQ figure, by which tensors GPTQ does not touch go by ``DEFAULT_METRIC``); tensors where
+    no observer gave a value are left out."""
     chosen: Choices = {}
     for entry in analysis.entries:
         ranked = rank(entry, metric, effect)
+        if not ranked and metric.startswith(GPTQ_METRIC_PREFIX) and not entry.gptq:
+            ranked = rank(entry, DEFAULT_METRIC)  # a tensor GPTQ does not touch
         if ranked:
             chosen[(entry.layer, entry.tensor)] = ranked[0].name
     return chosen
