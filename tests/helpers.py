@@ -132,3 +132,29 @@ def streamed_capture(
     captured = Activations(inputs, outputs or {}, {name: tokens for name in names}, tokens, 1.0)
     captured.report(done)
     return captured
+
+
+# ---------------------------------------------------------------- the app under AppTest
+
+
+def app_workspace(at):
+    """The session's ``Workspace`` of an ``AppTest`` run."""
+    from lab import ui
+
+    return at.session_state[ui.WORKSPACE]
+
+
+def app_ok(at) -> None:
+    """No exception box and no error box on the page."""
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def app_page(at, name: str):
+    """Switch to ``pages/<name>.py`` and run it."""
+    return at.switch_page(f"pages/{name}.py").run()
+
+
+def app_button(at, label: str):
+    """The button labelled ``label``."""
+    return next(b for b in at.button if b.label == label)

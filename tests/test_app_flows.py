@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_checkpoint, tiny_llama
+from helpers import app_button, app_ok, app_page, app_workspace, save_checkpoint, tiny_llama
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
@@ -17,26 +17,10 @@ from lab import ui
 from lab.export import lab_json
 from lab.results import choose
 
+_ws, _ok, _page, _button = app_workspace, app_ok, app_page, app_button
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
 MINILM_LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
-
-
-def _ws(at: AppTest):
-    return at.session_state[ui.WORKSPACE]
-
-
-def _ok(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
-    assert not at.error, [e.value for e in at.error]
-
-
-def _page(at: AppTest, name: str) -> AppTest:
-    return at.switch_page(f"pages/{name}.py").run()
-
-
-def _button(at: AppTest, label: str):
-    return next(b for b in at.button if b.label == label)
 
 
 def _run(at: AppTest) -> AppTest:

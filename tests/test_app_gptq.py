@@ -9,34 +9,18 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers import app_button, app_ok, app_page, app_workspace
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import ui
 from lab.gptq.table import gptq_frame
 from observers.gptq import ACTORDER_ALIASES
 
+_ws, _ok, _page, _button = app_workspace, app_ok, app_page, app_button
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
 LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
 OBSERVERS = ["memoryless_minmax", "mse_grid"]
-
-
-def _ws(at: AppTest):
-    return at.session_state[ui.WORKSPACE]
-
-
-def _ok(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
-    assert not at.error, [e.value for e in at.error]
-
-
-def _page(at: AppTest, name: str) -> AppTest:
-    return at.switch_page(f"pages/{name}.py").run()
-
-
-def _button(at: AppTest, label: str):
-    return next(b for b in at.button if b.label == label)
 
 
 def _run_page(layers=LAYERS) -> AppTest:
