@@ -137,7 +137,7 @@ with weight_tab:
     ui.spec_editor("weight", run.weight)
     run.actorder = ui.bound(
         st.checkbox,
-        "Activation order (group columns by input importance, GPTQ actorder)",
+        "Activation order for round-to-nearest (group columns by input importance, as GPTQ's actorder does)",
         "actorder",
         run.actorder,
         disabled=not run.actorder_applies,
