@@ -1,4 +1,5 @@
-"""The app's widgets, bound to the session's ``Workspace``: the only lab module that imports streamlit.
+"""The app's widgets, bound to the session's ``Workspace``; with ``lab.ui.serving`` the only lab
+modules that import streamlit.
 
 Pages read like a description of the UI and call these helpers; everything they compute comes
 from the floors below (``lab.settings``, ``lab.results``, ``lab.workspace``, ``lab.results.plots``).
