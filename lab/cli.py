@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +26,8 @@ from typing import IO, Any
 
 import observers as ob
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
+from lab.gptq import hessians
+from lab.progress_bar import ProgressBar
 from lab.results import first_error, spec_text
 from lab.scale import distributed
 from lab.settings import parse_bytes
@@ -35,7 +36,6 @@ from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
-BAR_WIDTH = 30
 
 
 def _select(items: Sequence[Any], text: str, option: str, nothing: str) -> list[str]:
@@ -70,38 +70,6 @@ def select_layers(model: Any, text: str) -> list[str]:
     if text.strip() == ALL_LAYERS:
         return [info.name for info in matrix_layers]
     return _select(matrix_layers, text, "--layers", f"no layer with a weight matrix (see 'layers {model.name}')")
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-class ProgressBar:
-    """A plain-text progress bar on one terminal line:
-    ``[#####.....] 12/40 layers 0:01:05 ETA 0:03:10 label``. The ETA extrapolates the rate since
-    the first call, so a resumed sweep's already-done layers do not make it look fast."""
-
-    def __init__(self, stream: IO[str], unit: str = "", clock: Any = time.monotonic) -> None:
-        self.stream = stream
-        self.unit = f" {unit}" if unit else ""
-        self.clock = clock
-        self.start: tuple[float, int] | None = None
-
-    def __call__(self, done: int, total: int, label: str) -> None:
-        now = self.clock()
-        if self.start is None:
-            self.start = (now, done)
-        began, first = self.start
-        elapsed = now - began
-        eta = _clock(elapsed / (done - first) * (total - done)) if done > first else "-:--:--"
-        filled = BAR_WIDTH * done // max(total, 1)
-        bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        end = "\n" if done >= total else ""
-        timing = f"{_clock(elapsed)} ETA {eta}"
-        self.stream.write(f"\r[{bar}] {done}/{total}{self.unit} {timing} {label[:60]:<60}{end}")
-        self.stream.flush()
 
 
 def _cmd_list(out: IO[str]) -> None:
@@ -185,7 +153,12 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         plan = Plan(model, *scope, args.choose_by, args.allow_uncalibrated, args.chunk, args.split)
         _cmd_sweep(args, plan, out, err, ranks)
         return
-    analysis = analyse(model, layers, config, progress=None if args.quiet else ProgressBar(err), attention=attention)
+
+    def chosen(part: Any) -> dict:  # what propagation quantizes a settled block with: what the run exports
+        return override(part, choose(part, args.choose_by), args.choose, part=True)
+
+    bar = None if args.quiet else ProgressBar(err)
+    analysis = analyse(model, layers, config, progress=bar, attention=attention, choices=chosen)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
     for note in sorted({e.metrics_note for e in analysis.entries if e.metrics_note}):
@@ -197,6 +170,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         )
     lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
     written = [args.out]
+    if config.gptq is not None and hessians.save(hessians.directory_for(args.out), analysis.entries):
+        written.append(str(hessians.directory_for(args.out)))  # what deploys its GPTQ choices later
     if args.report:
         from lab.results.report import write_report
 
@@ -207,7 +182,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         for note in built.notes:
             err.write(f"note: {note}\n")
     if args.checkpoint or args.recipe:
-        written += _deploy(args, lab_json.load_file(args.out), model, err)
+        written += _deploy(args, lab_json.load_file(args.out), model, err, args.out)
     for (layer, tensor), observer in choices.items():
         entry = analysis.entry(layer, tensor)
         out.write(
@@ -245,16 +220,16 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
     if args.checkpoint or args.recipe:
         from lab.export import lab_json
 
-        deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err)
+        deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err, args.out)
     for entry in outcome.document["entries"]:
         value = entry["chosen"]["metrics"][args.choose_by]
         out.write(_choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value))
     out.write(f"wrote {', '.join([args.out, *deployed])}\n")
 
 
-def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str]) -> list[str]:
-    """``--checkpoint`` and/or ``--recipe`` (at least one given) from a choices file: what ``run`` and
-    ``export`` write."""
+def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str], path: str) -> list[str]:
+    """``--checkpoint`` and/or ``--recipe`` (at least one given) from a choices file (at ``path``,
+    where a GPTQ run's Hessians are beside it): what ``run`` and ``export`` write."""
     from lab.export import checkpoint, recipe
     from lab.export.chosen import of_lab_file
 
@@ -262,13 +237,14 @@ def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str]) -
     written = []
     if args.checkpoint:
         bar = None if getattr(args, "quiet", False) else ProgressBar(err, "tensors")
-        options = {"overwrite": args.overwrite, "progress": bar, "facts": facts}
+        kept = hessians.read(hessians.directory_for(path)) if lab_file.config.get("gptq") else None
+        options = {"overwrite": args.overwrite, "progress": bar, "facts": facts, "hessians": kept}
         result = checkpoint.write(lab_file, model, args.checkpoint, **options)
         written.append(args.checkpoint)
         for note in result.notes:
             err.write(f"note: checkpoint: {note}\n")
     if args.recipe:
-        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts)
+        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts, gptq=lab_file.config.get("gptq"))
         built.write(args.recipe)
         written.append(args.recipe)
         for note in built.notes:
@@ -286,7 +262,7 @@ def _cmd_export(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     from sample_models import open_model
 
     model = open_model(args.model, device=args.device)
-    out.write(f"wrote {', '.join(_deploy(args, lab_file, model, err))}\n")
+    out.write(f"wrote {', '.join(_deploy(args, lab_file, model, err, args.choices))}\n")
 
 
 def _held_out(args: argparse.Namespace) -> dict[str, Any]:
@@ -321,7 +297,8 @@ def _cmd_evaluate(args: argparse.Namespace, out: IO[str]) -> None:
     from sample_models import open_model
 
     model = open_model(args.model, device=args.device)
-    choice_set = from_lab_file(lab_file, model, name=args.choices)
+    kept = hessians.read(hessians.directory_for(args.choices)) if lab_file.config.get("gptq") else None
+    choice_set = from_lab_file(lab_file, model, name=args.choices, hessians=kept)
     evaluator = Evaluator(model, sequential=args.sequential, max_memory=memory, **_held_out(args))
     evaluations = [evaluator.evaluate(float_set()), evaluator.evaluate(choice_set)]
     _write_json(args.out, document(evaluator, evaluations, choices=args.choices))

@@ -13,7 +13,16 @@ import observers as ob
 from lab.analyse.tools import Tool
 from lab.scale.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
-from lab.vocab import DEFAULT_BATCH_SIZE, DEFAULT_METRIC, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, LAYER_TENSORS, MODEL_METRICS
+from lab.vocab import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_METRIC,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    GPTQ_METRIC_PREFIX,
+    GPTQ_METRICS,
+    LAYER_TENSORS,
+    MODEL_METRICS,
+)
 from sample_models.calibration_sets import CalibrationSource
 
 ALL_LAYERS = "all"
@@ -45,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--choose-by",
         default=DEFAULT_METRIC,
-        help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}; with --gptq also gptq:gptq_error, gptq:gptq_clipped",
+        help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}; with --gptq also "
+        + ", ".join(GPTQ_METRIC_PREFIX + name for name in GPTQ_METRICS),
     )
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
     run.add_argument("--report", help="HTML report to write")

@@ -79,9 +79,10 @@ MODEL_METRIC_PREFIX = "model:"
 ``cosine`` of a tensor and the model-level ``cosine`` of sentence embeddings are different things."""
 
 
-GPTQ_METRICS = {"gptq_error": False, "gptq_clipped": False}
+GPTQ_METRICS = {"gptq_error": False, "gptq_held_out": False, "gptq_clipped": False}
 """What a weight observer's qparams give under GPTQ (``lab.gptq``), and whether higher is better:
-the relative layer-output error on the calibration inputs, the share of updated weights that clip."""
+the relative layer-output error on the calibration inputs and on held-out inputs, the share of
+updated weights that clip."""
 GPTQ_METRIC_PREFIX = "gptq:"
 """How "choose by" names a GPTQ figure (``gptq:gptq_error``); tensors GPTQ does not touch
 (activations, key/value states) are then chosen by ``DEFAULT_METRIC``."""

@@ -18,6 +18,15 @@ GPTQ_COLUMNS = {
     "gptq_clipped": st.column_config.NumberColumn(
         "clipped after GPTQ", help="share of the error-updated weights outside the observer's range"
     ),
+    "rtn_held_out": st.column_config.NumberColumn(
+        "RTN held-out", help="relative ‖WX − ŴX‖² after round-to-nearest on held-out inputs"
+    ),
+    "gptq_held_out": st.column_config.NumberColumn(
+        "GPTQ held-out", help="relative ‖WX − ŴX‖² after GPTQ on held-out inputs: what its fit carries over"
+    ),
+    "held_out_rank": st.column_config.NumberColumn(
+        "held-out rank", help="place in this layer by GPTQ's held-out error (1 = least)"
+    ),
     "fallback": st.column_config.CheckboxColumn("RTN fallback", help="the Hessian would not factor: RTN instead"),
     "error": st.column_config.TextColumn("why not", width="large"),
 }
@@ -28,7 +37,8 @@ def best_by_gptq(rows: pd.DataFrame):
     """The layer's rows with the best by GPTQ error in bold and green, errors and shares readable."""
     best = rows["gptq_rank"].eq(1).fillna(False)
     styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
-    styled = styled.format("{:.4g}", subset=["rtn_error", "gptq_error"], na_rep="–")
+    errors = ["rtn_error", "gptq_error", "rtn_held_out", "gptq_held_out"]
+    styled = styled.format("{:.4g}", subset=errors, na_rep="–")
     return styled.format("{:.2%}", subset=["rtn_clipped", "gptq_clipped"], na_rep="–")
 
 
@@ -65,7 +75,8 @@ if not gptq.empty:
             f"Each observer's qparams put through GPTQ ({knobs.scales} scales, activation order {knobs.actorder}, "
             f"block {knobs.block_size}, dampening {knobs.dampening}) beside round-to-nearest (RTN): the relative "
             "layer-output error ‖WX − ŴX‖² / ‖WX‖² on the calibration inputs, each observer's rank under each, and "
-            "the share of weights outside its range, which clip. The best by GPTQ error is highlighted."
+            "the share of weights outside its range, which clip; the same errors on held-out inputs, which GPTQ "
+            "never fitted, say what its fit carries over. The best by GPTQ error is highlighted."
         )
         missing = layer_rows[layer_rows["error"].notna()]
         shown = layer_rows[layer_rows["error"].isna()].drop(columns=["layer", "error"]).reset_index(drop=True)

@@ -9,6 +9,7 @@ import streamlit as st
 
 from lab import results, ui
 from lab.export import checkpoint, compressed_tensors, lab_json, recipe
+from lab.gptq import hessians
 from lab.results import plots, report
 from lab.serve import roots
 from lab.ui import serving
@@ -167,6 +168,7 @@ with d2:
                     model,
                     target,
                     overwrite=overwrite,
+                    hessians=hessians.of_analysis(analysis.entries),
                     progress=lambda done, total, key: bar.progress(done / total, text=f"{key} ({done}/{total})"),
                 )
             st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")

@@ -88,10 +88,17 @@ class TensorQuant:
 
     spec: ob.QuantSpec
     qparams: ob.QParams | None = None
+    weight: torch.Tensor | None = None
+    """A weight's quantized values as they are to be used, when its qparams alone do not give them
+    (GPTQ's error-updated weight, rounded with those qparams): taken as is."""
 
     def __call__(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """``x`` (an activation ``(..., hidden)``, a weight ``(out, in)`` or attention states
         ``(batch, heads, seq, head_dim)``) quantized and dequantized, same shape and dtype."""
+        if kind == "weight" and self.weight is not None:
+            if self.weight.shape != x.shape:
+                raise ValueError(f"a quantized weight of shape {tuple(self.weight.shape)} for a {tuple(x.shape)} layer")
+            return self.weight.to(device=x.device, dtype=x.dtype)
         if self.qparams is None:
             return ob.dynamic_fake_quantize(x, self.spec)
         if kind == "activation":

@@ -188,3 +188,24 @@ def test_choosing_by_a_gptq_figure_ranks_weights_by_it_and_activations_by_the_de
     path = tmp_path / "by_gptq.json"
     lab_json.save_file(analysis, chosen, str(path), "gptq:gptq_error")
     assert lab_json.load_file(str(path)).metric == "gptq:gptq_error"
+
+
+def test_held_out_errors_come_from_inputs_gptq_never_fitted(model):
+    """The held-out Hessian is that of the layer's inputs over the held-out paragraphs (the float
+    model, the calibration set's windows); GPTQ fits the calibration tokens, so its error there is
+    below its held-out error, while round-to-nearest, which fits nothing, is not flattered alike."""
+    from sample_models.effect import held_out_texts
+
+    layer = _layers(model, 1)[0]
+    analysis = analyse(model, [layer], _config())
+    captured = model.capture([layer], held_out_texts(), SAMPLES, SEQ_LEN, max_bytes=1 << 30, sequential=False)
+    expected = ob.hessian_of_rows(captured[layer].float())
+    entry = analysis.entry(layer, "weight")
+    for row in entry.gptq:
+        qparams = entry.result(row.observer).qparams
+        rtn = ob.fake_quantize(entry.data.float(), qparams, SPEC)
+        torch.testing.assert_close(row.rtn_held_out, ob.layer_output_error(entry.data, rtn, expected), rtol=1e-4, atol=0)
+        assert row.gptq_held_out > row.gptq_error
+        assert row.gptq_held_out / row.gptq_error > row.rtn_held_out / row.rtn_error
+    frame = gptq_frame(analysis)
+    assert frame["held_out_rank"].notna().all() and set(frame["held_out_rank"]) <= {1, 2}

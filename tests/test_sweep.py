@@ -16,8 +16,9 @@ import pytest
 import observers as ob
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
-from lab.cli import ProgressBar, main
+from lab.cli import main
 from lab.export import lab_json
+from lab.progress_bar import ProgressBar
 from lab.results import choose
 from lab.scale import sweep, sweep_file
 from lab.scale.sweep import Plan, partial_path, run_sweep

@@ -61,6 +61,11 @@ class TensorAnalysis:
     gptq: list[GPTQRow] = field(default_factory=list)
     """Of a weight, with ``RunConfig.gptq``: each observer's qparams under GPTQ beside round-to-nearest
     (``lab.gptq.layer``)."""
+    hessian: torch.Tensor | None = None
+    """Of a weight, with ``RunConfig.gptq``: GPTQ's Hessian of the layer's inputs ``(in, in)``, fp32,
+    kept so a chosen observer's GPTQ weight can be made again (propagation, the model-level effect,
+    the updated weights' histogram, the checkpoint); never written into the lab JSON (the CLI keeps
+    it beside it, ``lab.gptq.hessians``)."""
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
     sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""

@@ -30,8 +30,9 @@ from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
 from lab.calibrate.activations import tensor_id as activations_tensor_id
-from lab.gptq.layer import gptq_rows
-from lab.results import choose
+from lab.gptq.held_out import held_out_hessians
+from lab.gptq.layer import gptq_rows, weight_quant
+from lab.results import Choices, choose
 from lab.scale.distributed import SINGLE, Ranks, owner
 from lab.vocab import (
     DEFAULT_METRIC,
@@ -58,6 +59,7 @@ def analyse(
     attention: Sequence[str] = (),
     ranks: Ranks = SINGLE,
     on_done: Callable[[Analysis], None] | None = None,
+    choices: Callable[[Analysis], Choices] | None = None,
 ) -> Analysis:
     """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model), and its ``kv`` spec
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
@@ -76,6 +78,11 @@ def analyse(
     ``on_done``: hand on each group of finished entries (a block's layers, in a sequential pass) as
     an ``Analysis`` of its own instead of keeping them: a sweep writes them and forgets them, so a
     whole model is analysed in one calibration pass. The returned ``Analysis`` then has no entries.
+
+    ``choices``: what propagation (``RunConfig.propagate``) quantizes a settled block's tensors with,
+    given that block as an ``Analysis``; default: ``lab.results.choose`` by the default metric (the
+    CLI passes its ``--choose-by`` and ``--choose``, so the next block calibrates behind what the
+    run exports).
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
@@ -134,7 +141,8 @@ def analyse(
                 found.append(_activation_entry(layer, tensor, spec, calibrated, None if split else ranks.rank))
             elif layer in mine:
                 read = partial(_read_weight, model, layer, config, calibrated.smoothing.get(layer))
-                found.append(_weight_entry(model, layer, read, config, cache, calibrated, extra, tick, ranks.rank))
+                given = calibrated.statistics.get(layer, {}) | {"gptq_held_out": held_out.get(layer)}
+                found.append(_weight_entry(model, layer, read, config, cache, given, extra, tick, ranks.rank))
                 continue
             for name in names:
                 tick(f"{layer} · {tensor} · {name}")
@@ -144,10 +152,12 @@ def analyse(
             entries.extend(found)
         else:
             on_done(part)
-        return _propagation(model, part) if config.propagate else None
+        return _propagation(model, part, choices) if config.propagate else None
 
     failed = None
     try:
+        weights = [layer for layer in mine if "weight" in config.specs]
+        held_out = held_out_hessians(model, weights, config, ranks) if gptq else {}
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish) if streams else None
         finished = set() if calibrated is None else {key[0] for key in calibrated.samples} | set(calibrated.statistics)
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
@@ -163,12 +173,15 @@ def analyse(
     return Analysis(facts, config, entries, time.perf_counter() - start, warnings, recorded)
 
 
-def _propagation(model, part: Analysis) -> Propagation | None:
+def _propagation(model, part: Analysis, choices: Callable[[Analysis], Choices] | None) -> Propagation | None:
     """What the next block calibrates behind: ``part``'s layers fake-quantized with the observer
-    each would be exported with (``lab.results.choose`` by the default metric)."""
-    chosen = choose(part, DEFAULT_METRIC)
+    each would be exported with (``choices``, else ``lab.results.choose`` by the default metric);
+    under GPTQ a chosen weight
+    is its GPTQ weight, as llm-compressor's sequential pipeline calibrates the next block behind
+    the already GPTQ-quantized one."""
+    chosen = choose(part, DEFAULT_METRIC) if choices is None else choices(part)
     quantization = {
-        (e.layer, e.tensor): TensorQuant(e.spec, None if e.spec.dynamic else e.result(chosen[key]).qparams)
+        (e.layer, e.tensor): _quantized(e, chosen[key], part.config)
         for e in part.entries
         if e.tensor in LAYER_TENSORS and (key := (e.layer, e.tensor)) in chosen
     }
@@ -177,6 +190,15 @@ def _propagation(model, part: Analysis) -> Propagation | None:
     heads = getattr(getattr(model, "config", None), "num_attention_heads", 1)
     owner = threading.get_ident()
     return lambda module: quantizing_hooks(module, quantization, heads, owner)
+
+
+def _quantized(entry: TensorAnalysis, observer: str, config: RunConfig) -> TensorQuant:
+    """How propagation quantizes one chosen tensor."""
+    if entry.spec.dynamic:
+        return TensorQuant(entry.spec)
+    if entry.tensor == "weight":
+        return weight_quant(entry, observer, config.gptq)
+    return TensorQuant(entry.spec, entry.result(observer).qparams)
 
 
 def _calibration_set(model, config: RunConfig) -> CalibrationSamples | None:
@@ -212,17 +234,17 @@ def _weight_entry(
     read: Callable[[], torch.Tensor],
     config: RunConfig,
     cache: ResultCache,
-    calibrated: Calibrated,
+    given: dict[str, torch.Tensor | None],
     extra: str,
     tick: Callable[[str], None],
     rank: int,
 ) -> TensorAnalysis:
     """A weight observed by each of the run's weight observers (through the cache), with the
-    statistics of its layer's inputs where an observer takes them, and as each tool would. The
-    weight is read once here and dropped: the entry keeps ``read``."""
+    statistics of its layer's inputs (``given``) where an observer takes them, and as each tool
+    would; under GPTQ beside its held-out Hessian. The weight is read once here and dropped: the
+    entry keeps ``read``."""
     data = read()
     spec, names = config.specs["weight"], config.observers_for("weight")
-    given = calibrated.statistics.get(layer, {})
     g_idx = observed.g_idx_for(config, spec, given.get("importance"))
     weight_extra = extra if g_idx is not None else extra.removeprefix(config.calibration_key())
     tensor_id = activations_tensor_id(model, (layer, "weight"))
@@ -241,7 +263,9 @@ def _weight_entry(
     entry = TensorAnalysis(layer, "weight", spec, read, results, g_idx, tuple(data.shape), rank)
     entry.tool_results = [_as_tool(tool, entry, data, cache, tensor_id, weight_extra) for tool in config.tools]
     if config.gptq is not None:
-        entry.gptq = gptq_rows(results, data, given.get("gptq_hessian"), spec, config.gptq, config.knobs)
+        entry.hessian = given.get("gptq_hessian")
+        held_out = given.get("gptq_held_out")
+        entry.gptq = gptq_rows(results, data, entry.hessian, spec, config.gptq, config.knobs, held_out)
     return entry
 
 

@@ -217,17 +217,30 @@ def _smoothing_scales(model: Any, layers: Sequence[str], config: RunConfig, rank
     """SmoothQuant's scales per layer, from a first pass that finds each input channel's ``max |x|``
     over every token (merged across ranks) and the layer's weight."""
     across = ranks.reduce if ranks.world_size > 1 else None
-    maxima = {(layer, "input"): [ChannelMax()] for layer in layers}
-    stream = ObserverStream({}, maxima, _empty_shapes(model, list(maxima)), None, across)
-    model.capture(list(layers), stream=stream, **_options(config, ranks))
+    maxima = input_statistics(model, layers, config, ranks, ChannelMax)
     scales = {}
-    for (layer, _), (found,) in maxima.items():
+    for layer, found in maxima.items():
         weight = model.weight(layer)
         value = found.value if found.value is not None else torch.zeros(weight.shape[-1], device=weight.device)
         if across is not None:
             value = across(value, Op.MAX)
         scales[layer] = smoothing_scales(value.unsqueeze(0), weight, config.transform.alpha)
     return scales
+
+
+def input_statistics(
+    model: Any, layers: Sequence[str], config: RunConfig, ranks: Ranks, make: Callable[[], Any], **options: Any
+) -> dict[str, Any]:
+    """A pass of its own for one statistic of each layer's inputs (``make()`` per layer: a
+    ``ChannelMax``, a ``MeanStatistic``) over every token, nothing kept; ``options`` replace the
+    run's capture options (other ``texts``: GPTQ's held-out inputs)."""
+    across = ranks.reduce if ranks.world_size > 1 else None
+    found = {(layer, "input"): [make()] for layer in layers}
+    stream = ObserverStream({}, found, _empty_shapes(model, list(found)), None, across)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureSubsampledWarning)
+        model.capture(list(layers), stream=stream, **(_options(config, ranks) | options))
+    return {layer: statistic for (layer, _), (statistic,) in found.items()}
 
 
 def _options(config: RunConfig, ranks: Ranks) -> dict[str, Any]:

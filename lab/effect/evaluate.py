@@ -27,6 +27,9 @@ import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.export.json_values import json_safe
+from lab.gptq.deploy import GPTQDeploy
+from lab.gptq.hessians import HessianOf
+from lab.gptq.layer import weight_quant
 from lab.results import Choices, choose, usable_observers, valid_choices
 from lab.vocab import DECODER_METRICS, ENCODER_METRICS, KV_TENSORS, observer_kind
 from sample_models.effect import HELD_OUT_SAMPLES, HELD_OUT_SEQ_LEN, EffectRunner, RunResult, TensorQuant
@@ -60,7 +63,8 @@ def _is_dynamic(spec: ob.QuantSpec, tensor: str) -> bool:
 def from_analysis(analysis: Analysis, choices: Mapping[Key, str], name: str) -> ChoiceSet:
     """The choices (``{(layer, tensor): observer}``) over an analysis, with that observer's qparams
     (run-time ones for dynamic activation specs). Choices naming a tensor not analysed or an
-    observer that gave no qparams there are refused, all named in one ``ValueError``."""
+    observer that gave no qparams there are refused, all named in one ``ValueError``. In a run made
+    with GPTQ (``RunConfig.gptq``) a weight runs as its GPTQ weight, as the checkpoint deploys it."""
     transform = getattr(analysis.config, "transform", None)
     if transform:
         kind = getattr(transform, "kind", transform)
@@ -75,7 +79,10 @@ def from_analysis(analysis: Analysis, choices: Mapping[Key, str], name: str) -> 
     for key, observer in kept.items():
         entry = analysis.entry(*key)
         dynamic = _is_dynamic(entry.spec, entry.tensor)
-        tensors[key] = TensorQuant(entry.spec, None if dynamic else entry.result(observer).qparams)
+        if entry.tensor == "weight":
+            tensors[key] = weight_quant(entry, observer, analysis.config.gptq)
+        else:
+            tensors[key] = TensorQuant(entry.spec, None if dynamic else entry.result(observer).qparams)
         observers[key] = "run time" if dynamic else observer
     return ChoiceSet(name, tensors, observers)
 
@@ -96,10 +103,12 @@ def best_local(analysis: Analysis, metric: str, keys: Sequence[Key] | None = Non
     return from_analysis(analysis, {k: v for k, v in chosen.items() if k in wanted}, f"{BEST_LOCAL} ({metric})")
 
 
-def from_lab_file(lab_file: Any, model: Any, name: str = "file") -> ChoiceSet:
+def from_lab_file(lab_file: Any, model: Any, name: str = "file", hessians: HessianOf | None = None) -> ChoiceSet:
     """A loaded Observer Lab file (``lab.export.lab_json.load_file``) as a choice set for ``model``. A file
     made on other weights (its fingerprint differs), layers the model lacks or qparams that do not
-    fit: one ``ValueError`` naming the problem."""
+    fit: one ``ValueError`` naming the problem. A file of a GPTQ run runs its weights as GPTQ weights,
+    made again from ``hessians`` (``lab.gptq.hessians``), as the checkpoint does."""
+    from lab.export.chosen import of_lab_file
     from lab.export.lab_json import apply_choices
 
     here = describe_source(model)
@@ -110,10 +119,15 @@ def from_lab_file(lab_file: Any, model: Any, name: str = "file") -> ChoiceSet:
         )
     with_kv = any(e.tensor in KV_TENSORS for e in lab_file.entries)
     applied = apply_choices(lab_file, ModelFacts.of(model, with_kv=with_kv))
+    gptq = GPTQDeploy.of_config(lab_file.config, hessians)
+    chosen = {(c.layer, c.tensor): c for c in of_lab_file(lab_file.entries)}
     tensors, observers = {}, {}
     for key, spec in applied["specs"].items():
         dynamic = _is_dynamic(spec, key[1])
         tensors[key] = TensorQuant(spec, None if dynamic else applied["qparams"][key])
+        if gptq is not None and key[1] == "weight":
+            weight, qparams, _ = gptq.apply(chosen[key], model.weight(key[0]))
+            tensors[key] = TensorQuant(spec, qparams, weight)
         observers[key] = "run time" if dynamic else applied["choices"][key]
     return ChoiceSet(name, tensors, observers)
 

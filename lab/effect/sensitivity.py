@@ -47,8 +47,10 @@ SENSITIVITY_FORMAT = "observer-lab-sensitivity"
 
 
 def _digest(entry: TensorAnalysis, quant: TensorQuant) -> str:
-    """Identifies the fake-quantized tensor: the same spec and qparams give the same run."""
+    """Identifies the fake-quantized tensor: the same spec and qparams (and GPTQ weight) give the same run."""
     digest = hashlib.sha256(repr((entry.layer, entry.tensor, entry.spec.to_dict())).encode())
+    if quant.weight is not None:
+        digest.update(quant.weight.detach().float().cpu().contiguous().numpy().tobytes())
     if quant.qparams is not None:
         qp = quant.qparams
         for part in (qp.scale, qp.zero_point, qp.global_scale, qp.extras.get("g_idx")):

@@ -40,6 +40,8 @@ from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_json import LabFile, apply_choices
 from lab.export.recipe import config_groups_of
+from lab.gptq.deploy import GPTQDeploy
+from lab.gptq.hessians import HessianOf
 from lab.results import unusable_scales
 from lab.vocab import KV_TENSORS
 from sample_models.sequential import return_freed_memory
@@ -70,6 +72,7 @@ _SIDE_FILES = (
     "generation_config.json",
 )
 Progress = Callable[[int, int, str], None]
+Pending = dict[str, tuple[CtLayer, dict[str, Any]]]
 
 
 class CheckpointError(ValueError):
@@ -170,16 +173,21 @@ def quantization_config(
     return config, layers, kv_tensors, list(dict.fromkeys(notes))
 
 
-def _compress_layer(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _compress_layer(
+    layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None, gptq: GPTQDeploy | None = None
+) -> dict[str, torch.Tensor]:
     """The layer's tensors under local names: the weight packed by the compressor of the group's
-    format (from the lab's fake-quantized weight), and every chosen scale."""
+    format (from the lab's fake-quantized weight, or its GPTQ weight), and every chosen scale."""
     args = {kind: scheme[CT_ARG_NAMES[kind]] for kind in layer.args}
     prefix = f"{layer.layer}."
     state = {name.removeprefix(prefix): value for name, value in ct_tensors(layer, args).items()}
     if weight is None or "weight" not in layer.args:
         return state
     entry = layer.entries["weight"]
-    qparams = entry.qparams.to("cpu")
+    qparams = entry.qparams
+    if gptq is not None:
+        weight, qparams, _ = gptq.apply(entry, weight)
+    qparams = qparams.to("cpu")
     rows = weight.shape[0]
     per_row = entry.spec.strategy != "block" and qparams.scale.dim() >= 1 and qparams.scale.shape[0] == rows > 1
     step = max(1, CHUNK_ELEMENTS // max(1, weight[0].numel())) if per_row else rows
@@ -232,14 +240,14 @@ def _compress_rows(
     return compressor.compress(state, QuantizationScheme(**scheme))
 
 
-def _converted(model: Any, key: str, pending: dict[str, tuple[CtLayer, dict[str, Any]]]) -> dict[str, torch.Tensor]:
+def _converted(model: Any, key: str, pending: Pending, gptq: GPTQDeploy | None) -> dict[str, torch.Tensor]:
     """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
     scales, anything else as stored."""
     name, _, local = key.rpartition(".")
     tensor = model.stored(key)
     if local == "weight" and name in pending:
         layer, scheme = pending.pop(name)
-        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor).items()}
+        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor, gptq).items()}
     return {key: tensor.contiguous()}
 
 
@@ -248,17 +256,14 @@ def _bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _files(
-    model: Any,
-    pending: dict[str, tuple[CtLayer, dict[str, Any]]],
-    first: dict[str, torch.Tensor],
-    progress: Progress | None,
+    model: Any, pending: Pending, first: dict[str, torch.Tensor], progress: Progress | None, gptq: GPTQDeploy | None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, ``first`` then every stored one, in files of at most
     ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
     keys = model.stored_keys()
     current, size = dict(first), _bytes(first)
     for done, key in enumerate(keys, start=1):
-        converted = _converted(model, key, pending)
+        converted = _converted(model, key, pending, gptq)
         added = _bytes(converted)
         if current and size + added > FILE_BYTES:
             yield current
@@ -338,6 +343,7 @@ def write(
     overwrite: bool = False,
     progress: Progress | None = None,
     facts: ModelFacts | None = None,
+    hessians: HessianOf | None = None,
 ) -> Written:
     """Write the compressed checkpoint of ``lab_file``'s choices on ``model`` into ``out_dir``.
 
@@ -345,12 +351,17 @@ def write(
     choices made for other weights, qparams that do not fit the model, a non-positive or
     non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
     ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
-    (it hashes every weight file)."""
+    (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
+    again from ``hessians`` (its layers' kept Hessians, ``lab.gptq.hessians``)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     _prepare(out, overwrite)
     facts = check_fits(lab_file, model) if facts is None else facts
+    try:
+        gptq = GPTQDeploy.of_config(lab_file.config, hessians)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     config, layers, kv_tensors, notes = quantization_config(lab_file, facts)
     scheme_of = {name: scheme for scheme in config["config_groups"].values() for name in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
@@ -364,7 +375,7 @@ def write(
             layer, scheme = pending.pop(key)
             first |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
         parts: list[tuple[Path, list[str]]] = []
-        for tensors in _files(model, pending, first, progress):
+        for tensors in _files(model, pending, first, progress, gptq):
             part = staging / f"part-{len(parts)}.safetensors"
             save_file(tensors, str(part), metadata={"format": "pt"})
             parts.append((part, list(tensors)))

@@ -1,6 +1,8 @@
 """The llm-compressor recipe export: the lab's per-layer observer choices as one
 ``QuantizationModifier`` that llm-compressor's ``oneshot`` runs, so a model can be calibrated by
-llm-compressor itself with the observer the lab chose for each layer.
+llm-compressor itself with the observer the lab chose for each layer. A run made with GPTQ
+(``RunConfig.gptq``) gets a ``GPTQModifier`` instead, with the same config groups and the run's
+block size, dampening and activation order.
 
 The compressed-tensors export records one observer per config group (the most common choice) and
 carries the lab's qparams beside it. A recipe carries no qparams: llm-compressor computes them again
@@ -31,6 +33,7 @@ from typing import Any
 
 import yaml
 
+import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
 from lab.export.chosen import Chosen, of_analysis
@@ -44,6 +47,9 @@ STAGE = "quant_stage"
 inside them from keys ending in ``_modifiers``."""
 MODIFIER_GROUP = "quant_modifiers"
 MODIFIER = "QuantizationModifier"
+GPTQ_MODIFIER = "GPTQModifier"
+LC_ACTORDER = {"none": None, "weight": "static", "group": "group"}
+"""The lab's activation orders (``observers.gptq``, aliases resolved) as ``GPTQModifier`` spells them."""
 
 # Lab observers llm-compressor 0.14 has no equivalent of (every other one is in CT_OBSERVER_NAMES):
 # lab name -> (llm-compressor observer for weights, for activations and key/value states, why).
@@ -229,17 +235,20 @@ def _render(
     kv_cache_scheme: dict[str, Any] | None,
     kv_comments: list[str],
     notes: list[str],
+    gptq: dict[str, Any] | None = None,
 ) -> str:
-    """The recipe's YAML: a header, the notes as comments, then the one modifier with a comment
-    line above each group whose observer is only the nearest llm-compressor one."""
+    """The recipe's YAML: a header, the notes as comments, then the one modifier (a
+    ``GPTQModifier`` with its knobs for a GPTQ run) with a comment line above each group whose
+    observer is only the nearest llm-compressor one."""
     lines = [
         "# llm-compressor recipe written by Observer Lab: the observer chosen for each layer.",
         "# llm-compressor calibrates the qparams itself (oneshot); the lab's own qparams are not in it.",
         *(f"# note: {' '.join(note.splitlines())}" for note in notes),
         f"{STAGE}:",
         f"  {MODIFIER_GROUP}:",
-        f"    {MODIFIER}:",
+        f"    {MODIFIER if gptq is None else GPTQ_MODIFIER}:",
         "      ignore: []",
+        *([] if gptq is None else _dump(gptq, 6)),
     ]
     if config_groups:
         lines.append("      config_groups:")
@@ -260,6 +269,9 @@ class Recipe:
     config_groups: dict[str, dict[str, Any]]
     kv_cache_scheme: dict[str, Any] | None
     notes: list[str]
+    gptq: dict[str, Any] | None = None
+    """The ``GPTQModifier``'s own arguments (block size, dampening, activation order) for a GPTQ
+    run; None: a ``QuantizationModifier``."""
 
     def to_yaml(self) -> str:
         """The recipe as YAML text."""
@@ -289,21 +301,39 @@ def build(analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_unca
     """
     selected, missing = export_selection(analysis, choices, allow_uncalibrated)
     notes = [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, left out of the recipe" for e in missing]
-    return of_chosen(of_analysis(selected), analysis.facts, notes)
+    gptq = None if analysis.config.gptq is None else analysis.config.gptq.to_dict()
+    return of_chosen(of_analysis(selected), analysis.facts, notes, gptq)
 
 
-def of_chosen(chosen: list[Chosen], facts: ModelFacts, notes: Sequence[str] = ()) -> Recipe:
+def of_chosen(
+    chosen: list[Chosen], facts: ModelFacts, notes: Sequence[str] = (), gptq: Mapping[str, Any] | None = None
+) -> Recipe:
     """The recipe of ``chosen`` tensors (``lab.export.chosen``: an analysis's choices or a saved
-    file's) on the model ``facts`` describe; ``notes`` come first in the recipe's notes."""
+    file's) on the model ``facts`` describe; ``notes`` come first in the recipe's notes. ``gptq``:
+    the run's GPTQ settings (``GPTQSpec.to_dict``), which make the modifier a ``GPTQModifier``."""
     notes = list(notes)
     items = ct_layers(chosen, notes)
     kv_cache_scheme, kv_comments = _kv_cache_scheme(chosen, notes, facts.attention_blocks)
     config_groups, comments = config_groups_of(items, facts.layer_shapes, notes)
     if not config_groups and kv_cache_scheme is None:
         raise ValueError("no chosen setting has an llm-compressor equivalent:\n  - " + "\n  - ".join(notes))
+    modifier = None if gptq is None else gptq_modifier_args(gptq, notes)
     notes = list(dict.fromkeys(notes))
-    text = _render(config_groups, comments, kv_cache_scheme, kv_comments, notes)
-    return Recipe(text, config_groups, kv_cache_scheme, notes)
+    text = _render(config_groups, comments, kv_cache_scheme, kv_comments, notes, modifier)
+    return Recipe(text, config_groups, kv_cache_scheme, notes, modifier)
+
+
+def gptq_modifier_args(gptq: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``GPTQModifier``'s arguments for a run's GPTQ settings. llm-compressor 0.14 fixes every
+    group's scales before the sweep: a ``refit`` run gets a note, since oneshot will not refit."""
+    spec = ob.GPTQSpec.from_dict(dict(gptq))
+    if spec.scales == "refit":
+        notes.append(
+            "GPTQ: this choice refits each group's scales as the sweep reaches it; llm-compressor 0.14's GPTQModifier "
+            "fixes them before the sweep, so its oneshot gives other codes and scales than the lab's checkpoint"
+        )
+    actorder = LC_ACTORDER[ob.gptq.ACTORDER_ALIASES[spec.actorder]]
+    return {"block_size": spec.block_size, "dampening_frac": spec.dampening, "actorder": actorder}
 
 
 def save(analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncalibrated: bool = False) -> bytes:

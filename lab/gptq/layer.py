@@ -11,6 +11,7 @@ cut off). With ``fixed`` scales an observer's qparams on the whole weight go in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 import observers as ob
 from observers.suite import SuiteResult
+from sample_models.effect import TensorQuant
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class GPTQRow:
     gptq_error: float | None = None
     rtn_clipped: float | None = None
     gptq_clipped: float | None = None
+    rtn_held_out: float | None = None
+    """The layer-output errors on held-out inputs (``lab.gptq.held_out``): what GPTQ's fit to the
+    calibration tokens carries over to others."""
+    gptq_held_out: float | None = None
     fallback: bool = False
     notes: tuple[str, ...] = ()
     error: str | None = None
@@ -41,12 +47,14 @@ def gptq_rows(
     spec: ob.QuantSpec,
     gptq: ob.GPTQSpec,
     knobs: dict[str, dict[str, Any]],
+    held_out: torch.Tensor | None = None,
 ) -> list[GPTQRow]:
     """A row per weight observer that gave qparams (``results``, the observers' results on
     ``weight``), GPTQ with ``gptq``'s knobs and scale semantics; ``hessian`` is None when no
-    calibration token reached the layer. ``knobs`` are the run's knobs per observer (a refit runs
-    the observer with them)."""
-    rows, layer = [], _Layer(weight, hessian) if hessian is not None else None
+    calibration token reached the layer, ``held_out`` the Hessian of held-out inputs (None: no
+    held-out figures). ``knobs`` are the run's knobs per observer (a refit runs the observer with
+    them)."""
+    rows, layer = [], _Layer(weight, hessian, held_out) if hessian is not None else None
     for result in results:
         if result.qparams is None:
             rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
@@ -61,36 +69,97 @@ class _Layer:
     """What every observer's GPTQ on one layer shares: the weight and Hessian, ``‖WX‖²`` (the
     errors' reference) and the inverse factors per order (``gptq_quantize``'s ``factors``)."""
 
-    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor) -> None:
-        self.weight, self.hessian = weight, hessian
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor, held_out: torch.Tensor | None) -> None:
+        self.weight, self.hessian, self.held_out = weight, hessian, held_out
         self.energy = ob.gptq.output_energy(weight, hessian)
+        self.held_out_energy = None if held_out is None else ob.gptq.output_energy(weight, held_out)
         self.factors: dict = {}
 
     def error(self, approx: torch.Tensor) -> float:
         return ob.layer_output_error(self.weight, approx, self.hessian, self.energy)
 
+    def held_out_error(self, approx: torch.Tensor) -> float | None:
+        if self.held_out is None:
+            return None
+        return ob.layer_output_error(self.weight, approx, self.held_out, self.held_out_energy)
+
+
+def observer_qparams(
+    observer: str, weight: torch.Tensor, qparams: ob.QParams, spec: ob.QuantSpec, knobs: dict[str, Any]
+) -> Callable[[torch.Tensor], ob.QParams]:
+    """``gptq_quantize``'s ``qparams_fn`` for one observer: its ``qparams`` on the original
+    ``weight`` when asked for that weight (``fixed`` scales), else the observer run again with its
+    ``knobs`` on what the sweep hands it (a group of updated weights under ``refit``, the columns in
+    activation order under ``group`` ordering)."""
+
+    def observe(tensor: torch.Tensor) -> ob.QParams:
+        if tensor.shape == weight.shape and torch.equal(tensor, weight):
+            return qparams
+        found = ob.run_one(observer, tensor, spec, "weight", **knobs)
+        if found.qparams is None:
+            raise ValueError(f"{observer} gave no qparams on a group: {found.error}")
+        return found.qparams
+
+    return observe
+
+
+def gptq_weight(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: ob.QuantSpec,
+    gptq: ob.GPTQSpec,
+    observer: str,
+    qparams: ob.QParams,
+    knobs: dict[str, Any],
+    factors: dict | None = None,
+) -> ob.GPTQResult:
+    """One observer's GPTQ of ``weight``: what a choice made under GPTQ deploys (the checkpoint's
+    codes and scales), what propagation and the model-level effect run, and whose updated weights
+    the Ranges page draws. Made again from the kept Hessian whenever asked, as deterministic as the
+    analysis's own (same inputs, same device)."""
+    # Statistics filled from the layer's inputs (tensors per column of the whole weight) do not
+    # fit a group: a refit runs the observer with the person's knobs, as the analysis's rows do.
+    knobs = {name: value for name, value in knobs.items() if not isinstance(value, torch.Tensor)}
+    observe = observer_qparams(observer, weight.float(), qparams, spec, knobs)
+    return ob.gptq_quantize(weight, hessian, spec, observe, factors=factors, **gptq.kwargs())
+
+
+def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec) -> ob.GPTQResult:
+    """``gptq_weight`` of an analysed weight (a ``TensorAnalysis`` with its kept ``hessian``) with one
+    of its observers: the weight read again, the observer's qparams and knobs as the run had them."""
+    if entry.hessian is None:
+        raise ValueError(f"{entry.layer}: no Hessian was kept (no calibration token reached it): no GPTQ weight")
+    result = entry.result(observer)
+    if result.qparams is None:
+        raise ValueError(f"{observer} gave no qparams on {entry.layer}: no GPTQ weight")
+    return gptq_weight(entry.data, entry.hessian, entry.spec, gptq, observer, result.qparams, result.knobs)
+
+
+def weight_quant(entry: Any, observer: str, gptq: ob.GPTQSpec | None) -> TensorQuant:
+    """How a chosen weight runs in the model (propagation, the model-level effect): its observer's
+    qparams, and under GPTQ (``gptq`` given, a Hessian kept) its GPTQ weight, which is what the
+    checkpoint deploys."""
+    qparams = entry.result(observer).qparams
+    if gptq is None or entry.hessian is None:
+        return TensorQuant(entry.spec, qparams)
+    return TensorQuant(entry.spec, qparams, entry_gptq(entry, observer, gptq).weight)
+
 
 def _row(result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs) -> GPTQRow:
     weight = layer.weight
-
-    def observe(tensor: torch.Tensor) -> ob.QParams:
-        if gptq.scales == "fixed" and tensor.shape == weight.shape and torch.equal(tensor, weight):
-            return result.qparams  # the observer's qparams on the original weight, as computed
-        found = ob.run_one(result.name, tensor, spec, "weight", **knobs)
-        if found.qparams is None:
-            raise ValueError(f"{result.name} gave no qparams on a group: {found.error}")
-        return found.qparams
-
     try:
-        done = ob.gptq_quantize(weight, layer.hessian, spec, observe, factors=layer.factors, **gptq.kwargs())
+        done = gptq_weight(weight, layer.hessian, spec, gptq, result.name, result.qparams, knobs, layer.factors)
     except ValueError as err:
         return GPTQRow(result.name, error=str(err))
+    rtn = ob.fake_quantize(weight.float(), result.qparams, spec)
     return GPTQRow(
         result.name,
-        rtn_error=layer.error(ob.fake_quantize(weight.float(), result.qparams, spec)),
+        rtn_error=layer.error(rtn),
         gptq_error=layer.error(done.weight),
         rtn_clipped=result.metrics.get("clip_ratio"),
         gptq_clipped=done.clip_ratio,
+        rtn_held_out=layer.held_out_error(rtn),
+        gptq_held_out=layer.held_out_error(done.weight),
         fallback=done.fallback,
         notes=done.notes,
     )

@@ -109,16 +109,19 @@ def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | No
     return chosen
 
 
-def override(analysis: Analysis, choices: Choices, rules: Sequence[tuple[str, str]]) -> Choices:
+def override(
+    analysis: Analysis, choices: Choices, rules: Sequence[tuple[str, str]], *, part: bool = False
+) -> Choices:
     """``choices`` with every tensor of the layers a rule's glob matches taking that rule's observer
     (later rules win), the CLI's ``--choose GLOB=OBSERVER``. A glob that matches no analysed layer,
     or an observer that was not run or gave no qparams on a matched tensor: one ``ValueError``
-    naming each."""
+    naming each. ``part``: ``analysis`` is one settled block of a run (what propagation quantizes),
+    so a glob may match none of its layers."""
     chosen = dict(choices)
     problems = []
     for pattern, observer in rules:
         matched = [e for e in analysis.entries if fnmatch.fnmatchcase(e.layer, pattern)]
-        if not matched:
+        if not matched and not part:
             problems.append(f"--choose {pattern}={observer}: no analysed layer matches {pattern!r}")
         for entry in matched:
             if observer in usable_observers(entry):

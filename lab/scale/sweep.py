@@ -210,7 +210,8 @@ def _analyse_chunk(
         write(_payload(plan, part, finished, ranks))
 
     scope = {"attention": names} if block else {}
-    analyse(plan.model, [] if block else names, config, progress=progress, ranks=ranks, on_done=hand_on, **scope)
+    chosen = partial(choose, metric=plan.metric)  # propagation behind what the sweep exports
+    analyse(plan.model, [] if block else names, config, progress, ranks=ranks, on_done=hand_on, choices=chosen, **scope)
 
 
 def _payload(plan: Plan, analysis: Analysis, units: list[Unit], ranks: Ranks) -> Payload:
