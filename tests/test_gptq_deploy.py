@@ -46,6 +46,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
 
 
 def _run(tmp_path, *gptq: str, observers: str = "minmax,mse_grid") -> tuple[str, str]:
+    tmp_path.mkdir(exist_ok=True)
     target, directory = tmp_path / "run.json", tmp_path / "ckpt"
     code, _, err = _cli(
         "run", "tiny-llama", "--layers", LAYERS, *RUN, "--observers", observers, *CALIBRATION, "--gptq", *gptq,
@@ -245,3 +246,17 @@ def test_evaluate_runs_a_saved_gptq_choice_from_its_hessians(tmp_path):
         path.unlink()
     code, _, err = _cli("evaluate", "tiny-llama", "--choices", target, "--out", str(tmp_path / "f.json"))
     assert code == 2 and "Hessian" in err and not (tmp_path / "f.json").exists()
+
+
+def test_a_sweep_keeps_its_hessians_and_deploys_the_same_checkpoint_as_a_run(tmp_path):
+    _, directory = _run(tmp_path / "run", observers="minmax")
+    swept, swept_dir = tmp_path / "sweep.json", tmp_path / "sweep-ckpt"
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", LAYERS, *RUN, "--observers", "minmax", *CALIBRATION, "--gptq",
+        "--chunk", "2", "--out", str(swept), "--checkpoint", str(swept_dir), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    assert len(list(hessians.directory_for(swept).glob("*.safetensors"))) == 3
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        first, second = safetensors_torch.load_file(str(path)), safetensors_torch.load_file(str(swept_dir / path.name))
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

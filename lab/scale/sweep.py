@@ -37,6 +37,7 @@ from lab.analyse.pipeline import ProgressFn, analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import lab_json
 from lab.export.json_values import json_safe
+from lab.gptq import hessians
 from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
 from lab.scale import sweep_file
 from lab.scale.distributed import SINGLE, Ranks, RankSplit, owner
@@ -195,11 +196,13 @@ def _analyse_chunk(
     ranks: Ranks,
     progress: ProgressFn | None,
     write: Callable[[Payload], None],
+    kept: Path | None = None,
 ) -> None:
     """One chunk analysed in one calibration pass, each group of finished units (a block's layers
     in a sequential pass) reduced to its unit lines and handed to ``write`` at once: the tensors
     are dropped as soon as they are written. Ranks that split the batches hand over the same
-    groups in the same order."""
+    groups in the same order. A GPTQ run's Hessians go into ``kept`` as their layers finish
+    (``lab.gptq.hessians``: what deploys the sweep's GPTQ choices)."""
     names = [name for _, name, _ in units]
     block = units[0][2]
     config = _config_for(plan.config, block)
@@ -207,6 +210,8 @@ def _analyse_chunk(
 
     def hand_on(part: Analysis) -> None:
         finished = [by_name[name] for name in dict.fromkeys(e.layer for e in part.entries) if name in by_name]
+        if kept is not None:
+            hessians.save(kept, part.entries)
         write(_payload(plan, part, finished, ranks))
 
     scope = {"attention": names} if block else {}
@@ -365,6 +370,7 @@ def run_sweep(
     (layers and attention blocks). Unit ``i`` goes to rank ``i % world_size``; each round every
     rank analyses one chunk of its own and rank 0 gathers and appends them."""
     out, pending = Path(out), partial_path(out)
+    kept = hessians.directory_for(out) if plan.config.gptq is not None else None
     units = plan.units()
     done, writer = _start(plan, pending, resume, ranks)
     todo = [unit for unit in units if unit[0] not in done]
@@ -401,7 +407,8 @@ def run_sweep(
         error = None
         if mine:
             error = _guarded(
-                ranks, partial(_analyse_chunk, plan, mine, together, inner, partial(write, collected=collected))
+                ranks,
+                partial(_analyse_chunk, plan, mine, together, inner, partial(write, collected=collected), kept),
             )
         if collected is not None:
             write(_joined(collected, error))
