@@ -1,9 +1,13 @@
-"""Ranges: the value histogram with every observer's range (where its format clips), per-channel
-ranges, and the per-token vs per-channel view of activations."""
+"""Ranges: the value histogram with every observer's range (where its format clips), a weight as
+GPTQ's sweep updated it against an observer's range, per-channel ranges, and the per-token vs
+per-channel view of activations."""
+
+from dataclasses import replace
 
 import streamlit as st
 
 from lab import results, ui
+from lab.gptq.layer import entry_gptq
 from lab.results import dynamic, plots
 
 st.title("Ranges")
@@ -43,6 +47,30 @@ with ui.guard("Drawing the histogram"):
     if tail:
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
 st.dataframe(results.range_table(chosen, entry.spec), hide_index=True)
+
+gptq = analysis.config.gptq
+if entry.tensor == "weight" and gptq is not None and entry.hessian is not None:
+    st.subheader("Under GPTQ")
+    usable = [r.name for r in chosen if r.qparams is not None]
+    if not usable:
+        st.caption("Pick an observer that gave qparams above to see its weights under GPTQ.")
+    else:
+        if view.get("gptq_observer") not in usable:
+            view["gptq_observer"] = usable[0]
+        name = view["gptq_observer"] = ui.bound(
+            st.selectbox, "Observer under GPTQ", "ranges_gptq_observer", view["gptq_observer"], options=usable
+        )
+        with ui.guard("Running GPTQ on this layer"):
+            done = entry_gptq(entry, name, gptq)
+            swept = replace(entry.result(name), qparams=done.qparams)
+            histogram(done.updated, [swept], entry.spec, f"{entry.layer} · weight as GPTQ's sweep updated it")
+        st.caption(
+            f"Each weight as GPTQ's sweep ({gptq.scales} scales) found it just before rounding: the original plus the "
+            f"error fed forward from the columns before it, against {name}'s range"
+            + (" (refit per group as the sweep reached it)" if gptq.scales == "refit" else " (fixed before the sweep)")
+            + f". {done.clip_ratio:.2%} of them lie outside it and clip, against "
+            f"{entry.result(name).metrics.get('clip_ratio', 0.0):.2%} of the original weight."
+        )
 
 if entry.tool_results:
     st.subheader("As each tool would run it")

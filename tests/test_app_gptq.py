@@ -165,3 +165,44 @@ def test_w4a16_groups_and_an_observer_without_qparams_are_set_apart():
     assert "error" not in shown.columns
     assert list(at.dataframe[-1].value["observer"]) == ["histogram"]
     assert any(e.label == "Why 1 observer(s) have no GPTQ figures here" for e in at.expander)
+
+
+def test_ranges_draws_the_weights_gptq_updated_against_the_observers_range(ran):
+    from lab.gptq.layer import entry_gptq
+
+    _page(ran, "ranges")
+    _ok(ran)
+    ran.selectbox(key="w:tensor").set_value((LAYERS[1], "weight")).run()
+    _ok(ran)
+    assert any(h.value == "Under GPTQ" for h in ran.subheader)
+    ran.selectbox(key="w:ranges_gptq_observer").set_value("mse_grid").run()
+    _ok(ran)
+    analysis = _ws(ran).analysis
+    done = entry_gptq(analysis.entry(LAYERS[1], "weight"), "mse_grid", analysis.config.gptq)
+    shown = [c.value for c in ran.caption if "just before rounding" in c.value]
+    assert len(shown) == 1 and f"{done.clip_ratio:.2%} of them lie outside" in shown[0]
+    figure = ran.get("plotly_chart")[1].proto.spec  # the second histogram: the updated weights
+    assert "as GPTQ's sweep updated it" in figure
+
+
+def test_the_overview_and_the_choice_can_go_by_a_gptq_figure(ran):
+    from lab import results
+
+    _page(ran, "overview")
+    _ok(ran)
+    options = ran.selectbox(key="w:metric").options
+    assert "GPTQ held-out error" in options and "GPTQ layer-output error" in options
+    ran.selectbox(key="w:metric").set_value("gptq:gptq_held_out").run()
+    _ok(ran)
+    assert "GPTQ held-out error" in ran.get("plotly_chart")[0].proto.spec
+    analysis = _ws(ran).analysis
+    table = results.error_table(analysis)
+    frame = gptq_frame(analysis)
+    for row in frame.itertuples():
+        same = (table["layer"] == row.layer) & (table["observer"] == row.observer)
+        assert table[same & (table["tensor"] == "weight")]["gptq:gptq_held_out"].item() == pytest.approx(row.gptq_held_out)
+        assert table[same & (table["tensor"] != "weight")]["gptq:gptq_held_out"].isna().all()
+    chosen = results.choose(analysis, "gptq:gptq_held_out")
+    for layer in LAYERS:
+        rows = frame[frame["layer"] == layer]
+        assert chosen[(layer, "weight")] == rows.loc[rows["gptq_held_out"].idxmin(), "observer"]

@@ -209,3 +209,19 @@ def test_held_out_errors_come_from_inputs_gptq_never_fitted(model):
         assert row.gptq_held_out / row.gptq_error > row.rtn_held_out / row.rtn_error
     frame = gptq_frame(analysis)
     assert frame["held_out_rank"].notna().all() and set(frame["held_out_rank"]) <= {1, 2}
+
+
+def test_layers_reading_one_tensor_all_get_its_input_statistics():
+    """q, k and v read one hidden state, which the stream sums once: a pass of its own for an input
+    statistic (GPTQ's held-out Hessian, SmoothQuant's channel maxima) hands each its sum."""
+    from lab.calibrate.activations import input_statistics
+    from lab.calibrate.stream import ChannelMax
+    from lab.scale.distributed import SINGLE
+
+    minilm = open_model("minilm")
+    layers = [f"encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]
+    config = RunConfig(specs={"weight": SPEC}, observers=("minmax",), samples=SAMPLES, seq_len=SEQ_LEN)
+    found = input_statistics(minilm, layers, config, SINGLE, ChannelMax)
+    captured = minilm.capture(layers[:1], None, SAMPLES, SEQ_LEN, max_bytes=1 << 30, sequential=False)[layers[0]]
+    for layer in layers:
+        torch.testing.assert_close(found[layer].value, captured.abs().amax(0).float(), rtol=1e-6, atol=0)

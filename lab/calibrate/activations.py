@@ -240,7 +240,8 @@ def input_statistics(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureSubsampledWarning)
         model.capture(list(layers), stream=stream, **(_options(config, ranks) | options))
-    return {layer: statistic for (layer, _), (statistic,) in found.items()}
+    # Layers fed one tensor (q, k and v) are summed once, under the first one's key.
+    return {layer: found[stream.stand_in((layer, "input"))][0] for layer in layers}
 
 
 def _options(config: RunConfig, ranks: Ranks) -> dict[str, Any]:

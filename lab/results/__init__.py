@@ -177,10 +177,27 @@ def token_warnings(analysis: Analysis, few: int = FEW_TOKENS) -> list[str]:
     return notes
 
 
+def metric_options(analysis: Analysis | None) -> list[str]:
+    """The metrics a choice, the overview and the bars can go by: the local ones, and the GPTQ
+    figures (``gptq:<figure>``) when the run put its weights through GPTQ."""
+    has_gptq = analysis is not None and any(e.gptq for e in analysis.entries)
+    return list(ob.METRIC_KEYS) + ([GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS] if has_gptq else [])
+
+
 def error_table(analysis: Analysis) -> pd.DataFrame:
-    """Layer × observer rows with every metric, time and observed tokens (errors kept as text)."""
+    """Layer × observer rows with every metric, time and observed tokens (errors kept as text), and
+    a GPTQ run's figures per weight observer (``gptq:<figure>`` columns, empty for activations)."""
     frame = analysis.frame()
-    wanted = ["layer", "tensor", "observer", *ob.METRIC_KEYS, "seconds", "num_observed_tokens", "error"]
+    gptq = [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS]
+    rows = [
+        {"layer": e.layer, "tensor": e.tensor, "observer": row.observer}
+        | {GPTQ_METRIC_PREFIX + m: getattr(row, m) for m in GPTQ_METRICS}
+        for e in analysis.entries
+        for row in e.gptq
+    ]
+    if rows and not frame.empty:
+        frame = frame.merge(pd.DataFrame(rows), on=["layer", "tensor", "observer"], how="left")
+    wanted = ["layer", "tensor", "observer", *ob.METRIC_KEYS, *gptq, "seconds", "num_observed_tokens", "error"]
     return frame[[c for c in wanted if c in frame.columns]]
 
 

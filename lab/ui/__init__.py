@@ -34,6 +34,7 @@ from lab.serve.session_runs import how_had
 from lab.serve.uploads import UPLOAD_SUFFIXES
 from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
 from lab.ui import serving
+from lab.vocab import DEFAULT_METRIC
 from lab.workspace import ModelRequest, RunOutcome, Workspace
 
 WORKSPACE = "workspace"
@@ -100,9 +101,10 @@ def reseed(*names: str) -> None:
 
 def metric_select(label: str, ws: Workspace) -> str:
     """The one "choose by" metric of the session (Overview, Error, Choose & export share it)."""
-    ws.metric = bound(
-        st.selectbox, label, "metric", ws.metric, options=list(ob.METRIC_KEYS), format_func=plots.METRIC_LABELS.get
-    )
+    options = results.metric_options(ws.analysis)
+    if ws.metric not in options:
+        ws.metric = DEFAULT_METRIC
+    ws.metric = bound(st.selectbox, label, "metric", ws.metric, options=options, format_func=plots.METRIC_LABELS.get)
     return ws.metric
 
 

@@ -83,4 +83,7 @@ METRIC_LABELS = {
     "clip_ratio": "share clipped",
     "rmse_over_scale": "RMSE / scale",
     "seconds": "time (s)",
+    "gptq:gptq_error": "GPTQ layer-output error",
+    "gptq:gptq_held_out": "GPTQ held-out error",
+    "gptq:gptq_clipped": "share clipped after GPTQ",
 }
