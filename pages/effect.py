@@ -154,6 +154,11 @@ with ui.guard("Building the choice sets"):
 for note in notes:
     st.caption(note)
 st.caption(f"{len(keys)} tensor(s) in each set: " + ", ".join(s.name for s in sets[1:]) + ".")
+if analysis.config.gptq is not None:
+    st.caption(
+        "This run put its weights through GPTQ: each set's weights run as their observer's GPTQ weights "
+        "(what Save checkpoint packs), not rounded to nearest."
+    )
 go_left, go_right = st.columns(2)
 with go_left:
     if st.button("Evaluate end to end", icon=":material/play_arrow:", disabled=not keys):

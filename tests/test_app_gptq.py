@@ -200,7 +200,8 @@ def test_the_overview_and_the_choice_can_go_by_a_gptq_figure(ran):
     frame = gptq_frame(analysis)
     for row in frame.itertuples():
         same = (table["layer"] == row.layer) & (table["observer"] == row.observer)
-        assert table[same & (table["tensor"] == "weight")]["gptq:gptq_held_out"].item() == pytest.approx(row.gptq_held_out)
+        weight = table[same & (table["tensor"] == "weight")]
+        assert weight["gptq:gptq_held_out"].item() == pytest.approx(row.gptq_held_out)
         assert table[same & (table["tensor"] != "weight")]["gptq:gptq_held_out"].isna().all()
     chosen = results.choose(analysis, "gptq:gptq_held_out")
     for layer in LAYERS:

@@ -260,3 +260,21 @@ def test_a_sweep_keeps_its_hessians_and_deploys_the_same_checkpoint_as_a_run(tmp
     for path in sorted(Path(directory).glob("*.safetensors")):
         first, second = safetensors_torch.load_file(str(path)), safetensors_torch.load_file(str(swept_dir / path.name))
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_sensitivity_of_a_gptq_run_measures_each_observers_gptq_weight(llama):
+    from dataclasses import replace
+
+    from lab.effect.evaluate import Evaluator
+    from lab.effect.sensitivity import sensitivity
+
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    config = RunConfig(
+        specs={"weight": spec}, observers=("minmax", "mse_grid"), samples=4, seq_len=32, gptq=ob.GPTQSpec()
+    )
+    analysis = analyse(llama, ["model.layers.0.mlp.down_proj"], config)
+    evaluator = Evaluator(llama, samples=2, seq_len=16)
+    under_gptq = sensitivity(evaluator, analysis, metric="top1_agreement").frame
+    rounded = sensitivity(evaluator, replace(analysis, config=replace(config, gptq=None)), metric="top1_agreement")
+    assert len(under_gptq) == 2 and under_gptq["perplexity"].notna().all()
+    assert not (under_gptq["perplexity"].to_numpy() == rounded.frame["perplexity"].to_numpy()).all()
