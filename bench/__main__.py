@@ -40,6 +40,7 @@ MODULES = [
     "bench_minilm_nvfp4",
     "bench_serve",
     "bench_gptq",
+    "bench_gptq_oneshot",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

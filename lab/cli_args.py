@@ -399,7 +399,7 @@ def _gptq(args: argparse.Namespace) -> ob.GPTQSpec | None:
 def _observer_names(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
-    names = tuple(split_csv(text))
+    names = tuple(dict.fromkeys(ob.aliases().get(n, n) for n in split_csv(text)))  # llm-compressor's names too
     unknown = [n for n in names if n not in ob.available()]
     if unknown:
         raise CliError(f"unknown observer(s) {', '.join(unknown)}; available: {', '.join(ob.available())}")

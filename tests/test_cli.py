@@ -196,3 +196,13 @@ def test_bad_memory_budget_is_one_line(tmp_path, extra, needle):
     argv = ["run", "tiny-llama", "--layers", "*q_proj", "--format", "int8", "--kinds", "weight,input", "--quiet"]
     code, _, err = _main([*argv, *extra, "--samples", "2", "--seq-len", "8", "--out", str(tmp_path / "x.json")])
     assert code == 2 and err.count("\n") == 1 and needle in err
+
+
+def test_observers_take_llm_compressors_names_as_aliases():
+    from lab.cli_args import build_parser, settings_from_args
+
+    args = build_parser().parse_args(
+        ["run", "minilm", "--layers", "x", "--format", "int4", "--observers", "memoryless_mse,static_minmax,mse_grid"]
+        + ["--out", "o.json"]
+    )
+    assert settings_from_args(args).observers == ("mse_grid", "minmax")
