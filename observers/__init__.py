@@ -43,6 +43,7 @@ from observers.gptq import (
     HessianAccumulator,
     check_gptq_spec,
     gptq_quantize,
+    gptq_quantize_fixed,
     hessian_of_rows,
     layer_output_error,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "flatten",
     "get_format",
     "gptq_quantize",
+    "gptq_quantize_fixed",
     "hessian_of_rows",
     "knob_specs",
     "knobs",

@@ -462,10 +462,10 @@ def _sweep(
     spec: QuantSpec,
     block_size: int,
     refit: _Refit | None,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ over ``columns`` (fp32 ``(in, out)``: the weight transposed, in sweep order, so each
     column is one contiguous row; overwritten with the updated weights): returns the fake-quantized
-    weight and the codes, both ``(in, out)``, and the loss.
+    weight and the codes, both ``(in, out)``, and the loss of each output row.
 
     Column ``j`` is rounded with its group's qparams, its error ``e = (w − q) / U[j, j]`` goes to
     the rest of its block at once (``w[j+1:] −= U[j, j+1:] ⊗ e``) and to the columns past the block
@@ -476,7 +476,7 @@ def _sweep(
     quantized = torch.empty_like(columns)
     codes = torch.empty_like(columns)
     column_group = groups.tolist()
-    loss = torch.zeros((), dtype=torch.float64, device=columns.device)
+    loss = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
     for i1 in range(0, count, block_size):
         i2 = min(i1 + block_size, count)
         errors = torch.empty(i2 - i1, columns.shape[1], dtype=torch.float32, device=columns.device)
@@ -495,10 +495,10 @@ def _sweep(
             error = torch.sub(w, q, out=errors[i]).div_(factor[j, j])
             if j + 1 < i2:
                 columns[j + 1 : i2].addr_(factor[j, j + 1 : i2], error, alpha=-1)
-        loss += errors.double().square().sum() / 2
+        loss += errors.double().square().sum(0) / 2
         if i2 < count:
             columns[i2:].addmm_(factor[i1:i2, i2:].t(), errors, alpha=-1)
-    return quantized, codes, float(loss)
+    return quantized, codes, loss
 
 
 # ---------------------------------------------------------------------------------- the algorithm
@@ -532,11 +532,51 @@ def gptq_quantize(
     go through GPTQ on it; the inverse factor (a Cholesky, an inverse and another Cholesky, which
     depend on the Hessian, the order and the dampening only) is then computed once per order.
     """
+    knobs = {"block_size": block_size, "dampening": dampening, "actorder": actorder, "factors": factors}
+    return _gptq(weight, hessian, spec, [qparams_fn], scales, **knobs)[0]
+
+
+def gptq_quantize_fixed(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | HessianAccumulator,
+    spec: QuantSpec,
+    qparams_fns: list[QParamsFn],
+    *,
+    block_size: int = 128,
+    dampening: float = 0.01,
+    actorder: ActOrder | str | None = "none",
+    factors: dict[tuple[str, float], torch.Tensor | None] | None = None,
+) -> list[GPTQResult]:
+    """Several observers' ``fixed``-scale GPTQ of one weight in one sweep: ``gptq_quantize``'s
+    result for each of ``qparams_fns``, in order. GPTQ treats the weight's rows independently (a
+    column's error moves along its own row only), so the observers' copies of the weight are
+    stacked as rows and swept together: the per-column steps, a Python loop, run once instead of
+    once per observer. Costs ``len(qparams_fns)`` copies of the weight in fp32; callers with big
+    layers pass the observers a few at a time."""
+    if not qparams_fns:
+        return []
+    knobs = {"block_size": block_size, "dampening": dampening, "actorder": actorder, "factors": factors}
+    return _gptq(weight, hessian, spec, list(qparams_fns), "fixed", **knobs)
+
+
+def _gptq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | HessianAccumulator,
+    spec: QuantSpec,
+    fns: list[QParamsFn],
+    scales: Scales | str,
+    *,
+    block_size: int,
+    dampening: float,
+    actorder: ActOrder | str | None,
+    factors: dict[tuple[str, float], torch.Tensor | None] | None,
+) -> list[GPTQResult]:
+    """The sweep for one ``refit`` observer, or for several ``fixed`` ones stacked as rows."""
     actorder = _choice("actorder", actorder, ACTORDER_ALIASES)
     scales = _choice("scales", scales, SCALES)
     check_gptq_spec(spec, scales, actorder)
     _check_knobs(block_size, dampening)
-    if not callable(qparams_fn):
+    if not all(callable(fn) for fn in fns):
         raise ValueError("qparams_fn must be a callable tensor -> QParams (an observer's qparams)")
     w, h = _as_matrices(weight, hessian)
     rows, columns = w.shape
@@ -549,10 +589,11 @@ def gptq_quantize(
     group_perm = perm if actorder == "group" and spec.strategy == "group" else None
     groups = column_groups(columns, spec, actorder, perm)
     shape = _expected_qparam_shape(spec, rows, columns)
-    fixed_qp = None
+    fixed_qps: list[QParams | None] = [None]
     if scales == "fixed":
-        fixed_qp = _checked(qparams_fn(w if group_perm is None else w[:, group_perm]), shape, "the weight")
-    table = _start_table(fixed_qp, spec, shape, w.device)
+        observed = w if group_perm is None else w[:, group_perm]
+        fixed_qps = [_checked(fn(observed), shape, "the weight") for fn in fns]
+    table = _stacked_table([_start_table(qp, spec, shape, w.device) for qp in fixed_qps], rows)
 
     swept, swept_h, dead = _swept_copies(w, h, perm, usable)
     if dead:
@@ -577,26 +618,43 @@ def gptq_quantize(
 
     refit = None
     if scales == "refit":
-        refit = _refit_plan(groups, perm, qparams_fn, (1,) if spec.strategy == "tensor" else (rows, 1))
-    quantized, codes, loss = _sweep(swept, factor, groups, table, spec, block_size, refit)
+        refit = _refit_plan(groups, perm, fns[0], (1,) if spec.strategy == "tensor" else (rows, 1))
+    stacked = swept.repeat(1, len(fixed_qps)) if len(fixed_qps) > 1 else swept
+    quantized, codes, losses = _sweep(stacked, factor, groups, table, spec, block_size, refit)
 
     inverse = None if perm is None else torch.argsort(perm)
     restore = lambda t: (t if inverse is None else t[inverse]).t().reshape(weight.shape)  # noqa: E731
-    qparams = _final_qparams(fixed_qp, table, shape, group_perm, spec)
-    updated, quantized = restore(swept), restore(quantized)
-    codes = restore(codes.to(torch.int32) if spec.format.kind == "int" else codes)
-    return GPTQResult(
-        weight=quantized.to(weight.dtype),
-        codes=codes,
-        qparams=qparams,
-        updated=updated,
-        clip_ratio=float(error_metrics(updated, quantized, qparams, spec)["clip_ratio"]),
-        loss=loss,
-        perm=perm,
-        dead_columns=dead,
-        fallback=fallback,
-        notes=tuple(notes),
-    )
+    results = []
+    for k, fixed_qp in enumerate(fixed_qps):
+        part = slice(k * rows, (k + 1) * rows)
+        qparams = _final_qparams(fixed_qp, table, shape, group_perm, spec)
+        updated, fake = restore(stacked[:, part]), restore(quantized[:, part])
+        found = codes[:, part]
+        results.append(
+            GPTQResult(
+                weight=fake.to(weight.dtype),
+                codes=restore(found.to(torch.int32) if spec.format.kind == "int" else found),
+                qparams=qparams,
+                updated=updated,
+                clip_ratio=float(error_metrics(updated, fake, qparams, spec)["clip_ratio"]),
+                loss=float(losses[part].sum()),
+                perm=perm,
+                dead_columns=dead,
+                fallback=fallback,
+                notes=tuple(notes),
+            )
+        )
+    return results
+
+
+def _stacked_table(tables: list[_GroupQParams], rows: int) -> _GroupQParams:
+    """Several observers' tables side by side, one block of ``rows`` each (a tensor scale spread
+    over its rows first); one table as it is."""
+    if len(tables) == 1:
+        return tables[0]
+    spread = lambda t: t.expand(t.shape[0], rows) if t.shape[1] == 1 else t  # noqa: E731
+    fields = ("scale", "zero_point", "min_val", "max_val")
+    return _GroupQParams(*(torch.cat([spread(getattr(t, name)) for t in tables], dim=1) for name in fields))
 
 
 def _start_table(fixed: QParams | None, spec: QuantSpec, shape: tuple[int, ...], device: torch.device) -> _GroupQParams:
@@ -662,6 +720,7 @@ __all__ = [
     "column_groups",
     "dead_columns",
     "gptq_quantize",
+    "gptq_quantize_fixed",
     "inverse_hessian_factor",
     "layer_output_error",
     "sweep_order",

@@ -497,3 +497,30 @@ def test_bad_input_is_one_line():
 def test_exported_from_the_package():
     for name in ("gptq_quantize", "HessianAccumulator", "GPTQResult", "layer_output_error", "check_gptq_spec"):
         assert name in ob.__all__ and getattr(ob, name) is getattr(ob.gptq, name)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "actorder"),
+    [("tensor", "none"), ("channel", "weight"), ("group", "none"), ("group", "weight"), ("group", "group")],
+)
+def test_several_observers_in_one_stacked_sweep_give_each_ones_own_result(strategy, actorder):
+    """GPTQ's rows are independent, so observers' copies of a weight swept together as rows give
+    what each gives alone: the same codes, weights, qparams and clipped share; the updated weights
+    and loss up to float rounding (the lazy update's product of a wider matrix sums in its own order)."""
+    generator = torch.Generator().manual_seed(3)
+    spec = ob.QuantSpec("int4", strategy=strategy, **({"group_size": 16} if strategy == "group" else {}))
+    weight = torch.randn(24, 64, generator=generator)
+    mixing = torch.eye(64) + 0.3 * torch.randn(64, 64, generator=generator)
+    inputs = torch.randn(256, 64, generator=generator) @ mixing
+    hessian = 2 * inputs.T @ inputs / 256
+    names = ("minmax", "mse_grid", "modelopt_mse")
+    fns = [lambda t, n=n: ob.run_one(n, t, spec, "weight").qparams for n in names]
+    together = ob.gptq_quantize_fixed(weight, hessian, spec, fns, block_size=16, actorder=actorder)
+    assert len(together) == len(names)
+    for fn, got in zip(fns, together, strict=True):
+        alone = ob.gptq_quantize(weight, hessian, spec, fn, block_size=16, actorder=actorder)
+        assert torch.equal(alone.codes, got.codes) and torch.equal(alone.weight, got.weight)
+        torch.testing.assert_close(alone.updated, got.updated, rtol=1e-5, atol=1e-6)
+        assert torch.equal(alone.qparams.scale, got.qparams.scale)
+        assert alone.loss == pytest.approx(got.loss, rel=1e-6) and alone.clip_ratio == got.clip_ratio
+    assert ob.gptq_quantize_fixed(weight, hessian, spec, []) == []

@@ -54,15 +54,51 @@ def gptq_rows(
     calibration token reached the layer, ``held_out`` the Hessian of held-out inputs (None: no
     held-out figures). ``knobs`` are the run's knobs per observer (a refit runs the observer with
     them)."""
-    rows, layer = [], _Layer(weight, hessian, held_out) if hessian is not None else None
+    layer = _Layer(weight, hessian, held_out) if hessian is not None else None
+    usable = [result for result in results if result.qparams is not None] if layer is not None else []
+    done = _fixed_together(usable, layer, spec, gptq, knobs) if gptq.scales == "fixed" else {}
+    rows = []
     for result in results:
         if result.qparams is None:
             rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
         elif layer is None:
             rows.append(GPTQRow(result.name, error="no calibration token reached this layer: no Hessian"))
         else:
-            rows.append(_row(result, layer, spec, gptq, knobs.get(result.name, {})))
+            rows.append(_row(result, layer, spec, gptq, knobs.get(result.name, {}), done.get(result.name)))
     return rows
+
+
+STACKED_ELEMENTS = 32 << 20
+"""Weight elements swept at once when several observers' fixed-scale GPTQ runs as one sweep
+(``observers.gptq_quantize_fixed``): a small layer takes every observer together, a big one a few."""
+
+
+def _fixed_together(
+    usable: list[SuiteResult], layer: _Layer | None, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs
+) -> dict[str, ob.GPTQResult]:
+    """Every usable observer's fixed-scale GPTQ of the layer, as few sweeps as memory allows; an
+    observer a stacked sweep fails on is left out here and gets its own sweep (and error) later."""
+    if layer is None or not usable:
+        return {}
+    weight = layer.weight.float()
+    step = max(1, STACKED_ELEMENTS // max(1, weight.numel()))
+    settings = {name: value for name, value in gptq.kwargs().items() if name != "scales"}
+    done = {}
+    for start in range(0, len(usable), step):
+        chunk = usable[start : start + step]
+        fns = [observer_qparams(r.name, weight, r.qparams, spec, _person_knobs(knobs.get(r.name, {}))) for r in chunk]
+        try:
+            found = ob.gptq_quantize_fixed(layer.weight, layer.hessian, spec, fns, factors=layer.factors, **settings)
+        except ValueError:
+            continue
+        done |= {result.name: one for result, one in zip(chunk, found, strict=True)}
+    return done
+
+
+def _person_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """Statistics filled from the layer's inputs are tensors per column of the whole weight and do
+    not fit a group: an observer run again on part of a weight gets the person's knobs only."""
+    return {name: value for name, value in knobs.items() if not isinstance(value, torch.Tensor)}
 
 
 class _Layer:
@@ -117,10 +153,7 @@ def gptq_weight(
     codes and scales), what propagation and the model-level effect run, and whose updated weights
     the Ranges page draws. Made again from the kept Hessian whenever asked, as deterministic as the
     analysis's own (same inputs, same device)."""
-    # Statistics filled from the layer's inputs (tensors per column of the whole weight) do not
-    # fit a group: a refit runs the observer with the person's knobs, as the analysis's rows do.
-    knobs = {name: value for name, value in knobs.items() if not isinstance(value, torch.Tensor)}
-    observe = observer_qparams(observer, weight.float(), qparams, spec, knobs)
+    observe = observer_qparams(observer, weight.float(), qparams, spec, _person_knobs(knobs))
     return ob.gptq_quantize(weight, hessian, spec, observe, factors=factors, **gptq.kwargs())
 
 
@@ -145,12 +178,16 @@ def weight_quant(entry: Any, observer: str, gptq: ob.GPTQSpec | None) -> TensorQ
     return TensorQuant(entry.spec, qparams, entry_gptq(entry, observer, gptq).weight)
 
 
-def _row(result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs) -> GPTQRow:
+def _row(
+    result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs, done: ob.GPTQResult | None
+) -> GPTQRow:
+    """One observer's row, from its GPTQ result when a stacked sweep already made it."""
     weight = layer.weight
-    try:
-        done = gptq_weight(weight, layer.hessian, spec, gptq, result.name, result.qparams, knobs, layer.factors)
-    except ValueError as err:
-        return GPTQRow(result.name, error=str(err))
+    if done is None:
+        try:
+            done = gptq_weight(weight, layer.hessian, spec, gptq, result.name, result.qparams, knobs, layer.factors)
+        except ValueError as err:
+            return GPTQRow(result.name, error=str(err))
     rtn = ob.fake_quantize(weight.float(), result.qparams, spec)
     return GPTQRow(
         result.name,
