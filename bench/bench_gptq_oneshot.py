@@ -173,7 +173,8 @@ def verdict(agreement: dict[str, tuple[float, bool]], floor: dict[str, tuple[flo
     short = [] if floor is not None else [name for name in LAYERS if agreement[name][0] < LAYER_TARGET]
     same_scales = sum(identical for _, identical in agreement.values())
     passed = first >= FIRST_BLOCK_TARGET and not short and same_scales == len(agreement)
-    against = "" if floor is not None else f", every layer ≥ {LAYER_TARGET:.0%}" + (f": short at {short}" if short else "")
+    against = "" if floor is not None else f", every layer ≥ {LAYER_TARGET:.0%}"
+    against += f": short at {', '.join(short)}" if short else ""
     per_block = lambda shares: " ".join(f"{shares[u][0]:.2%}/{shares[d][0]:.2%}" for u, d in BLOCKS)  # noqa: E731
     text = (
         f"{'PASS' if passed else 'FAIL'}: codes equal {first:.3%} in block 0 (target {FIRST_BLOCK_TARGET:.1%})"
