@@ -93,8 +93,11 @@ class MeanStatistic:
         self.features = rows.shape[-1]
         if rows.shape[0] == 0:
             return
-        value = self.fn(rows).double() * rows.shape[0]
-        self.total = value if self.total is None else self.total + value
+        value = self.fn(rows)
+        if self.total is None:
+            self.total = value.double() * rows.shape[0]
+        else:  # in place, in fp64: a Hessian's (in, in) sum is not copied every batch
+            self.total.add_(value, alpha=rows.shape[0])
         self.count += rows.shape[0]
 
     def value(self, across: Reduce | None, device: torch.device) -> torch.Tensor | None:
