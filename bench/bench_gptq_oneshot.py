@@ -232,6 +232,7 @@ def cases(device: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-gptq-oneshot-") as scratch:
         for ours, theirs_name in list(OBSERVERS.items())[: 1 if SETTINGS.quick else None]:
             work = Path(scratch) / ours
+            work.mkdir()
             flags = ("--observers", ours, "--propagate", "--checkpoint", str(work / "lab"))
             lab_s, lab_cpu, failure = lab_cli((*flags, "--recipe", str(work / "recipe.yaml")), work, device)
             reference_name = f"{REFERENCE}, the lab's recipe ({theirs_name})"
@@ -246,6 +247,7 @@ def cases(device: str) -> list[dict]:
             rows.append(case(f"{label}, {ours}, propagated", lab_s, oneshot_s, reference_name, agreement=text))
         ours, theirs_name = next(iter(OBSERVERS.items()))
         work = Path(scratch) / "unpropagated"
+        work.mkdir()
         flags = ("--observers", ours, "--checkpoint", str(work / "lab"), "--recipe", str(work / "recipe.yaml"))
         lab_s, _, failure = lab_cli(flags, work, device)
         oneshot_s = 0.0

@@ -23,6 +23,7 @@ from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.cli import main
 from lab.export import lab_json, recipe
+from lab.export.compressed_tensors import CT_OBSERVER_NAMES
 from lab.gptq import hessians
 from lab.gptq.layer import entry_gptq
 from lab.results import choose
@@ -278,3 +279,40 @@ def test_sensitivity_of_a_gptq_run_measures_each_observers_gptq_weight(llama):
     rounded = sensitivity(evaluator, replace(analysis, config=replace(config, gptq=None)), metric="top1_agreement")
     assert len(under_gptq) == 2 and under_gptq["perplexity"].notna().all()
     assert not (under_gptq["perplexity"].to_numpy() == rounded.frame["perplexity"].to_numpy()).all()
+
+
+def test_the_cli_propagates_behind_what_choose_picks_under_gptq(llama, tmp_path):
+    """``--choose`` decides what propagation quantizes too: block 1's Hessian (kept beside the JSON)
+    is that of its inputs behind block 0's weight as GPTQ with the observer ``--choose`` named."""
+    first, second = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"
+    target = tmp_path / "run.json"
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", f"{first},{second}", *RUN, "--observers", "minmax,mse_grid", *CALIBRATION,
+        "--gptq", "--sequential", "--propagate", "--choose", "model.layers.0.*=minmax", "--out", str(target), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    kept = hessians.read(hessians.directory_for(target))
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    weight = llama.weight(first).float()
+    qparams = ob.run_one("minmax", weight, spec, "weight").qparams
+    gptq_weight = ob.gptq_quantize(weight, kept(first), spec, lambda _: qparams, actorder="static").weight
+    quant = {(first, "weight"): TensorQuant(spec, qparams, gptq_weight)}
+    with quantizing_hooks(llama.module(), quant, llama.config.num_attention_heads, threading.get_ident()):
+        behind = llama.capture([second], sequential=False, max_bytes=1 << 30, samples=4, seq_len=32)[second]
+    torch.testing.assert_close(kept(second), ob.hessian_of_rows(behind.float()), rtol=1e-4, atol=1e-6)
+
+
+def test_the_recipe_asks_llm_compressor_for_what_the_checkpoint_holds(tmp_path):
+    """The recipe round trip without llm-compressor (the bench runs its oneshot on this file): each
+    config group reads as a compressed-tensors scheme, and the recipe's groups are the checkpoint's
+    (same targets, weight args and observer), under a GPTQModifier with the run's knobs."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    _, directory = _run(tmp_path, observers="minmax")
+    modifier = yaml.safe_load((tmp_path / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"]["GPTQModifier"]
+    packed = json.loads((Path(directory) / "config.json").read_text())["quantization_config"]["config_groups"]
+    asked = {name: QuantizationScheme(**group) for name, group in modifier["config_groups"].items()}
+    without_format = {name: {k: v for k, v in group.items() if k != "format"} for name, group in packed.items()}
+    assert asked == {name: QuantizationScheme(**group) for name, group in without_format.items()}
+    assert {scheme.weights.observer for scheme in asked.values()} == {CT_OBSERVER_NAMES["minmax"]}
+    assert (modifier["block_size"], modifier["dampening_frac"], modifier["actorder"]) == (128, 0.01, "static")
