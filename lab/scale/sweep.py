@@ -215,8 +215,8 @@ def _analyse_chunk(
         write(_payload(plan, part, finished, ranks))
 
     scope = {"attention": names} if block else {}
-    chosen = partial(choose, metric=plan.metric)  # propagation behind what the sweep exports
-    analyse(plan.model, [] if block else names, config, progress, ranks=ranks, on_done=hand_on, choices=chosen, **scope)
+    scope |= {"on_done": hand_on, "choices": partial(choose, metric=plan.metric)}  # propagate what it exports
+    analyse(plan.model, [] if block else names, config, progress=progress, ranks=ranks, **scope)
 
 
 def _payload(plan: Plan, analysis: Analysis, units: list[Unit], ranks: Ranks) -> Payload:
