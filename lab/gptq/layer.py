@@ -5,8 +5,14 @@ inputs behind the layer's Hessian.
 The error is the relative ``‖WX − ŴX‖²`` GPTQ minimises, from the Hessian alone
 (``observers.layer_output_error``); the clipped share is the lab's ``clip_ratio`` rule, of the
 original weight for round-to-nearest and of the error-updated weights for GPTQ (what fixed scales
-cut off). With ``fixed`` scales an observer's qparams on the whole weight go in as they are; with
-``refit`` the observer runs again on each group as the sweep reaches it.
+cut off). With ``fixed`` scales an observer's qparams on the whole weight go in as they are (every
+observer of a layer in one stacked sweep, ``observers.gptq_quantize_fixed``); with ``refit`` the
+observer runs again on each group as the sweep reaches it. The same errors on held-out inputs come
+from their own Hessian (``lab.gptq.held_out``).
+
+``gptq_weight`` (``entry_gptq`` for an analysed weight) makes one observer's GPTQ of a layer again
+from its kept Hessian: what the checkpoint packs, propagation and the model-level effect run
+(``weight_quant``) and the Ranges page draws.
 """
 
 from __future__ import annotations
