@@ -114,22 +114,30 @@ def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
     return facts
 
 
+def dense_reason(spec: ob.QuantSpec, tensor: str, layer_type: str | None) -> str | None:
+    """Why the checkpoint leaves a chosen tensor of a layer of ``layer_type`` dense whatever
+    compressed-tensors can express (None: it packs it if it can); the cost of a scheme
+    (``lab.allocate.cost``) reads the same rule."""
+    if tensor == "weight" and spec.format.kind == "int" and not spec.symmetric:
+        return (
+            "stays dense, unquantized (compressed-tensors 0.20 packs asymmetric integer zero points "
+            "when it saves, but does not expect them packed when it loads)"
+        )
+    if tensor not in KV_TENSORS and layer_type != "Linear":
+        return f"stays dense (compressed-tensors compresses Linear layers, this is a {layer_type})"
+    return None
+
+
 def _plan(chosen: list[Chosen], facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
     """The chosen layers compressed-tensors can express; the rest, and layers that are not
     ``Linear`` (the type its compressors take), stay dense with a note."""
     linear = []
     for entry in chosen:
-        kind = facts.layer_types.get(entry.layer)
-        where = f"{entry.layer} {entry.tensor}"
-        if entry.tensor == "weight" and entry.spec.format.kind == "int" and not entry.spec.symmetric:
-            notes.append(
-                f"{where}: stays dense, unquantized (compressed-tensors 0.20 packs asymmetric integer zero points "
-                "when it saves, but does not expect them packed when it loads)"
-            )
-        elif entry.tensor in KV_TENSORS or kind == "Linear":
+        why = dense_reason(entry.spec, entry.tensor, facts.layer_types.get(entry.layer))
+        if why is None:
             linear.append(entry)
         else:
-            notes.append(f"{where}: stays dense (compressed-tensors compresses Linear layers, this is a {kind})")
+            notes.append(f"{entry.layer} {entry.tensor}: {why}")
     dense_before = len(notes)
     layers = ct_layers(linear, notes)
     notes[dense_before:] = [

@@ -1,0 +1,91 @@
+"""What a layer costs under a scheme: the bytes the packed checkpoint (``lab.export.checkpoint``,
+compressed-tensors' compressors) stores for its weight and the scales around it, so that a budget in
+bits per weight or in gigabytes is the real checkpoint's size.
+
+A quantized ``Linear`` weight is stored in the format compressed-tensors picks for its scheme
+(``infer_module_format``): ``pack-quantized`` packs ``32 // bits`` integer codes into each int32 of a
+row, the FP4 formats two codes a byte, 8-bit formats one byte a code; its scales are float32 (as the
+lab writes them) or the block format's own 1-byte scale (NVFP4's E4M3, MX's E8M0); NVFP4 adds a
+float32 global scale; every packed weight carries its int64 ``(rows, columns)`` shape. A static
+input scale adds its float32 values, NVFP4's dynamic input its global scale. What the checkpoint
+leaves dense (a setting compressed-tensors cannot express, an asymmetric integer weight, a layer
+that is not ``Linear``: ``checkpoint.dense_reason``) costs its dense bytes. The bias is stored as it
+is under every scheme and is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import observers as ob
+from lab.export.checkpoint import dense_reason
+from lab.export.compressed_tensors import ct_args
+from lab.export.lab_json import expected_qparam_shape
+
+SHAPE_BYTES = 16
+"""A packed weight's ``weight_shape``: two int64."""
+FLOAT32_BYTES = 4
+_ONE_BYTE_SCALES = ("torch.uint8", "torch.float8_e4m3fn")
+
+
+def weight_bytes(
+    spec: ob.QuantSpec | None,
+    shape: tuple[int, int],
+    dense_element_bytes: int,
+    layer_type: str = "Linear",
+    input_spec: ob.QuantSpec | None = None,
+) -> int:
+    """Bytes the checkpoint stores for a ``(rows, columns)`` weight under ``spec`` (None: kept in
+    its dtype, ``dense_element_bytes`` a value) and, with ``input_spec``, its input's scales."""
+    rows, columns = shape
+    inputs = _input_bytes(input_spec, shape) if layer_type == "Linear" else 0
+    dense = rows * columns * dense_element_bytes + inputs
+    if spec is None or dense_reason(spec, "weight", layer_type) is not None:
+        return dense
+    args, _ = ct_args(spec, "weight")
+    if args is None:
+        return dense
+    total = _element_bytes(args, rows, columns) + SHAPE_BYTES + inputs
+    scales = math.prod(expected_qparam_shape(spec, "weight", shape) or (1,))
+    total += scales * (1 if args.get("scale_dtype") in _ONE_BYTE_SCALES else FLOAT32_BYTES)
+    if args["strategy"] == "tensor_group":
+        total += FLOAT32_BYTES  # NVFP4's global scale
+    return total
+
+
+def bits_per_weight(spec: ob.QuantSpec | None, shape: tuple[int, int], dense_element_bytes: int) -> float:
+    """``weight_bytes`` of one weight as bits per weight (NVFP4 on a 4096 × 4096 weight: 4.5)."""
+    return 8 * weight_bytes(spec, shape, dense_element_bytes) / (shape[0] * shape[1])
+
+
+def _element_bytes(args: dict, rows: int, columns: int) -> int:
+    """The codes as the format compressed-tensors picks for these args stores them."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from torch import nn
+
+    weights = QuantizationArgs(**{k: v for k, v in args.items() if k not in ("scale_dtype", "zp_dtype")})
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    stored = infer_module_format(nn.Linear, scheme).value
+    bits = args["num_bits"]
+    if stored == "pack-quantized":
+        return rows * math.ceil(columns / (32 // bits)) * 4
+    if stored in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return rows * math.ceil(columns / 2)
+    if bits == 8:
+        return rows * columns
+    raise ValueError(f"no cost rule for {bits}-bit codes stored as {stored!r}")
+
+
+def _input_bytes(spec: ob.QuantSpec | None, shape: tuple[int, int]) -> int:
+    """A static input scale's float32 values, or NVFP4's dynamic input global scale."""
+    if spec is None:
+        return 0
+    args, _ = ct_args(spec, "input")
+    if args is None:
+        return 0
+    if args["strategy"] == "tensor_group":
+        return FLOAT32_BYTES
+    if args["dynamic"]:
+        return 0
+    return FLOAT32_BYTES * math.prod(expected_qparam_shape(spec, "input", shape) or (1,))
