@@ -1,3 +1,3 @@
 """Budgeted allocation (issue 34): each layer's format and observer chosen under a size budget by
 the model's own loss. ``cost`` says what a layer's weight takes in the packed checkpoint under a
-scheme, the budget's unit."""
+scheme, the budget's unit; ``solve`` picks one option per group within a budget, exactly."""
