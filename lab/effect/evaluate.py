@@ -124,10 +124,11 @@ def from_lab_file(lab_file: Any, model: Any, name: str = "file", hessians: Hessi
     tensors, observers = {}, {}
     for key, spec in applied["specs"].items():
         dynamic = _is_dynamic(spec, key[1])
-        tensors[key] = TensorQuant(spec, None if dynamic else applied["qparams"][key])
         if gptq is not None and key[1] == "weight":
-            weight, qparams, _ = gptq.apply(chosen[key], model.weight(key[0]))
+            weight, qparams = gptq.apply(chosen[key], model.weight(key[0]))
             tensors[key] = TensorQuant(spec, qparams, weight)
+        else:
+            tensors[key] = TensorQuant(spec, None if dynamic else applied["qparams"][key])
         observers[key] = "run time" if dynamic else applied["choices"][key]
     return ChoiceSet(name, tensors, observers)
 

@@ -194,7 +194,7 @@ def _compress_layer(
     entry = layer.entries["weight"]
     qparams = entry.qparams
     if gptq is not None:
-        weight, qparams, _ = gptq.apply(entry, weight)
+        weight, qparams = gptq.apply(entry, weight)
     qparams = qparams.to("cpu")
     rows = weight.shape[0]
     per_row = entry.spec.strategy != "block" and qparams.scale.dim() >= 1 and qparams.scale.shape[0] == rows > 1

@@ -42,9 +42,9 @@ class GPTQDeploy:
             raise ValueError("a GPTQ choice is deployed from its run's Hessians, and none were given")
         return cls(gptq, hessian_of)
 
-    def apply(self, chosen: Any, weight: torch.Tensor) -> tuple[torch.Tensor, ob.QParams, tuple[str, ...]]:
-        """``chosen``'s (a ``lab.export.chosen.Chosen`` weight) GPTQ weight in fp32, the qparams its
-        codes were rounded with, and GPTQ's notes (dead columns, a fallback to round-to-nearest)."""
+    def apply(self, chosen: Any, weight: torch.Tensor) -> tuple[torch.Tensor, ob.QParams]:
+        """``chosen``'s (a ``lab.export.chosen.Chosen`` weight) GPTQ weight in fp32 and the qparams
+        its codes were rounded with."""
         hessian = self.hessian_of(chosen.layer)
         if hessian is None:
             raise ValueError(f"{chosen.layer}: its run kept no GPTQ Hessian (no calibration token reached it)")
@@ -52,4 +52,4 @@ class GPTQDeploy:
             weight.float(), hessian.to(weight.device), chosen.spec, self.gptq, chosen.observer, chosen.qparams,
             dict(chosen.knobs),
         )
-        return done.weight, done.qparams, tuple(f"{chosen.layer}: {note}" for note in done.notes)
+        return done.weight, done.qparams
