@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import IO, Any
 
 import observers as ob
+from lab.allocate import command as allocate_command
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
 from lab.gptq import hessians
 from lab.progress_bar import ProgressBar
@@ -349,6 +350,18 @@ def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> No
     out.write(f"wrote {', '.join(written)}\n")
 
 
+def _cmd_allocate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    """``allocate MODEL --layers ... --schemes ... --budget B``: see ``lab.allocate.command``."""
+    request = allocate_command.check(args)
+    held_out = _held_out(args)
+    from sample_models import open_model
+
+    model = open_model(args.model, device=args.device)
+    layers = select_layers(model, args.layers)
+    deploy = lambda lab_file: _deploy(args, lab_file, model, err, args.out)  # noqa: E731
+    allocate_command.run(args, request, model, layers, held_out, deploy, out, err)
+
+
 def _write_json(path: str, document: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(document, handle, allow_nan=False, indent=1)
@@ -370,7 +383,7 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
     err = err or sys.stderr
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(extra=(allocate_command.add_parser,)).parse_args(argv)
         if args.command == "list":
             _cmd_list(out)
         elif args.command == "layers":
@@ -381,6 +394,8 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
             _cmd_sensitivity(args, out, err)
         elif args.command == "export":
             _cmd_export(args, out, err)
+        elif args.command == "allocate":
+            _cmd_allocate(args, out, err)
         else:
             with distributed.ranks_for(args.device) as ranks:
                 ranks.check_same(json.dumps(vars(args), sort_keys=True))

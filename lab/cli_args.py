@@ -6,7 +6,7 @@ the CLI and the app cannot drift apart. ``lab.cli`` runs the commands.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import observers as ob
@@ -41,7 +41,8 @@ def split_csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra: Sequence[Callable[[Any], None]] = ()) -> argparse.ArgumentParser:
+    """The parser of every command; ``extra`` adds commands a stage defines (``allocate``)."""
     parser = _Parser(prog="python -m observers", description="Observer Lab: compare quantization observers.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     commands.add_parser("list", help="observers (with knobs), element formats and presets")
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="every tensor of the layers GLOB matches takes OBSERVER instead of the best by --choose-by "
         "(repeatable; later rules win)",
     )
-    _add_deployment_flags(run)
+    add_deployment_flags(run)
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(
         "--chunk",
@@ -101,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("choices", help="the Observer Lab JSON file (from run, or saved by the app)")
     export.add_argument("--model", required=True, help="the model the choices were made for")
     export.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    _add_deployment_flags(export)
+    add_deployment_flags(export)
+    for add in extra:
+        add(commands)
     return parser
 
 
@@ -113,7 +116,7 @@ def _choice_rule(text: str) -> tuple[str, str]:
     return glob.strip(), observer.strip()
 
 
-def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
+def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     """What a choice becomes for serving: a compressed checkpoint and an llm-compressor recipe."""
     parser.add_argument(
         "--checkpoint",
@@ -123,7 +126,7 @@ def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --checkpoint directory")
 
 
-def _add_held_out_flags(parser: argparse.ArgumentParser) -> None:
+def add_held_out_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out", help="UTF-8 text file to evaluate on (default: the built-in held-out paragraphs)")
     parser.add_argument(
         "--held-out-samples",
@@ -147,7 +150,7 @@ def _add_effect_commands(commands) -> None:
     memory.add_argument("--sequential", dest="sequential", action="store_const", const=True, default=None)
     memory.add_argument("--whole-model", dest="sequential", action="store_const", const=False)
     evaluate.add_argument("--max-memory", help="memory budget, e.g. 8GB: larger models run block by block")
-    _add_held_out_flags(evaluate)
+    add_held_out_flags(evaluate)
     sensitivity = commands.add_parser(
         "sensitivity", help="quantize one tensor at a time with each observer and measure the model's output"
     )
@@ -161,7 +164,7 @@ def _add_effect_commands(commands) -> None:
     )
     sensitivity.add_argument("--out", required=True, help="JSON file to write the table, ranking and comparison to")
     sensitivity.add_argument("--report", help="HTML report to write (with the model-level section)")
-    _add_held_out_flags(sensitivity)
+    add_held_out_flags(sensitivity)
 
 
 def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +249,18 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-per-head", action="store_true", help="one k/v scale per KV head instead of per tensor")
     parser.add_argument("--attention", help="attention blocks for --kv-cache: names or patterns (default: all)")
+    parser.add_argument(
+        "--propagate",
+        action="store_true",
+        help="calibrate each block on the outputs of the blocks before it quantized with the choices so far "
+        "(llm-compressor's sequential pipeline default); implies the layer-by-layer capture",
+    )
+    add_calibration_flags(parser)
+
+
+def add_calibration_flags(parser: argparse.ArgumentParser) -> None:
+    """Where and on what a run calibrates: device, capture mode, memory budget, samples, sequence
+    length, batch size and the calibration set (``run``'s, ``sensitivity``'s and ``allocate``'s)."""
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument(
@@ -271,12 +286,6 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_BATCH_SIZE,
         help="samples per forward pass: the batches the observers see one by one (llm-compressor's default is 1)",
-    )
-    parser.add_argument(
-        "--propagate",
-        action="store_true",
-        help="calibrate each block on the outputs of the blocks before it quantized with the choices so far "
-        "(llm-compressor's sequential pipeline default); implies the layer-by-layer capture",
     )
     data = parser.add_argument_group("calibration set (default: the built-in paragraphs)")
     data.add_argument(
@@ -317,7 +326,7 @@ def _kinds(args: argparse.Namespace, preset_input: bool) -> list[str]:
     return kinds
 
 
-def _knob_values(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+def knob_values(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--knob OBSERVER.KNOB=VALUE`` items as ``{observer: {knob: value}}``, each value read as
     its knob's declared type."""
     values: dict[str, dict[str, Any]] = {}
@@ -347,7 +356,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     """The ``RunSettings`` of ``run``'s flags: ``--format`` or ``--preset`` fills the editors as the
     Run page's format box or preset does, the spec flags change them, ``--kinds`` and
     ``--kv-cache`` say what to analyse."""
-    settings = RunSettings(observers=_observer_names(args.observers), knobs=_knob_values(args.knob))
+    settings = RunSettings(observers=observer_names(args.observers), knobs=knob_values(args.knob))
     preset_input = False
     if args.preset is not None:
         settings.apply_preset(args.preset)
@@ -396,7 +405,7 @@ def _gptq(args: argparse.Namespace) -> ob.GPTQSpec | None:
         raise CliError(f"--gptq: {err}") from None
 
 
-def _observer_names(text: str | None) -> tuple[str, ...] | None:
+def observer_names(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     names = tuple(dict.fromkeys(ob.aliases().get(n, n) for n in split_csv(text)))  # llm-compressor's names too

@@ -16,6 +16,9 @@ is under every scheme and is not counted.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import observers as ob
 from lab.export.checkpoint import dense_reason
@@ -89,3 +92,50 @@ def _input_bytes(spec: ob.QuantSpec | None, shape: tuple[int, int]) -> int:
     if args["dynamic"]:
         return 0
     return FLOAT32_BYTES * math.prod(expected_qparam_shape(spec, "input", shape) or (1,))
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """The chosen layers as the budget sees them: each one's shape, type and stored element size,
+    and ``rest_bytes``, what the checkpoint stores beside their weights (embeddings, norms, biases,
+    the layers not chosen), copied as it is."""
+
+    shapes: dict[str, tuple[int, int]]
+    types: dict[str, str]
+    element_bytes: dict[str, int]
+    rest_bytes: int
+
+    @classmethod
+    def of(cls, model: Any, layers: Sequence[str]) -> LayerSizes:
+        """Read from the model's stored tensors, one at a time."""
+        infos = {info.name: info for info in model.layers()}
+        shapes = {layer: tuple(infos[layer].shape[:2]) for layer in layers}
+        types = {layer: infos[layer].type for layer in layers}
+        chosen = {f"{layer}.weight": layer for layer in layers}
+        element_bytes, rest = {}, 0
+        for key in model.stored_keys():
+            tensor = model.stored(key)
+            if key in chosen:
+                element_bytes[chosen[key]] = tensor.element_size()
+            else:
+                rest += tensor.numel() * tensor.element_size()
+        missing = [layer for layer in layers if layer not in element_bytes]
+        if missing:
+            raise ValueError(f"no stored weight for {', '.join(missing)}: cannot size them")
+        return cls(shapes, types, element_bytes, rest)
+
+    @property
+    def weights(self) -> int:
+        """Weight elements of the chosen layers: what bits per weight are averaged over."""
+        return sum(rows * columns for rows, columns in self.shapes.values())
+
+    def layer_bytes(self, layer: str, spec: ob.QuantSpec | None, input_spec: ob.QuantSpec | None = None) -> int:
+        return weight_bytes(spec, self.shapes[layer], self.element_bytes[layer], self.types[layer], input_spec)
+
+    def bits_per_weight(self, layer_bytes: int) -> float:
+        """Bytes of the chosen layers as average bits per weight over them."""
+        return 8 * layer_bytes / self.weights
+
+    def checkpoint_bytes(self, layer_bytes: int) -> int:
+        """The whole checkpoint's tensor bytes with the chosen layers taking ``layer_bytes``."""
+        return self.rest_bytes + layer_bytes

@@ -46,7 +46,7 @@ BY_MODEL = "best by model"
 SENSITIVITY_FORMAT = "observer-lab-sensitivity"
 
 
-def _digest(entry: TensorAnalysis, quant: TensorQuant) -> str:
+def quant_digest(entry: TensorAnalysis, quant: TensorQuant) -> str:
     """Identifies the fake-quantized tensor: the same spec and qparams (and GPTQ weight) give the same run."""
     digest = hashlib.sha256(repr((entry.layer, entry.tensor, entry.spec.to_dict())).encode())
     if quant.weight is not None:
@@ -197,7 +197,7 @@ def sensitivity(
             check_applies(one, evaluator.model)
             checked.add((entry.layer, entry.tensor))
         quant = one.tensors[(entry.layer, entry.tensor)]
-        key = _digest(entry, quant) if dedupe else f"{step}"
+        key = quant_digest(entry, quant) if dedupe else f"{step}"
         if key not in done:
             run = evaluator.runner.run(one.tensors, None if reuse_prefix else 0, sqnr=False)
             done[key] = (evaluator.metrics(run), run.start)

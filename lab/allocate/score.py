@@ -1,0 +1,166 @@
+"""Score every (layer, scheme, observer): the model's own loss on held-out text with that layer alone
+quantized, its weight by the observer and, when the scheme has them, its inputs too (by the
+observer the run's ranking rule picks, or at run time for a dynamic input).
+
+Each quantizing scheme is an ``analyse`` run over the chosen layers' weights (every observer once
+per layer and scheme) and one over their inputs; each score is one ``EffectRunner`` run from the
+layer's block (the float hidden states at every block boundary are cached), and observers whose
+quantized layer is the same (same qparams) share a run (``lab.effect.sensitivity.quant_digest``).
+The score is the damage in the metric that ranks (``lab.results.plots.effect.damage``, the
+sensitivity heatmap's rule): KL of next-token distributions for a decoder, 1 − embedding cosine for
+an encoder; lower is better for every metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from lab.allocate.schemes import Scheme
+from lab.analyse.analysis import Analysis
+from lab.analyse.run_config import RunConfig
+from lab.effect.evaluate import ChoiceSet, Evaluator, check_applies, from_analysis
+from lab.effect.sensitivity import quant_digest
+from lab.results import choose, usable_observers
+from lab.results.plots.effect import damage
+from lab.vocab import DEFAULT_METRIC
+
+ProgressFn = Callable[[int, int, str], None]
+Analyse = Callable[[Scheme, RunConfig], Analysis]
+"""How a run is analysed (the CLI's and the app's ``analyse`` with their progress and cache)."""
+
+
+@dataclass
+class Scores:
+    """One row per (layer, scheme, observer) in ``frame``: ``score`` (the damage in ``metric``),
+    every model-level metric, the input's observer (None without one) and the block its run
+    started at. ``analyses``: each quantizing scheme's analyses (its weights, then its inputs),
+    whose qparams the allocation's exports and end-to-end runs take."""
+
+    frame: pd.DataFrame
+    metric: str
+    analyses: dict[str, list[Analysis]]
+    baseline: dict[str, float]
+    runs: int
+    unique_runs: int
+    seconds: float
+
+    def best(self) -> pd.DataFrame:
+        """Per (layer, scheme): the observer that damages the model least, and its score."""
+        ordered = self.frame.sort_values("score", kind="stable")
+        return ordered.groupby(["layer", "scheme"], sort=False).head(1).reset_index(drop=True)
+
+
+def _input_choice(inputs: Analysis | None, layer: str) -> str | None:
+    """The observer a layer's input is quantized with (the run's ranking rule), None without one."""
+    if inputs is None:
+        return None
+    chosen = choose(inputs, DEFAULT_METRIC).get((layer, "input"))
+    if chosen is None:
+        raise ValueError(f"{layer} input: no observer gave qparams, so its scheme cannot be scored")
+    return chosen
+
+
+def part_configs(base: RunConfig, scheme: Scheme) -> list[RunConfig]:
+    """The runs a scheme takes: its weights with the base's observers (or every applicable one),
+    and its inputs when it has them, with their applicable observers, or min-max alone for a
+    dynamic input, whose static qparams only give NVFP4 its global scale."""
+    configs = [replace(base, specs={"weight": scheme.weight})]
+    if scheme.input is not None:
+        observers = ("minmax",) if scheme.input.dynamic else None
+        configs.append(replace(base, specs={"input": scheme.input}, observers=observers, knobs={}))
+    return configs
+
+
+def score(
+    evaluator: Evaluator,
+    layers: Sequence[str],
+    schemes: Sequence[Scheme],
+    base: RunConfig,
+    run_analysis: Analyse,
+    *,
+    metric: str | None = None,
+    progress: ProgressFn | None = None,
+) -> Scores:
+    """Analyse the layers under each quantizing scheme (``run_analysis`` of each of
+    ``part_configs(base, scheme)``: the calibration settings are the base's), then score every
+    observer that gave qparams on each layer. A scheme that gives no qparams on any chosen layer
+    is a ``ValueError`` naming it."""
+    metric = metric or evaluator.default_metric
+    if metric not in evaluator.metric_names:
+        raise ValueError(
+            f"{metric!r} is not a metric of a {evaluator.kind}; choose from {', '.join(evaluator.metric_names)}"
+        )
+    start_time = time.perf_counter()
+    quantizing = [scheme for scheme in schemes if not scheme.dense]
+    analyses: dict[str, list[Analysis]] = {}
+    for index, scheme in enumerate(quantizing):
+        if progress is not None:
+            progress(index, len(quantizing), f"analysing {scheme.name}")
+        analyses[scheme.name] = [run_analysis(scheme, config) for config in part_configs(base, scheme)]
+    jobs = []
+    for scheme in quantizing:
+        weights, *inputs = analyses[scheme.name]
+        analysed = set(weights.keys())
+        found = [
+            (scheme, layer, observer, _input_choice(inputs[0] if inputs else None, layer))
+            for layer in layers
+            if (layer, "weight") in analysed
+            for observer in usable_observers(weights.entry(layer, "weight"))
+        ]
+        if not found:
+            raise ValueError(f"scheme {scheme.name} applies to no chosen layer: {_why_not(weights)}")
+        jobs += found
+    floats = evaluator.float_metrics()
+    done: dict[tuple, dict[str, float]] = {}
+    rows, checked = [], set()
+    for step, (scheme, layer, observer, input_observer) in enumerate(jobs):
+        if progress is not None:
+            progress(step, len(jobs), f"{layer} · {scheme.name} · {observer}")
+        one = quantized(analyses[scheme.name], layer, observer, input_observer, f"{layer} {scheme.name} {observer}")
+        if layer not in checked:
+            check_applies(one, evaluator.model)
+            checked.add(layer)
+        weights = analyses[scheme.name][0]
+        key = (
+            scheme.name,
+            input_observer,
+            quant_digest(weights.entry(layer, "weight"), one.tensors[(layer, "weight")]),
+        )
+        if key not in done:
+            run = evaluator.runner.run(one.tensors, sqnr=False)
+            done[key] = evaluator.metrics(run) | {"first_block": run.start}
+        values = done[key]
+        rows.append(
+            {
+                "layer": layer,
+                "scheme": scheme.name,
+                "observer": observer,
+                "input_observer": input_observer,
+                "score": damage(metric, values[metric], floats[metric]),
+                **values,
+            }
+        )
+    if progress is not None:
+        progress(len(jobs), len(jobs), "scored")
+    frame = pd.DataFrame(rows)
+    return Scores(frame, metric, analyses, floats, len(jobs), len(done), time.perf_counter() - start_time)
+
+
+def quantized(parts: Sequence[Analysis], layer: str, observer: str, input_observer: str | None, name: str) -> ChoiceSet:
+    """A layer under a scheme (its analyses: weights, then inputs): its weight by ``observer``,
+    its input by ``input_observer`` (at run time for a dynamic input)."""
+    weights, *inputs = parts
+    chosen = from_analysis(weights, {(layer, "weight"): observer}, name)
+    if input_observer is None:
+        return chosen
+    given = from_analysis(inputs[0], {(layer, "input"): input_observer}, name)
+    return ChoiceSet(name, chosen.tensors | given.tensors, chosen.observers | given.observers)
+
+
+def _why_not(analysis: Analysis) -> str:
+    errors = {r.error for e in analysis.entries if e.tensor == "weight" for r in e.results if r.error}
+    return "; ".join(sorted(errors)[:2]) or "no observer gave qparams"
