@@ -163,6 +163,7 @@ class Workspace:
     report_html: bytes | None = None
     view: dict[str, Any] = field(default_factory=dict)
     effect: EffectState = field(default_factory=EffectState)
+    allocation: Any = None  # the Allocate page's state (lab.allocate.session.AllocateState), made on its first visit
 
     # ------------------------------------------------------------ model
 
@@ -264,7 +265,7 @@ class Workspace:
         fresh = Workspace()
         for name in ("analysis", "transformed", "unpropagated", "last_run", "result_cache", "capture_memo"):
             setattr(self, name, getattr(fresh, name))
-        for name in ("own_models", "layer_output", "calibration_checks", "report_html", "effect"):
+        for name in ("own_models", "layer_output", "calibration_checks", "report_html", "effect", "allocation"):
             setattr(self, name, getattr(fresh, name))
         gc.collect()
         return_freed_memory()

@@ -136,6 +136,7 @@ def run(
     schemes = request.schemes
     sizes = LayerSizes.of(model, layers)
     groups = fused_groups(layers)
+    mine = frontier.scheme_layers(sizes, schemes)
     frontier.check_budgets(sizes, schemes, request.budgets)
     quiet = args.quiet
     base = base_config(args, next(s for s in schemes if not s.dense))
@@ -145,11 +146,11 @@ def run(
         if len(members) > 1:
             err.write(f"note: {name} shares one scheme ({len(members)} layers fused by the server)\n")
 
-    def analysed(scheme: Scheme, config: Any) -> Any:
-        return analyse(model, list(layers), config)
+    def analysed(scheme: Scheme, config: Any, chosen: Sequence[str]) -> Any:
+        return analyse(model, list(chosen), config)
 
     scores = score(
-        evaluator, layers, schemes, base, analysed, metric=args.metric, progress=None if quiet else ProgressBar(err, "")
+        evaluator, mine, schemes, base, analysed, metric=args.metric, progress=None if quiet else ProgressBar(err, "")
     )
     options = frontier.layer_options(scores, sizes, schemes)
     measured = frontier.frontier(

@@ -24,6 +24,7 @@ import observers as ob
 from lab.export.checkpoint import dense_reason
 from lab.export.compressed_tensors import ct_args
 from lab.export.lab_json import expected_qparam_shape
+from lab.export.recipe import ragged_groups
 
 SHAPE_BYTES = 16
 """A packed weight's ``weight_shape``: two int64."""
@@ -43,17 +44,27 @@ def weight_bytes(
     rows, columns = shape
     inputs = _input_bytes(input_spec, shape) if layer_type == "Linear" else 0
     dense = rows * columns * dense_element_bytes + inputs
-    if spec is None or dense_reason(spec, "weight", layer_type) is not None:
+    if spec is None or why_dense(spec, shape, layer_type) is not None:
         return dense
     args, _ = ct_args(spec, "weight")
-    if args is None:
-        return dense
     total = _element_bytes(args, rows, columns) + SHAPE_BYTES + inputs
     scales = math.prod(expected_qparam_shape(spec, "weight", shape) or (1,))
     total += scales * (1 if args.get("scale_dtype") in _ONE_BYTE_SCALES else FLOAT32_BYTES)
     if args["strategy"] == "tensor_group":
         total += FLOAT32_BYTES  # NVFP4's global scale
     return total
+
+
+def why_dense(spec: ob.QuantSpec, shape: tuple[int, int], layer_type: str = "Linear") -> str | None:
+    """Why the checkpoint would keep a ``(rows, columns)`` weight dense under ``spec`` (None: it
+    packs it): ``checkpoint.dense_reason``, a spec compressed-tensors cannot express, ragged groups."""
+    reason = dense_reason(spec, "weight", layer_type)
+    if reason is not None:
+        return reason
+    args, notes = ct_args(spec, "weight")
+    if args is None:
+        return "; ".join(notes) or "compressed-tensors cannot express it"
+    return ragged_groups(args, shape[1])
 
 
 def bits_per_weight(spec: ob.QuantSpec | None, shape: tuple[int, int], dense_element_bytes: int) -> float:
@@ -128,6 +139,10 @@ class LayerSizes:
     def weights(self) -> int:
         """Weight elements of the chosen layers: what bits per weight are averaged over."""
         return sum(rows * columns for rows, columns in self.shapes.values())
+
+    def why_dense(self, layer: str, spec: ob.QuantSpec) -> str | None:
+        """Why the checkpoint would keep ``layer`` dense under ``spec`` (None: it packs it)."""
+        return why_dense(spec, self.shapes[layer], self.types[layer])
 
     def layer_bytes(self, layer: str, spec: ob.QuantSpec | None, input_spec: ob.QuantSpec | None = None) -> int:
         return weight_bytes(spec, self.shapes[layer], self.element_bytes[layer], self.types[layer], input_spec)

@@ -134,6 +134,20 @@ def _budget_words(sizes: LayerSizes, layer_bytes: int) -> str:
     return f"{bits:.4g} bits per weight (a {sizes.checkpoint_bytes(layer_bytes):,}-byte checkpoint)"
 
 
+def scheme_layers(sizes: LayerSizes, schemes: Sequence[Scheme]) -> dict[str, list[str]]:
+    """Each quantizing scheme's layers: those the checkpoint stores packed under it (a scheme it
+    would leave dense, or cannot export, is no option there). A scheme with none is a
+    ``ValueError`` saying why."""
+    found = {}
+    for scheme in (s for s in schemes if not s.dense):
+        reasons = {layer: sizes.why_dense(layer, scheme.weight) for layer in sizes.shapes}
+        found[scheme.name] = [layer for layer, why in reasons.items() if why is None]
+        if not found[scheme.name]:
+            layer, why = next(iter(reasons.items()))
+            raise ValueError(f"scheme {scheme.name} applies to no chosen layer (e.g. {layer}: {why})")
+    return found
+
+
 def check_budgets(sizes: LayerSizes, schemes: Sequence[Scheme], budgets: Sequence[Budget]) -> None:
     """Before any scoring: a budget below every layer's cheapest scheme cannot be met, whatever
     the scores (``allocate`` checks again with the schemes each layer turned out to take)."""
@@ -141,10 +155,8 @@ def check_budgets(sizes: LayerSizes, schemes: Sequence[Scheme], budgets: Sequenc
     for layer in sizes.shapes:
         costs = []
         for scheme in schemes:
-            try:
+            if scheme.dense or sizes.why_dense(layer, scheme.weight) is None:
                 costs.append(sizes.layer_bytes(layer, scheme.weight, scheme.input))
-            except ValueError:  # a spec that does not fit this layer: it is not an option here
-                continue
         cheapest += min(costs, default=0)
     for budget in budgets:
         if budget.layer_bytes(sizes.weights, sizes.rest_bytes) < cheapest:

@@ -14,7 +14,7 @@ an encoder; lower is better for every metric.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -29,7 +29,7 @@ from lab.results.plots.effect import damage
 from lab.vocab import DEFAULT_METRIC
 
 ProgressFn = Callable[[int, int, str], None]
-Analyse = Callable[[Scheme, RunConfig], Analysis]
+Analyse = Callable[[Scheme, RunConfig, Sequence[str]], Analysis]
 """How a run is analysed (the CLI's and the app's ``analyse`` with their progress and cache)."""
 
 
@@ -77,7 +77,7 @@ def part_configs(base: RunConfig, scheme: Scheme) -> list[RunConfig]:
 
 def score(
     evaluator: Evaluator,
-    layers: Sequence[str],
+    layers: Mapping[str, Sequence[str]],
     schemes: Sequence[Scheme],
     base: RunConfig,
     run_analysis: Analyse,
@@ -85,10 +85,11 @@ def score(
     metric: str | None = None,
     progress: ProgressFn | None = None,
 ) -> Scores:
-    """Analyse the layers under each quantizing scheme (``run_analysis`` of each of
-    ``part_configs(base, scheme)``: the calibration settings are the base's), then score every
-    observer that gave qparams on each layer. A scheme that gives no qparams on any chosen layer
-    is a ``ValueError`` naming it."""
+    """Analyse each quantizing scheme's layers (``layers[scheme.name]``: those the checkpoint can
+    store under it) with ``run_analysis(scheme, config, layers)`` for each of ``part_configs(base,
+    scheme)`` (the calibration settings are the base's), then score every observer that gave
+    qparams on each layer. A scheme that gives no qparams on any of its layers is a ``ValueError``
+    naming it."""
     metric = metric or evaluator.default_metric
     if metric not in evaluator.metric_names:
         raise ValueError(
@@ -100,14 +101,15 @@ def score(
     for index, scheme in enumerate(quantizing):
         if progress is not None:
             progress(index, len(quantizing), f"analysing {scheme.name}")
-        analyses[scheme.name] = [run_analysis(scheme, config) for config in part_configs(base, scheme)]
+        mine = layers[scheme.name]
+        analyses[scheme.name] = [run_analysis(scheme, config, mine) for config in part_configs(base, scheme)]
     jobs = []
     for scheme in quantizing:
         weights, *inputs = analyses[scheme.name]
         analysed = set(weights.keys())
         found = [
             (scheme, layer, observer, _input_choice(inputs[0] if inputs else None, layer))
-            for layer in layers
+            for layer in layers[scheme.name]
             if (layer, "weight") in analysed
             for observer in usable_observers(weights.entry(layer, "weight"))
         ]

@@ -141,20 +141,23 @@ class _Group:
     mapped: dict[str, list[tuple[str, _Mapped]]]
 
 
-def _indivisible(item: CtLayer, shapes: Mapping[str, tuple[int, ...]], notes: list[str]) -> bool:
-    """Whether the layer's weight has grouped scales over a column count its group size does not
-    divide (the lab allows a ragged last group); llm-compressor refuses such a layer when the
-    modifier initializes, so the weight is left out and noted."""
-    args, columns = item.args.get("weight"), (shapes.get(item.layer) or (0,))[-1]
+def ragged_groups(args: Mapping[str, Any] | None, columns: int) -> str | None:
+    """Why weight ``args`` cannot be exported over ``columns`` columns: grouped scales over a column
+    count the group size does not divide (the lab allows a ragged last group), which llm-compressor
+    refuses when the modifier initializes. None when they can."""
     if args is None or args["strategy"] not in ("group", "tensor_group") or columns < args["group_size"]:
-        return False
+        return None
     if columns % args["group_size"] == 0:
-        return False
-    notes.append(
-        f"{item.layer} weight: {columns} columns are not a multiple of group size {args['group_size']}, "
-        "which llm-compressor refuses; not exported"
-    )
-    return True
+        return None
+    return f"{columns} columns are not a multiple of group size {args['group_size']}, which llm-compressor refuses"
+
+
+def _indivisible(item: CtLayer, shapes: Mapping[str, tuple[int, ...]], notes: list[str]) -> bool:
+    """Whether the layer's weight has ragged groups (``ragged_groups``): then it is left out and noted."""
+    why = ragged_groups(item.args.get("weight"), (shapes.get(item.layer) or (0,))[-1])
+    if why is not None:
+        notes.append(f"{item.layer} weight: {why}; not exported")
+    return why is not None
 
 
 def config_groups_of(
