@@ -12,6 +12,7 @@ from bench.bench_float_grid import user_search
 from bench.common import llm_weight
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
+from observers.gptq import gptq_quantize, gptq_quantize_fixed, layer_output_error
 from sample_models import open_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -66,3 +67,79 @@ def test_float_searches_on_cuda_pick_what_the_cpu_kernels_pick(name, spec):
     assert same.float().mean() >= 0.999, (name, float(same.float().mean()))
     if on_cpu.global_scale is not None:
         torch.testing.assert_close(on_gpu.global_scale.cpu(), on_cpu.global_scale)
+
+
+def _observer_fn(spec: ob.QuantSpec, name: str):
+    def qparams(w: torch.Tensor) -> ob.QParams:
+        observer = ob.create(name, spec, kind="weight")
+        observer.observe(w)
+        return observer.qparams()
+
+    return qparams
+
+
+def _layer_and_hessian(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LLM-shaped weight and a Hessian of correlated inputs, made on the CPU and moved."""
+    generator = torch.Generator().manual_seed(0)
+    weight = llm_weight(256, 1024)
+    mixing = torch.randn(1024, 1024, generator=generator) / 32
+    rows = torch.randn(4096, 1024, generator=generator) @ mixing
+    return weight.to(device), ob.gptq.hessian_of_rows(rows).to(device)
+
+
+@pytest.mark.parametrize("scales", ["fixed", "refit"])
+def test_gptq_on_cuda_matches_the_cpu(scales):
+    """GPTQ's sweep on the GPU (its Cholesky and updates in the GPU's float order) gives the CPU's
+    codes up to rounding ties that the last bits decide, and the same layer-output error."""
+    spec = ob.QuantSpec("int4", strategy="group", group_size=128)
+    found = {}
+    for device in ("cpu", "cuda"):
+        weight, hessian = _layer_and_hessian(device)
+        found[device] = (
+            gptq_quantize(weight, hessian, spec, _observer_fn(spec, "minmax"), actorder="weight", scales=scales),
+            weight,
+            hessian,
+        )
+    (cpu, weight, hessian), (gpu, _, _) = found["cpu"], found["cuda"]
+    assert gpu.weight.device.type == "cuda"
+    same = (gpu.codes.cpu() == cpu.codes).float().mean().item()
+    assert same >= 0.99, same
+    errors = [layer_output_error(weight, r.weight.cpu(), hessian) for r in (cpu, gpu)]
+    assert errors[1] == pytest.approx(errors[0], rel=0.02)
+
+
+def test_stacked_gptq_on_cuda_is_each_observers_own():
+    """``gptq_quantize_fixed`` sweeps several observers' copies at once on the GPU: each one's codes
+    are those of its own ``gptq_quantize`` on the GPU."""
+    spec = ob.QuantSpec("int4", strategy="group", group_size=128)
+    weight, hessian = _layer_and_hessian("cuda")
+    names = ("minmax", "mse_grid", "imatrix_mse")
+    together = gptq_quantize_fixed(weight, hessian, spec, [_observer_fn(spec, n) for n in names], actorder="weight")
+    for name, stacked in zip(names, together, strict=True):
+        alone = gptq_quantize(weight, hessian, spec, _observer_fn(spec, name), actorder="weight")
+        assert (stacked.codes == alone.codes).float().mean().item() >= 0.999, name
+
+
+def test_allocation_on_cuda_matches_the_cpu(tmp_path):
+    """``allocate --device cuda`` scores, solves and measures on the GPU: the same layers' scores
+    as the CPU's within the devices' float differences, the budget kept, and the JSON written."""
+    import json
+
+    from lab.cli import main
+
+    found = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.json"
+        code = main(
+            ["allocate", "tiny-llama", "--layers", "model.layers.1.*", "--schemes", "W4A16,FP8,none",
+             "--budget", "7", "--budgets", "6,8", "--observers", "minmax,mse_grid", "--samples", "8",
+             "--held-out-samples", "8", "--device", device, "--out", str(out), "--quiet"]
+        )  # fmt: skip
+        assert code == 0
+        found[device] = json.loads(out.read_text())["config"]["allocation"]
+    cpu, gpu = found["cpu"], found["cuda"]
+    assert gpu["bits_per_weight"] <= 7
+    for a, b in zip(cpu["frontier"]["uniform"], gpu["frontier"]["uniform"], strict=True):
+        assert a["name"] == b["name"]
+        assert b["measured"]["kl"] == pytest.approx(a["measured"]["kl"], rel=0.05, abs=1e-6)
+        assert b["predicted"] == pytest.approx(a["predicted"], rel=0.05, abs=1e-6)
