@@ -29,6 +29,7 @@ PAGES = [
     st.Page("pages/error.py", title="Error", icon=":material/query_stats:"),
     st.Page("pages/export.py", title="Choose & export", icon=":material/download:"),
     st.Page("pages/effect.py", title="Model effect", icon=":material/model_training:"),
+    st.Page("pages/allocate.py", title="Allocate", icon=":material/tune:"),
 ]
 
 st.navigation(PAGES).run()

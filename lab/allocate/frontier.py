@@ -22,7 +22,7 @@ from lab.allocate.schemes import NONE, Budget, Scheme
 from lab.allocate.score import Scores, quantized
 from lab.allocate.solve import Option, least_cost, solve
 from lab.effect.evaluate import ChoiceSet, Evaluator
-from lab.results.plots.effect import damage
+from lab.results import damage
 
 PART_RATIO = 1.5
 """Measured over predicted (or predicted over measured) beyond this: the two part, and the page says so."""

@@ -54,6 +54,7 @@ def frontier_figure(frontier: Frontier) -> go.Figure:
                 mode="markers+text" if "measured" in label else "markers",
                 textposition="top center",
                 marker={"symbol": symbol, "size": 11, "color": "#d62728"},
+                cliponaxis=False,  # the uniforms' names above them
                 name=label,
                 hovertemplate="%{text}<br>%{x:.3f} bits/weight<br>" + name + " %{y:.4g}<extra></extra>",
             )
@@ -65,7 +66,7 @@ def frontier_figure(frontier: Frontier) -> go.Figure:
         height=420,
         margin={"t": 40, "l": 10, "r": 10, "b": 10},
     )
-    return legend_on_top(figure)
+    return legend_on_top(figure, title="", entries=4)
 
 
 def _floor(value: float | None) -> float | None:

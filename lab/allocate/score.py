@@ -6,7 +6,7 @@ Each quantizing scheme is an ``analyse`` run over the chosen layers' weights (ev
 per layer and scheme) and one over their inputs; each score is one ``EffectRunner`` run from the
 layer's block (the float hidden states at every block boundary are cached), and observers whose
 quantized layer is the same (same qparams) share a run (``lab.effect.sensitivity.quant_digest``).
-The score is the damage in the metric that ranks (``lab.results.plots.effect.damage``, the
+The score is the damage in the metric that ranks (``lab.results.damage``, the
 sensitivity heatmap's rule): KL of next-token distributions for a decoder, 1 − embedding cosine for
 an encoder; lower is better for every metric.
 """
@@ -24,8 +24,7 @@ from lab.analyse.analysis import Analysis
 from lab.analyse.run_config import RunConfig
 from lab.effect.evaluate import ChoiceSet, Evaluator, check_applies, from_analysis
 from lab.effect.sensitivity import quant_digest
-from lab.results import choose, usable_observers
-from lab.results.plots.effect import damage
+from lab.results import choose, damage, usable_observers
 from lab.vocab import DEFAULT_METRIC
 
 ProgressFn = Callable[[int, int, str], None]

@@ -239,7 +239,7 @@ class AllocateState:
     def check(self, model: Any, request: Any, layers: Sequence[str], calibration_problem: str | None) -> Asked:
         """The form as ``Asked``, or a ``ValueError`` saying the first problem in one line: no layer,
         no scheme, an unknown scheme, budgets in two units or below the cheapest allocation."""
-        from lab.allocate.frontier import check_budgets
+        from lab.allocate.frontier import check_budgets, scheme_layers
 
         form = self.form
         if not layers:
@@ -253,7 +253,9 @@ class AllocateState:
         try:
             schemes = parse_schemes(form.scheme_text(), weights_only=form.weights_only)
             budget, budgets = parse_budgets(form.budget.strip() or None, form.budgets)
-            check_budgets(self.sizes_of(model, request, layers), schemes, budgets)
+            sizes = self.sizes_of(model, request, layers)
+            scheme_layers(sizes, schemes)
+            check_budgets(sizes, schemes, budgets)
         except ValueError as err:
             raise ValueError(app_words(str(err))) from None
         observers = tuple(form.observers) or None
@@ -303,19 +305,20 @@ class AllocateState:
         layers, schemes = list(asked.layers), list(asked.schemes)
         sizes = self.sizes_of(model, request, layers)
         groups = fused_groups(layers)
+        mine = frontier.scheme_layers(sizes, schemes)
         base = base_config(settings, schemes, asked.observers)
         evaluator = self.evaluator_for(model, request, settings)
         parts = sum(len(part_configs(base, s)) for s in schemes if not s.dense)
         calls, notes = itertools.count(), []
         calibrating, scoring, measuring = (_staged(progress, stage) for stage in STAGES)
 
-        def analysed(scheme: Scheme, config: RunConfig) -> Any:
+        def analysed(scheme: Scheme, config: RunConfig, chosen: Sequence[str]) -> Any:
             index, what = next(calls), "inputs" if "input" in config.specs else "weights"
 
             def told(done: int, total: int, line: str) -> None:
                 calibrating((index + _fraction(done, total)) / parts, f"calibrating {scheme.name} {what} · {line}")
 
-            computed = SessionRun(model, layers, config, (), cache, memo).compute(told)
+            computed = SessionRun(model, list(chosen), config, (), cache, memo).compute(told)
             notes.extend(computed.notes)
             return computed.analysis
 
@@ -324,7 +327,7 @@ class AllocateState:
                 scoring(_fraction(done, total), f"scoring {done}/{total} · {line}")
 
         try:
-            scores = score(evaluator, layers, schemes, base, analysed, metric=asked.metric, progress=scored)
+            scores = score(evaluator, mine, schemes, base, analysed, metric=asked.metric, progress=scored)
             options = frontier.layer_options(scores, sizes, schemes)
             measured = frontier.frontier(
                 evaluator,

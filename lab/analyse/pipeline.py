@@ -119,7 +119,11 @@ def analyse(
             "holds weights only: open a full model (directory with config.json, or a built-in sample)"
         )
     gptq = config.gptq is not None
-    streams = bool(activation_keys(layers, attention, config) or config.actorder or gptq or observed.smooths(config))
+    # a weights-only run calibrates too when its weight observers take their inputs' statistics (imatrix's
+    # importance, local_hessian's blocks) and the model can run: without them they would search unweighted
+    statistics = bool(observed.wanted_statistics(config)) and getattr(model, "supports_activations", True)
+    streams = bool(activation_keys(layers, attention, config) or config.actorder or gptq or statistics)
+    streams = streams or observed.smooths(config)
     calibration = _calibration_set(model, config) if streams else None  # a bad dataset stops it here
     entries: list[TensorAnalysis] = []
     warnings: list[str] = [calibration.shortfall] if calibration is not None and calibration.shortfall else []

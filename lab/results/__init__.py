@@ -66,6 +66,23 @@ def higher_is_better(metric: str) -> bool:
     return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]
 
 
+def is_similarity(metric: str) -> bool:
+    """Whether the model-level ``metric`` is a similarity to the float model (1: unchanged): the
+    higher-is-better ones by ``lab.results.higher_is_better`` (top-1 agreement, cosine, Spearman);
+    KL and perplexity are lower-is-better. An unknown metric is a ``ValueError``."""
+    return higher_is_better(MODEL_METRIC_PREFIX + metric)
+
+
+def damage(metric: str, value: float, float_value: float | None = None) -> float:
+    """How far ``value`` is from the float model's, as a positive number (0: no change): one minus
+    an agreement/cosine/correlation, the relative rise of perplexity, KL itself."""
+    if is_similarity(metric):
+        return max(1.0 - value, 0.0)
+    if metric == "perplexity":
+        return abs(value / float_value - 1.0) if float_value else abs(value)
+    return max(value, 0.0)
+
+
 def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[str, float]:
     """Each observer's value of ``metric`` on ``entry``: its own metrics for a local metric, the
     model-level effect of quantizing this tensor with it for a ``model:`` one (none without ``effect``)."""

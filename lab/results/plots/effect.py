@@ -16,6 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from lab import results
+from lab.results import damage, is_similarity  # noqa: F401  (the page and the tests read them here too)
 from lab.results.plots.style import METRIC_LABELS, legend_on_top, observer_color, tensor_label
 from lab.vocab import model_metric
 
@@ -28,23 +29,6 @@ MODEL_METRIC_LABELS = {
 }
 DAMAGE_FLOOR = 1e-12
 SET_COLORS = ("#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
-
-
-def is_similarity(metric: str) -> bool:
-    """Whether the model-level ``metric`` is a similarity to the float model (1: unchanged): the
-    higher-is-better ones by ``lab.results.higher_is_better`` (top-1 agreement, cosine, Spearman);
-    KL and perplexity are lower-is-better. An unknown metric is a ``ValueError``."""
-    return results.higher_is_better(model_metric(metric))
-
-
-def damage(metric: str, value: float, float_value: float | None = None) -> float:
-    """How far ``value`` is from the float model's, as a positive number (0: no change): one minus
-    an agreement/cosine/correlation, the relative rise of perplexity, KL itself."""
-    if is_similarity(metric):
-        return max(1.0 - value, 0.0)
-    if metric == "perplexity":
-        return abs(value / float_value - 1.0) if float_value else abs(value)
-    return max(value, 0.0)
 
 
 def cell_text(metric: str, value: float) -> str:
