@@ -203,6 +203,7 @@ def test_the_command_prints_the_frontier_and_writes_every_file(allocated):
     assert {"all NVFP4", "all W4A16", "all FP8", "all none"} <= set(lines)
     assert "predicted against measured: Spearman" in out
     assert "budget 40 is above what every layer's best option takes" in err
+    assert "note: NVFP4 takes 4.5" in err and "note: FP8 takes 8" in err and "note: none takes 32 bits" in err
     described = _allocation(where)
     assert described["budget"] == "5" and described["bits_per_weight"] <= 5
     assert len(described["layers"]) == 6 and len(described["frontier"]["allocations"]) == 4
@@ -301,6 +302,13 @@ def test_the_recipe_gives_every_layer_its_scheme_and_observer(allocated):
         assert {k: written.get(k) for k in fields} == {k: expected.get(k) for k in fields}, entry.layer
         if entry.tensor == "weight" or not entry.spec.dynamic:
             assert written["observer"] == lc_observer(entry.observer, entry.knobs, entry.tensor)[0]
+
+
+def test_export_writes_the_same_recipe_from_the_allocation_file_later(allocated):
+    where, _, _ = allocated
+    code, out, err = _cli("export", str(where / "a.json"), "--model", "minilm", "--recipe", str(where / "again.yaml"))
+    assert code == 0, err
+    assert (where / "again.yaml").read_text() == (where / "r.yaml").read_text()
 
 
 @pytest.mark.parametrize(

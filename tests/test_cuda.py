@@ -143,3 +143,17 @@ def test_allocation_on_cuda_matches_the_cpu(tmp_path):
         assert a["name"] == b["name"]
         assert b["measured"]["kl"] == pytest.approx(a["measured"]["kl"], rel=0.05, abs=1e-6)
         assert b["predicted"] == pytest.approx(a["predicted"], rel=0.05, abs=1e-6)
+
+
+def test_encoder_metrics_on_cuda_are_the_cpus():
+    """An encoder's model-level metrics (cosine, the Spearman of pairwise similarities) computed
+    from embeddings on the GPU: the CPU's figures."""
+    from lab.effect.evaluate import encoder_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    clean = [torch.randn(8, 32, generator=generator) for _ in range(3)]
+    noisy = [x + 0.1 * torch.randn(x.shape, generator=generator) for x in clean]
+    on_cpu = encoder_metrics(clean, noisy)
+    on_gpu = encoder_metrics([x.cuda() for x in clean], [x.cuda() for x in noisy])
+    assert on_gpu["cosine"] == pytest.approx(on_cpu["cosine"], rel=1e-6)
+    assert on_gpu["spearman"] == pytest.approx(on_cpu["spearman"], rel=1e-9)

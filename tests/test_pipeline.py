@@ -53,11 +53,27 @@ def test_imatrix_gets_importance_from_captured_inputs():
     assert not torch.equal(result.qparams.scale, plain.qparams.scale)
 
 
-def test_weights_only_imatrix_falls_back_with_warning():
+def test_a_weights_only_run_captures_the_importance_its_observers_take():
+    """imatrix's column importance needs the layer's inputs: a weights-only run captures them when
+    the model can run, and gives the importance of every input row."""
     config = RunConfig(specs={"weight": ob.QuantSpec("int4", strategy="channel")}, observers=("imatrix_mse",))
+    model = _Model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analysis = analyse(model, ["fc"], config)
+    assert model.captures == 1
+    result = analysis.entry("fc", "weight").results[0]
+    assert result.error is None
+    torch.testing.assert_close(result.knobs["importance"], ob.column_importance(model.inputs["fc"]), rtol=1e-6, atol=0)
+
+
+def test_weights_only_imatrix_on_a_model_that_cannot_run_falls_back_with_warning():
+    config = RunConfig(specs={"weight": ob.QuantSpec("int4", strategy="channel")}, observers=("imatrix_mse",))
+    model = _Model()
+    model.supports_activations = False  # a bare weights file: nothing to run the inputs through
     with pytest.warns(UserWarning, match="importance"):
-        analysis = analyse(_Model(), ["fc"], config)
-    assert analysis.entry("fc", "weight").results[0].error is None
+        analysis = analyse(model, ["fc"], config)
+    assert model.captures == 0 and analysis.entry("fc", "weight").results[0].error is None
 
 
 def test_actorder_groups_weight_columns_by_input_importance():

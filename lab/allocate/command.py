@@ -142,6 +142,11 @@ def run(
     base = base_config(args, next(s for s in schemes if not s.dense))
     evaluator = Evaluator(model, sequential=args.sequential, max_memory=base.max_memory, **held_out)
     err.write(f"note: schemes {describe(schemes)}\n")
+    for scheme in schemes:
+        chosen = mine.get(scheme.name, list(layers))
+        bits = sizes.scheme_bits(scheme.weight, scheme.input, chosen)
+        where = "" if len(chosen) == len(layers) else f" (on the {len(chosen)} layers it applies to)"
+        err.write(f"note: {scheme.name} takes {bits:.4g} bits per weight{where}, as the checkpoint stores it\n")
     for name, members in groups:
         if len(members) > 1:
             err.write(f"note: {name} shares one scheme ({len(members)} layers fused by the server)\n")

@@ -147,6 +147,11 @@ class LayerSizes:
     def layer_bytes(self, layer: str, spec: ob.QuantSpec | None, input_spec: ob.QuantSpec | None = None) -> int:
         return weight_bytes(spec, self.shapes[layer], self.element_bytes[layer], self.types[layer], input_spec)
 
+    def scheme_bits(self, spec: ob.QuantSpec | None, input_spec: ob.QuantSpec | None, layers: Sequence[str]) -> float:
+        """Average bits per weight a scheme takes on ``layers`` (the figure each scheme is quoted by)."""
+        total = sum(self.layer_bytes(layer, spec, input_spec) for layer in layers)
+        return 8 * total / sum(self.shapes[layer][0] * self.shapes[layer][1] for layer in layers)
+
     def bits_per_weight(self, layer_bytes: int) -> float:
         """Bytes of the chosen layers as average bits per weight over them."""
         return 8 * layer_bytes / self.weights

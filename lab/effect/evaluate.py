@@ -232,7 +232,8 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
     """0-based ranks of a 1-D tensor's values (ties by position: similarities of real sentences
     do not tie)."""
     order = x.argsort(stable=True)
-    return torch.empty_like(x, dtype=torch.float64).scatter_(0, order, torch.arange(len(x), dtype=torch.float64))
+    ranks = torch.arange(len(x), dtype=torch.float64, device=x.device)
+    return torch.empty_like(x, dtype=torch.float64).scatter_(0, order, ranks)
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
