@@ -381,6 +381,41 @@ class EffectRunner:
         with self.model._capture_lock:
             return self._run_blocks(quantization, start, keep=False, sqnr=sqnr)
 
+    def run_stacked(self, variants: Sequence[Quantization], start: int | None = None) -> list[RunResult]:
+        """A ``run`` (``sqnr=False``) of each of ``variants``, quantizations of the same tensors of linear
+        layers, in one pass: each held-out batch's hidden states repeated once per variant along the
+        batch, each variant's tensors applied to its own share. The matrix products are larger (a
+        CPU runs them faster) and the Python around them runs once; the outputs are each variant's
+        own up to the last bits that a larger product sums in another order."""
+        if len(variants) == 1:
+            return [self.run(variants[0], start, sqnr=False)]
+        keys = list(variants[0])
+        if any(list(v) != keys for v in variants) or any(tensor in ("k", "v") for _, tensor in keys):
+            raise ValueError("stacked runs quantize the same tensors of linear layers in every variant")
+        for variant in variants:
+            self.check(variant)
+        first = self.start_of(keys)
+        start = first if start is None else start
+        if not 0 <= start <= first:
+            raise ValueError(f"start={start} must be between 0 and {first}, the first block this quantization touches")
+        n, owner = len(variants), threading.get_ident()
+        with self.model._capture_lock, torch.inference_mode():
+            hidden = [torch.cat([h] * n) for h in self._boundaries[start]]
+            for index in range(start, self.num_blocks):
+                inside = [{k: q for k, q in v.items() if self.block_of(k[0]) == index} for v in variants]
+                with self._backend.block(index) as block, _stacked_hooks(self._backend.module, inside, owner):
+                    calls = [
+                        _Call(*_repeated((c.args, c.kwargs), len(h) // n, n), c.by_keyword)
+                        for c, h in zip(self._calls[index], hidden, strict=True)
+                    ]
+                    hidden = [call.invoke(block, h, {}) for call, h in zip(calls, hidden, strict=True)]
+            after = [{k: q for k, q in v.items() if self.block_of(k[0]) == self.num_blocks} for v in variants]
+            with self._backend.outer(), _stacked_hooks(self._backend.module, after, owner):
+                batches = [_repeated(batch, len(batch.input_ids), n) for batch in self.batches]
+                outputs = [self._tail(h, batch) for h, batch in zip(hidden, batches, strict=True)]
+        nan = [math.nan] * self.num_blocks
+        return [RunResult([o.chunk(n)[i] for o in outputs], nan, start) for i in range(n)]
+
     def _run_blocks(self, quantization: Quantization, start: int, keep: bool, sqnr: bool = True) -> RunResult:
         hidden = self._boundaries[start]
         owner = threading.get_ident()
@@ -497,6 +532,46 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def _stacked_hooks(root: nn.Module, variants: Sequence[Quantization], owner: int) -> Iterator[None]:
+    """``quantizing_hooks`` for stacked variants: a chosen linear layer's input and output are cut
+    into one share per variant along the batch, and each share goes through that variant's hook."""
+    names = dict.fromkeys(name for name, _ in variants[0])
+    handles = []
+    try:
+        for name in names:
+            hooks = [_linear_hook({t: q for (m, t), q in v.items() if m == name}, 1, owner) for v in variants]
+            handles.append(root.get_submodule(name).register_forward_hook(_share_hook(hooks), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _share_hook(hooks: list[Callable]) -> Callable:
+    def hook(mod, args, kwargs, output):
+        x = args[0] if args else next(iter(kwargs.values()))
+        shares = list(zip(x.chunk(len(hooks)), output.chunk(len(hooks)), strict=True))
+        found = [own(mod, (part,), {}, out) for own, (part, out) in zip(hooks, shares, strict=True)]
+        return torch.cat([out if f is None else f for f, (_, out) in zip(found, shares, strict=True)])
+
+    return hook
+
+
+def _repeated(value, batch: int, n: int):
+    """``value`` (a block call's keyword arguments, or a held-out ``Batch``) with every tensor whose
+    first dimension is the batch repeated ``n`` times along it; one of size 1 broadcasts as it is."""
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value] * n) if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
+    if isinstance(value, Batch):
+        return Batch(*(torch.cat([t] * n) for t in (value.input_ids, value.attention_mask, value.keep)))
+    if isinstance(value, dict):
+        return {k: _repeated(v, batch, n) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_repeated(v, batch, n) for v in value)
+    return value
 
 
 def _linear_hook(chosen: dict[str, TensorQuant], heads: int, owner: int):

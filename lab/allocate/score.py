@@ -28,6 +28,8 @@ from lab.results import choose, damage, usable_observers
 from lab.vocab import DEFAULT_METRIC
 
 ProgressFn = Callable[[int, int, str], None]
+STACKED = 8
+"""Observers of one layer run together at most (their hidden states stacked along the batch)."""
 Analyse = Callable[[Scheme, RunConfig, Sequence[str]], Analysis]
 """How a run is analysed (the CLI's and the app's ``analyse`` with their progress and cache)."""
 
@@ -116,24 +118,20 @@ def score(
             raise ValueError(f"scheme {scheme.name} applies to no chosen layer: {_why_not(weights)}")
         jobs += found
     floats = evaluator.float_metrics()
-    done: dict[tuple, dict[str, float]] = {}
-    rows, checked = [], set()
-    for step, (scheme, layer, observer, input_observer) in enumerate(jobs):
-        if progress is not None:
-            progress(step, len(jobs), f"{layer} · {scheme.name} · {observer}")
+    planned: dict[tuple, dict] = {}  # a distinct quantized layer: its tensors, run once
+    keyed, checked = [], set()
+    for scheme, layer, observer, input_observer in jobs:
         one = quantized(analyses[scheme.name], layer, observer, input_observer, f"{layer} {scheme.name} {observer}")
         if layer not in checked:
             check_applies(one, evaluator.model)
             checked.add(layer)
-        weights = analyses[scheme.name][0]
-        key = (
-            scheme.name,
-            input_observer,
-            quant_digest(weights.entry(layer, "weight"), one.tensors[(layer, "weight")]),
-        )
-        if key not in done:
-            run = evaluator.runner.run(one.tensors, sqnr=False)
-            done[key] = evaluator.metrics(run) | {"first_block": run.start}
+        digest = quant_digest(analyses[scheme.name][0].entry(layer, "weight"), one.tensors[(layer, "weight")])
+        key = (scheme.name, layer, input_observer, digest)
+        planned.setdefault(key, one.tensors)
+        keyed.append(key)
+    done = _run_all(evaluator, planned, progress)
+    rows = []
+    for (scheme, layer, observer, input_observer), key in zip(jobs, keyed, strict=True):
         values = done[key]
         rows.append(
             {
@@ -145,10 +143,29 @@ def score(
                 **values,
             }
         )
-    if progress is not None:
-        progress(len(jobs), len(jobs), "scored")
     frame = pd.DataFrame(rows)
     return Scores(frame, metric, analyses, floats, len(jobs), len(done), time.perf_counter() - start_time)
+
+
+def _run_all(evaluator: Evaluator, planned: dict[tuple, dict], progress: ProgressFn | None) -> dict[tuple, dict]:
+    """Every distinct quantized layer's model-level metrics: a (scheme, layer)'s observers run
+    together, ``STACKED`` at a time (``EffectRunner.run_stacked``)."""
+    by_layer: dict[tuple, list[tuple]] = {}
+    for key in planned:
+        by_layer.setdefault(key[:2], []).append(key)
+    done: dict[tuple, dict] = {}
+    for keys in by_layer.values():
+        for first in range(0, len(keys), STACKED):
+            chunk = keys[first : first + STACKED]
+            if progress is not None:
+                progress(len(done), len(planned), f"{chunk[0][1]} · {chunk[0][0]} · {len(chunk)} observer(s)")
+            runs = evaluator.runner.run_stacked([planned[key] for key in chunk])
+            done |= {
+                key: evaluator.metrics(run) | {"first_block": run.start} for key, run in zip(chunk, runs, strict=True)
+            }
+    if progress is not None:
+        progress(len(planned), len(planned), "scored")
+    return done
 
 
 def quantized(parts: Sequence[Analysis], layer: str, observer: str, input_observer: str | None, name: str) -> ChoiceSet:
