@@ -5,7 +5,8 @@ observer the run's ranking rule picks, or at run time for a dynamic input).
 Each quantizing scheme is an ``analyse`` run over the chosen layers' weights (every observer once
 per layer and scheme) and one over their inputs; each score is one ``EffectRunner`` run from the
 layer's block (the float hidden states at every block boundary are cached), and observers whose
-quantized layer is the same (same qparams) share a run (``lab.effect.sensitivity.quant_digest``).
+quantized layer is the same (same qparams) share a run (``lab.effect.sensitivity.quant_digest``);
+a layer's observers run together, their hidden states stacked (``EffectRunner.run_stacked``).
 The score is the damage in the metric that ranks (``lab.results.damage``, the
 sensitivity heatmap's rule): KL of next-token distributions for a decoder, 1 − embedding cosine for
 an encoder; lower is better for every metric.
