@@ -134,6 +134,21 @@ def test_a_budget_below_the_cheapest_names_the_least_feasible_and_above_all_take
     assert top.unconstrained and set(top.schemes().values()) == {NONE} and top.predicted == 0.0
 
 
+def test_a_size_budget_solves_as_the_bits_it_leaves_the_chosen_layers():
+    schemes = parse_schemes("NVFP4A16,W4A16,FP8,none")
+    assert schemes[0].weight.dtype == "nvfp4" and schemes[0].input is None  # a weights-only preset
+    layers = [f"l{i}" for i in range(6)]
+    sizes = _sizes(layers)
+    table = {layer: {"NVFP4A16": 0.02 * i, "W4A16": 0.03 * i, "FP8": 0.001} for i, layer in enumerate(layers, 1)}
+    options = fr.layer_options(_scores(table), sizes, schemes)
+    groups = fused_groups(layers)
+    by_bits = fr.allocate(options, groups, sizes, Budget("6", bits_per_weight=6.0))
+    size = sizes.rest_bytes + 6 * sizes.weights // 8
+    by_size = fr.allocate(options, groups, sizes, Budget(f"{size}B", checkpoint_bytes=size))
+    assert by_size.schemes() == by_bits.schemes() and by_size.checkpoint_bytes <= size
+    assert by_bits.checkpoint_bytes == sizes.rest_bytes + by_bits.layer_bytes
+
+
 def test_a_scheme_missing_from_a_layer_is_no_option_there_and_no_uniform_point():
     schemes = parse_schemes("W4A16,FP8")
     sizes = _sizes(["a", "b"])
