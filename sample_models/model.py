@@ -176,6 +176,10 @@ class Model:
         rewritten holding only what it is writing."""
         return self._store.stored(key)
 
+    def stored_bytes(self, key: str) -> int:
+        """Bytes one stored tensor takes as stored (from its file's header where there is one)."""
+        return self._store.stored_bytes(key)
+
     def module(self) -> nn.Module:
         """The executable model (built or loaded on first call). Treat it as read-only."""
         return self._require_runtime().module.get()

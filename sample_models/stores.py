@@ -51,6 +51,8 @@ class WeightStore(Protocol):
 
     def stored(self, key: str) -> torch.Tensor: ...
 
+    def stored_bytes(self, key: str) -> int: ...
+
 
 class ModuleWeights:
     """Layers and weights of a module built in memory. Weights are returned as copies, because
@@ -111,6 +113,10 @@ class ModuleWeights:
         """A copy of one saved tensor, on the CPU."""
         return self._saved[key].detach().to("cpu", copy=True)
 
+    def stored_bytes(self, key: str) -> int:
+        tensor = self._saved[key]
+        return tensor.numel() * tensor.element_size()
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -118,6 +124,7 @@ class TensorEntry:
 
     file: Path
     shape: tuple[int, ...]
+    element_bytes: int
 
 
 class CheckpointWeights:
@@ -151,7 +158,7 @@ class CheckpointWeights:
     def _add_bin(self, file: Path) -> None:
         state = load_bin(file)
         self._bin.update(state)
-        self._entries.update({key: TensorEntry(file, tuple(t.shape)) for key, t in state.items()})
+        self._entries.update({key: TensorEntry(file, tuple(t.shape), t.element_size()) for key, t in state.items()})
 
     @cached_property
     def _layers(self) -> dict[str, LayerInfo]:
@@ -225,6 +232,11 @@ class CheckpointWeights:
         except (SafetensorError, OSError) as err:
             raise ModelSourceError(f"cannot read tensor {key!r} from {entry.file}: {err}") from err
 
+    def stored_bytes(self, key: str) -> int:
+        """Bytes of one stored tensor as stored, from the file header: nothing is read."""
+        entry = self._entries[key]
+        return _numel(entry.shape) * entry.element_bytes
+
     def _read(self, key: str) -> torch.Tensor:
         entry = self._entries[key]
         if key in self._bin:
@@ -260,11 +272,20 @@ def _safetensors_header(file: Path) -> dict[str, TensorEntry]:
     """Read and validate a safetensors header; the tensor data is not read."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return {key: TensorEntry(file, tuple(handle.get_slice(key).get_shape())) for key in handle.keys()}
+            slices = {key: handle.get_slice(key) for key in handle.keys()}
+            return {
+                k: TensorEntry(file, tuple(s.get_shape()), _element_bytes(s.get_dtype())) for k, s in slices.items()
+            }
     except SafetensorError as err:
         raise ModelSourceError(f"corrupt or truncated safetensors file {file}: {err}") from err
     except OSError as err:
         raise ModelSourceError(f"cannot read safetensors file {file}: {err}") from err
+
+
+def _element_bytes(dtype: str) -> int:
+    """Bytes of one element of a safetensors dtype (``F32``, ``BF16``, ``F8_E4M3``, ``BOOL``, …)."""
+    bits = re.search(r"\d+", dtype)
+    return max(int(bits.group()) // 8, 1) if bits else 1
 
 
 def load_bin(file: Path) -> dict[str, torch.Tensor]:

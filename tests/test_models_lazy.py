@@ -128,3 +128,21 @@ def test_open_and_one_weight_cost_about_a_direct_read(big_checkpoint):
     assert lazy["peak_rss_growth"] < total_bytes // 10
     assert lazy["page_faults"] < direct["page_faults"] + slack // PAGE
     assert lazy["bytes_read"] < direct["bytes_read"] + slack, (lazy, direct)
+
+
+def test_stored_bytes_come_from_the_header_for_every_dtype(tmp_path):
+    """What a checkpoint stores per tensor (the allocation's budget counts it) is read from the
+    safetensors header, never from the data, and is each tensor's own bytes in its own dtype."""
+    from sample_models import open_model
+
+    tensors = {
+        "layer.weight": torch.randn(8, 16),
+        "other.weight": torch.randn(4, 16).to(torch.bfloat16),
+        "packed.weight": torch.randn(4, 16).to(torch.float8_e4m3fn),
+        "count": torch.arange(3, dtype=torch.int64),
+        "flags": torch.ones(5, dtype=torch.bool),
+    }
+    save_file(tensors, tmp_path / "w.safetensors")
+    model = open_model(str(tmp_path / "w.safetensors"))
+    for key, tensor in tensors.items():
+        assert model.stored_bytes(key) == tensor.numel() * tensor.element_size(), key

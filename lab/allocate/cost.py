@@ -118,18 +118,19 @@ class LayerSizes:
 
     @classmethod
     def of(cls, model: Any, layers: Sequence[str]) -> LayerSizes:
-        """Read from the model's stored tensors, one at a time."""
+        """From the sizes of the model's stored tensors (its files' headers: no tensor is read)."""
         infos = {info.name: info for info in model.layers()}
         shapes = {layer: tuple(infos[layer].shape[:2]) for layer in layers}
         types = {layer: infos[layer].type for layer in layers}
         chosen = {f"{layer}.weight": layer for layer in layers}
         element_bytes, rest = {}, 0
         for key in model.stored_keys():
-            tensor = model.stored(key)
+            size = model.stored_bytes(key)
             if key in chosen:
-                element_bytes[chosen[key]] = tensor.element_size()
+                rows, columns = shapes[chosen[key]]
+                element_bytes[chosen[key]] = size // (rows * columns)
             else:
-                rest += tensor.numel() * tensor.element_size()
+                rest += size
         missing = [layer for layer in layers if layer not in element_bytes]
         if missing:
             raise ValueError(f"no stored weight for {', '.join(missing)}: cannot size them")
