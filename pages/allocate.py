@@ -13,7 +13,6 @@ from lab.allocate.frontier import scheme_counts, score_name
 from lab.allocate.schemes import describe
 from lab.export import checkpoint
 from lab.results.plots import effect as effect_plots
-from lab.serve import roots
 from lab.ui import serving
 
 st.title("Allocate")
@@ -294,28 +293,12 @@ with e2:
     else:
         st.caption(f"No recipe: {exports.recipe_problem}")
 with e3:
-    served = serving.served()
-    directory = st.text_input("Checkpoint directory", placeholder="my-allocation", key="alloc_checkpoint_dir")
-    serving.roots_caption("output")
-    overwrite = st.checkbox(
-        "Replace it if it is not empty",
-        key="alloc_checkpoint_overwrite",
-        help="Replaces only a checkpoint this lab wrote there before; any other directory is left alone.",
-    )
-    if st.button("Save checkpoint", icon=":material/save:", disabled=not directory.strip()):
+    asked = serving.checkpoint_request("alloc_checkpoint", "my-allocation")
+    if asked is not None:
         with ui.guard("Saving the checkpoint"):
-            target = roots.checkpoint_dir(directory, served, overwrite)
-            bar = st.progress(0.0, text="Writing the weight files…")
-            with serving.heavy_slot(bar):
-                saved = checkpoint.write(
-                    exports.lab_file,
-                    owner,
-                    target,
-                    overwrite=overwrite,
-                    facts=exports.facts,
-                    progress=lambda done, total, key: bar.progress(done / total, text=f"{key} ({done}/{total})"),
-                )
-            st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")
-            with st.expander(f"{len(saved.notes)} note(s) on the checkpoint"):
-                for note in saved.notes:
-                    st.write(f"- {note}")
+            serving.save_checkpoint(
+                *asked,
+                lambda target, progress: checkpoint.write(
+                    exports.lab_file, owner, target, overwrite=asked[1], facts=exports.facts, progress=progress
+                ),
+            )

@@ -11,7 +11,6 @@ from lab import results, ui
 from lab.export import checkpoint, compressed_tensors, lab_json, recipe
 from lab.gptq import hessians
 from lab.results import plots, report
-from lab.serve import roots
 from lab.ui import serving
 from lab.workspace import ImportState
 
@@ -147,31 +146,20 @@ with d1, ui.guard("Recipe"):
             for note in built_recipe.notes:
                 st.write(f"- {note}")
 with d2:
-    served = serving.served()
-    directory = st.text_input("Checkpoint directory", placeholder="my-checkpoint", key="checkpoint_dir")
-    serving.roots_caption("output")
-    overwrite = st.checkbox(
-        "Replace it if it is not empty",
-        key="checkpoint_overwrite",
-        help="Replaces only a checkpoint this lab wrote there before; any other directory is left alone.",
-    )
-    if st.button("Save checkpoint", icon=":material/save:", disabled=not directory.strip()):
+    asked = serving.checkpoint_request("checkpoint", "my-checkpoint")
+    if asked is not None:
         with ui.guard("Saving the checkpoint"):
-            target = roots.checkpoint_dir(directory, served, overwrite)
             model = ui.open_request(ws.last_request)
             if model is None:
                 raise ValueError("open the model this analysis was made on first (Model page)")
-            bar = st.progress(0.0, text="Writing the weight files…")
-            with serving.heavy_slot(bar):
-                saved = checkpoint.write(
+            serving.save_checkpoint(
+                *asked,
+                lambda target, progress: checkpoint.write(
                     lab_json.as_lab_file(analysis, choices, metric, allow_uncalibrated),
                     model,
                     target,
-                    overwrite=overwrite,
+                    overwrite=asked[1],
                     hessians=hessians.of_analysis(analysis.entries),
-                    progress=lambda done, total, key: bar.progress(done / total, text=f"{key} ({done}/{total})"),
-                )
-            st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")
-            with st.expander(f"{len(saved.notes)} note(s) on the checkpoint"):
-                for note in saved.notes:
-                    st.write(f"- {note}")
+                    progress=progress,
+                ),
+            )

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import streamlit as st
 from streamlit import runtime
 
+from lab.serve import roots
 from lab.serve.config import ServeConfig
 from lab.serve.shared_runs import SharedRuns
 from lab.workspace import Workspace
@@ -51,6 +53,34 @@ def roots_caption(*kinds: str) -> None:
     shown = served().describe()
     labels = {"data": "Data roots", "models": "Model roots", "output": "Output root"}
     st.caption(" · ".join(f"{labels[kind]}: `{shown[kind]}`" for kind in kinds) + " (set when the server starts).")
+
+
+def checkpoint_request(key: str, placeholder: str) -> tuple[str, bool] | None:
+    """The Save checkpoint form: a directory (under the output root) and whether to replace a
+    checkpoint the lab wrote there; ``(directory, overwrite)`` when Save is pressed."""
+    directory = st.text_input("Checkpoint directory", placeholder=placeholder, key=f"{key}_dir")
+    roots_caption("output")
+    overwrite = st.checkbox(
+        "Replace it if it is not empty",
+        key=f"{key}_overwrite",
+        help="Replaces only a checkpoint this lab wrote there before; any other directory is left alone.",
+    )
+    pressed = st.button("Save checkpoint", icon=":material/save:", disabled=not directory.strip())
+    return (directory, overwrite) if pressed else None
+
+
+def save_checkpoint(directory: str, overwrite: bool, write: Callable[[Path, Callable], Any]) -> None:
+    """Write a checkpoint where a browser asked, only inside the output root and replacing only what
+    the lab wrote (``roots.checkpoint_dir``): ``write(target, progress)`` returns what
+    ``lab.export.checkpoint.write`` does; it runs in the heavy-run slot with a progress bar."""
+    target = roots.checkpoint_dir(directory, served(), overwrite)
+    bar = st.progress(0.0, text="Writing the weight files…")
+    with heavy_slot(bar):
+        saved = write(target, lambda done, total, key: bar.progress(done / total, text=f"{key} ({done}/{total})"))
+    st.success(f"Saved {len(saved.packed_layers)} packed layer(s) to {saved.path}.")
+    with st.expander(f"{len(saved.notes)} note(s) on the checkpoint"):
+        for note in saved.notes:
+            st.write(f"- {note}")
 
 
 def _session_left(watched: tuple[str, Workspace]) -> None:
