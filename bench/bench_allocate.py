@@ -115,10 +115,10 @@ def lab_allocation(device: str) -> LabRun:
     """``allocate``'s flow (``lab.allocate.command.run``) up to the measured frontier, timed."""
     from lab.allocate import command, frontier
     from lab.allocate.cost import LayerSizes
-    from lab.allocate.fusion import fused_groups
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
     from lab.effect.evaluate import Evaluator
+    from lab.runtime.fusion import fused_groups
     from sample_models import open_model
 
     model = open_model("minilm", device=device)

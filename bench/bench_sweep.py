@@ -41,7 +41,8 @@ import observers as ob
 from bench.bench_sequential import LARGE_FLAG, large_checkpoint
 from bench.common import SETTINGS, case, median_seconds
 from lab.analyse.run_config import RunConfig
-from lab.scale.sweep import Plan, run_sweep
+from lab.scale.plan import Plan
+from lab.scale.sweep import run_sweep
 from sample_models import open_model
 
 ROOT = Path(__file__).resolve().parents[1]

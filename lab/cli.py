@@ -30,9 +30,10 @@ from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args,
 from lab.gptq import hessians
 from lab.progress_bar import ProgressBar
 from lab.results import first_error, spec_text
+from lab.results.served import record_value, served_text
 from lab.scale import distributed
 from lab.settings import parse_bytes
-from lab.vocab import DEFAULT_METRIC
+from lab.vocab import DEFAULT_METRIC, PER_LAYER_PREFIX
 from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
@@ -111,9 +112,11 @@ def _is_sweep(args: argparse.Namespace) -> bool:
     return streamed or distributed.world_size() > 1
 
 
-def _choice_line(layer: str, tensor: str, observer: str, metric: str, value: Any) -> str:
+def _choice_line(layer: str, tensor: str, observer: str, metric: str, value: Any, fused: dict | None = None) -> str:
+    """One chosen tensor: its observer and ``metric`` as served, and how a fusing server runs it
+    (``lab.results.served.served_text``)."""
     shown = f"n/a (chosen by {DEFAULT_METRIC})" if value is None else f"{float(value):.6g}"
-    return f"{layer}\t{tensor}\t{observer}\t{metric}={shown}\n"
+    return f"{layer}\t{tensor}\t{observer}\t{metric}={shown}{served_text(fused, metric)}\n"
 
 
 def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
@@ -148,7 +151,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     layers = select_layers(model, args.layers)
     attention = select_attention(model, args.attention) if settings.wants["kv"] else []
     if sweep:
-        from lab.scale.sweep import Plan
+        from lab.scale.plan import Plan
 
         scope = (tuple(layers), config, tuple(attention))
         plan = Plan(model, *scope, args.choose_by, args.allow_uncalibrated, args.chunk, args.split)
@@ -169,7 +172,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         raise CliError(
             "no observer produced qparams for these settings: " + (first_error(analysis) or "nothing was analysed")
         )
-    lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
+    document = lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
+    records = {(record["layer"], record["tensor"]): record for record in document["entries"]}
     written = [args.out]
     if config.gptq is not None and hessians.save(hessians.directory_for(args.out), analysis.entries):
         written.append(str(hessians.directory_for(args.out)))  # what deploys its GPTQ choices later
@@ -185,10 +189,10 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     if args.checkpoint or args.recipe:
         written += _deploy(args, lab_json.load_file(args.out), model, err, args.out)
     for (layer, tensor), observer in choices.items():
-        entry = analysis.entry(layer, tensor)
-        out.write(
-            _choice_line(layer, tensor, observer, args.choose_by, metric_value(entry, observer, args.choose_by))
-        )
+        entry, record = analysis.entry(layer, tensor), records.get((layer, tensor), {})
+        local = args.choose_by.removeprefix(PER_LAYER_PREFIX) in ob.HIGHER_IS_BETTER and record
+        value = record_value(record, args.choose_by) if local else metric_value(entry, observer, args.choose_by)
+        out.write(_choice_line(layer, tensor, observer, args.choose_by, value, record.get("fused")))
         for run in entry.tool_results:
             value = run.result.metrics.get(args.choose_by)
             if value is None:
@@ -200,12 +204,14 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
 
 
 def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
-    """``run`` as a sweep of ``plan`` (a ``lab.scale.sweep.Plan``); only rank 0 draws progress and reports."""
+    """``run`` as a sweep of ``plan`` (a ``lab.scale.plan.Plan``); only rank 0 draws progress and reports."""
     from lab.scale.sweep import run_sweep
 
     note = plan.split_note(ranks.world_size)
     if note and ranks.is_main:
         err.write(f"note: {note}\n")
+    for added in plan.added if ranks.is_main else ():
+        err.write(f"warning: {added}\n")
     shortfall = plan.calibration_shortfall()
     if shortfall and ranks.is_main:
         err.write(f"warning: {shortfall}\n")
@@ -223,8 +229,11 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
 
         deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err, args.out)
     for entry in outcome.document["entries"]:
-        value = entry["chosen"]["metrics"][args.choose_by]
-        out.write(_choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value))
+        value = record_value(entry, args.choose_by)
+        fused = entry.get("fused")
+        out.write(
+            _choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value, fused)
+        )
     out.write(f"wrote {', '.join([args.out, *deployed])}\n")
 
 

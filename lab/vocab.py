@@ -88,6 +88,13 @@ GPTQ_METRIC_PREFIX = "gptq:"
 (activations, key/value states) are then chosen by ``DEFAULT_METRIC``."""
 
 
+PER_LAYER_PREFIX = "per-layer:"
+"""How "choose by" names a local metric with each layer's own scales (``per-layer:sqnr_db``) instead of
+the figures as served, where a fusing server (vLLM, SGLang) shares a fused group's scales: for
+runtimes that run each layer alone (transformers' own forward). It ranks; it never changes what a
+checkpoint holds, which is always what a fusing server loads correctly."""
+
+
 def model_metric(name: str) -> str:
     """The "choose by" key of a model-level metric: ``kl`` -> ``model:kl``."""
     return MODEL_METRIC_PREFIX + name

@@ -37,6 +37,7 @@ import torch
 from observers import block_hessian_kernel, float_grid_kernel, mse_kernel
 from observers.base import Observer, register
 from observers.blocks import E4M3_MAX, NVFP4_MAX_TENSOR_AMAX, _amax, e4m3_block_scales
+from observers.fused import GROUP_GLOBAL_SCALE, check_group_global_scale
 from observers.granularity import Flat, all_finite, group_rows, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
@@ -219,14 +220,19 @@ def _hessian_error(diff: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     return weighted.reshape(blocks, count, observations, rows).sum(dim=2).permute(1, 2, 0)
 
 
+def nvfp4_global_scale(global_amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """NVFP4's global scale of a chosen global amax (not necessarily the blocks' max),
+    ``448·max / global_amax``, one fp32 element."""
+    return (E4M3_MAX * fmt_max / global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)).reshape(1).float()
+
+
 def nvfp4_qparams(
-    block_scale: torch.Tensor, global_amax: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, fmt_max: float
+    block_scale: torch.Tensor, global_scale: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor
 ) -> QParams:
-    """NVFP4 QParams from E4M3 block scale values and a chosen global amax (not the blocks' max):
-    ``global_scale = 448·max / global_amax``; the element step is ``block_scale / global_scale``."""
-    global_scale = (E4M3_MAX * fmt_max / global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)).reshape(1).float()
+    """NVFP4 QParams from E4M3 block scale values and a global scale; the element step is
+    ``block_scale / global_scale``."""
     zero_point = torch.zeros_like(block_scale, dtype=torch.int32)
-    return QParams(block_scale, zero_point, min_val, max_val, global_scale=global_scale)
+    return QParams(block_scale, zero_point, min_val, max_val, global_scale=global_scale.float().reshape(1))
 
 
 _MULTIPLIER_KNOBS = {
@@ -236,6 +242,7 @@ _MULTIPLIER_KNOBS = {
         0.1, float, low=0, low_open=True, doc="Multiplier step: ceil((stop - start) / step) + 1 evenly spaced values"
     ),
     "max_working_bytes": MAX_WORKING_BYTES,
+    "group_global_scale": GROUP_GLOBAL_SCALE,
 }
 
 
@@ -248,7 +255,9 @@ class ModelOptMSEObserver(Observer):
     (defaults 0.25, 4.0, 0.1: 39 multipliers; only ``start`` when ``stop <= start``); each group
     keeps the ``m`` with least ``Σ (x - fake_quant(x))²``, the first on ties. Symmetric specs
     search ``±m·amax``, asymmetric ones scale both ends. Memoryless (ModelOpt refines weights, observed once).
-    Knobs: ``start_multiplier`` 0.25, ``stop_multiplier`` 4.0, ``step_size`` 0.1, ``max_working_bytes``.
+    Knobs: ``start_multiplier`` 0.25, ``stop_multiplier`` 4.0, ``step_size`` 0.1, ``max_working_bytes``;
+    on NVFP4 ``group_global_scale``, the global scale of the fused group the weight is served in,
+    which the search then runs under instead of the weight's own (``observers.fused``).
     Reference: ModelOpt 0.47 ``MseCalibrator`` (``mse_calibrate``, no ``fp8_scale_sweep``).
     For ModelOpt's own integer scales use ``QuantSpec(scale_rule="qmax")``.
     """
@@ -262,6 +271,9 @@ class ModelOptMSEObserver(Observer):
         self.min_val: torch.Tensor | None = None
         self.max_val: torch.Tensor | None = None
         self.global_amax: torch.Tensor | None = None
+
+    def validate_knobs(self) -> None:
+        check_group_global_scale(self.group_global_scale, self.spec)
 
     def _reset_statistics(self) -> None:
         self.min_val = self.max_val = self.global_amax = None
@@ -295,13 +307,17 @@ class ModelOptMSEObserver(Observer):
         return qp.effective_scale.expand_as(low), qp.zero_point.expand_as(low)
 
     def _global_scale(self) -> torch.Tensor:
-        return E4M3_MAX * self.spec.format.max_value / self.global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)
+        """The weight's own max-calibrated global scale, or its fused group's when given."""
+        if self.group_global_scale is not None:
+            return self.group_global_scale.float().reshape(1).to(self.global_amax.device)
+        return nvfp4_global_scale(self.global_amax, self.spec.format.max_value)
 
     def _qparams(self) -> QParams:
         if self.spec.format.scale_kind != "e4m3":
             return calculate_qparams(self.min_val, self.max_val, self.spec)
-        scale = e4m3_block_scales(self.max_val, self._global_scale(), self.spec.format.max_value)
-        return nvfp4_qparams(scale, self.global_amax, self.min_val, self.max_val, self.spec.format.max_value)
+        global_scale = self._global_scale()
+        scale = e4m3_block_scales(self.max_val, global_scale, self.spec.format.max_value)
+        return nvfp4_qparams(scale, global_scale, self.min_val, self.max_val)
 
     def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.min_val, self.max_val
@@ -312,37 +328,43 @@ class _NVFP4SweepBase(Observer):
 
     kinds = (ObserverKind.WEIGHT,)
     scale_kinds = ("e4m3",)
-    knobs = {"max_working_bytes": MAX_WORKING_BYTES}
+    knobs = {"max_working_bytes": MAX_WORKING_BYTES, "group_global_scale": GROUP_GLOBAL_SCALE}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.block_scale: torch.Tensor | None = None
         self.global_amax: torch.Tensor | None = None
+        self.global_scale: torch.Tensor | None = None
 
     def validate_knobs(self) -> None:
         if self.spec.format.scale_kind != "e4m3":
             raise ValueError(f"observer {self.name!r} needs dtype 'nvfp4', not {self.spec.dtype!r}")
+        check_group_global_scale(self.group_global_scale, self.spec)
 
     def _reset_statistics(self) -> None:
-        self.block_scale = self.global_amax = None
+        self.block_scale = self.global_amax = self.global_scale = None
 
     def _hessian(self, flat: Flat) -> torch.Tensor | None:
         return None
 
     def _observe(self, flat: Flat) -> None:
-        fmt = self.spec.format
         low, high = reduce_min_max(flat)
-        self.global_amax = _amax(low, high).max().clamp(min=self.spec.eps)
-        global_scale = E4M3_MAX * fmt.max_value / self.global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)
+        fmt_max = self.spec.format.max_value
+        if self.group_global_scale is None:
+            self.global_amax = _amax(low, high).max().clamp(min=self.spec.eps)
+            self.global_scale = nvfp4_global_scale(self.global_amax, fmt_max)
+        else:
+            self.global_scale = self.group_global_scale.float().reshape(1).to(low.device)
+            self.global_amax = (E4M3_MAX * fmt_max / self.global_scale).reshape(())
         candidates = fp8_scale_candidates(low.device)
         picks = best_candidates(
-            flat, self.spec, candidates / global_scale, None, self.max_working_bytes, self._hessian(flat)
+            flat, self.spec, candidates / self.global_scale, None, self.max_working_bytes, self._hessian(flat)
         )
         self.block_scale = candidates[picks]
 
     def _qparams(self) -> QParams:
         amax = self.global_amax * (self.block_scale / E4M3_MAX)  # ModelOpt's global_amax · candidate
-        return nvfp4_qparams(self.block_scale, self.global_amax, -amax, amax, self.spec.format.max_value)
+        return nvfp4_qparams(self.block_scale, self.global_scale, -amax, amax)
 
 
 @register
@@ -577,8 +599,7 @@ class NVFP4ActHeadroomObserver(Observer):
 
     def _qparams(self) -> QParams:
         fmt = self.spec.format
-        global_amax = self.global_amax().clamp(min=self.spec.eps)
-        global_scale = E4M3_MAX * fmt.max_value / global_amax.clamp(max=NVFP4_MAX_TENSOR_AMAX)
+        global_scale = nvfp4_global_scale(self.global_amax().clamp(min=self.spec.eps), fmt.max_value)
         amax = self.block_max.reshape(self._qparam_shape)
         scale = e4m3_block_scales(amax, global_scale, fmt.max_value)
-        return nvfp4_qparams(scale, global_amax, -amax, amax, fmt.max_value)
+        return nvfp4_qparams(scale, global_scale, -amax, amax)

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from lab import results, ui
-from lab.export import checkpoint, compressed_tensors, lab_json, recipe
+from lab.export import checkpoint, compressed_tensors, lab_apply, lab_json, recipe
 from lab.gptq import hessians
 from lab.results import plots, report
 from lab.ui import serving
@@ -27,7 +27,7 @@ with st.expander("Import a previous export", expanded=bool(ws.imported.digest)):
         digest = hashlib.sha256(data).hexdigest()
         if ws.imported.digest != digest:
             with ui.guard(f"Importing {upload.name}"):
-                restored = lab_json.restore(data, analysis, upload.name)
+                restored = lab_apply.restore(data, analysis, upload.name)
                 ws.overrides = dict(restored.choices)
                 ws.imported = ImportState(digest, upload.name, len(restored.choices), restored.notes)
     if ws.imported.digest:

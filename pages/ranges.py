@@ -8,7 +8,7 @@ import streamlit as st
 
 from lab import results, ui
 from lab.gptq.layer import entry_gptq
-from lab.results import dynamic, plots
+from lab.results import dynamic, plots, ranges
 
 st.title("Ranges")
 ws = ui.workspace()
@@ -26,7 +26,7 @@ with c3:
     zooms = ["full", "left tail", "right tail"]
     view["zoom"] = ui.bound(st.radio, "Zoom", "ranges_zoom", view.get("zoom", "full"), options=zooms, horizontal=True)
 chosen = [r for r in entry.results if r.name in shown]
-note = results.granularity_note(entry.spec, entry.tensor)
+note = ranges.granularity_note(entry.spec, entry.tensor)
 if note:
     st.info(note)
 tail = None if view["zoom"] == "full" else view["zoom"].split()[0]
@@ -46,7 +46,7 @@ with ui.guard("Drawing the histogram"):
     ui.metrics_note(entry)
     if tail:
         st.caption("Tail zoom: only the outer 0.1 % of values, re-binned.")
-st.dataframe(results.range_table(chosen, entry.spec), hide_index=True)
+st.dataframe(ranges.range_table(chosen, entry.spec), hide_index=True)
 
 gptq = analysis.config.gptq
 if entry.tensor == "weight" and gptq is not None and entry.hessian is not None:
@@ -89,7 +89,7 @@ if entry.tool_results:
         with ui.guard("Drawing the tools' ranges"):
             title = f"{entry.layer} · {entry.tensor} as each tool would quantize it"
             histogram(entry.data, by_tool, entry.spec, title, specs=tool_specs)
-        st.dataframe(results.range_table(by_tool, entry.spec, tool_specs), hide_index=True)
+        st.dataframe(ranges.range_table(by_tool, entry.spec, tool_specs), hide_index=True)
 
 
 def another_view(other, heading: str, note: str, title: str) -> None:
@@ -99,7 +99,7 @@ def another_view(other, heading: str, note: str, title: str) -> None:
     other_results = [r for r in other.results if r.name in shown]
     with ui.guard(f"Drawing the histogram ({heading.lower()})"):
         histogram(other.data, other_results, other.spec, f"{entry.layer} · {entry.tensor} {title}")
-    st.dataframe(results.range_table(other_results, other.spec), hide_index=True)
+    st.dataframe(ranges.range_table(other_results, other.spec), hide_index=True)
 
 
 seen = ws.transformed_entry(entry)

@@ -20,13 +20,13 @@ from safetensors import safe_open
 import observers as ob
 from lab.allocate import frontier as fr
 from lab.allocate.cost import LayerSizes
-from lab.allocate.fusion import fused_groups
 from lab.allocate.schemes import NONE, Budget, parse_budget, parse_budgets, parse_scheme, parse_schemes
 from lab.allocate.score import Scores
 from lab.cli import main
 from lab.export import lab_json
 from lab.export.compressed_tensors import ct_args
 from lab.export.recipe import lc_observer
+from lab.runtime.fusion import fused_groups
 
 # ---------------------------------------------------------------- schemes and budgets
 

@@ -19,7 +19,7 @@ from lab.results import choose
 from observers.formats import FAMILIES
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
-LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+LAYERS = [f"encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]  # one fused unit
 TIMEOUT = 300
 
 
@@ -95,10 +95,11 @@ def test_default_run_stores_every_applicable_observer_on_every_tensor(ran):
     inputs = analysis.entry(LAYERS[0], "input").data
     assert inputs.shape[1] == 384 and 0 < inputs.shape[0] <= 4 * 32
     outcome = _ws(ran).last_run
-    computed = {id(r) for e in analysis.entries for r in e.results}
-    assert outcome.misses == len(computed)  # the query and key layers read one input: observed once
-    assert outcome.hits == sum(len(e.results) for e in analysis.entries) - len(computed)
-    assert any("Results for 4 tensors" in s.value for s in ran.success)
+    own = [results.per_layer(e) for e in analysis.entries]  # the cache holds each layer's own results
+    computed = {id(r) for found in own for r in found}
+    assert outcome.misses == len(computed)  # the query, key and value layers read one input: observed once
+    assert outcome.hits == sum(map(len, own)) - len(computed)
+    assert any("Results for 6 tensors" in s.value for s in ran.success)
 
 
 @pytest.mark.parametrize("page", ["overview", "ranges", "scales", "error", "export"])
@@ -137,7 +138,7 @@ def test_export_defaults_to_best_and_round_trips_through_import(ran):
     ran.run()
     _ok(ran)
     assert _ws(ran).choices()[0] == override
-    assert any("Restored 4 choice" in s.value for s in ran.success)
+    assert any("Restored 6 choice" in s.value for s in ran.success)
     ran.file_uploader(key="import_file").set_value(("broken.json", b"{not json", "application/json"))
     ran.run()
     assert not ran.exception
@@ -154,9 +155,11 @@ def test_changing_one_knob_recomputes_only_that_observer(ran):
     _ok(ran)
     outcome = _ws(ran).last_run
     tensors = len(outcome.analysis.entries)
-    recomputed = {id(entry.result("moving_average_minmax")) for entry in outcome.analysis.entries}
-    assert outcome.misses == len(recomputed) and tensors - 1 <= len(recomputed) <= tensors
-    assert outcome.hits == sum(len(entry.results) for entry in outcome.analysis.entries) - len(recomputed)
+    own = [results.per_layer(entry) for entry in outcome.analysis.entries]
+    recomputed = {id(r) for found in own for r in found if r.name == "moving_average_minmax"}
+    # each layer's weight, and the one input the three layers read (observed once)
+    assert outcome.misses == len(recomputed) == tensors - len(LAYERS) + 1
+    assert outcome.hits == sum(map(len, own)) - len(recomputed)
     for entry in outcome.analysis.entries:
         assert entry.result("moving_average_minmax").knobs["averaging_constant"] == 0.5
 

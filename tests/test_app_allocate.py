@@ -72,7 +72,7 @@ def test_score_and_allocate_draws_the_frontier_the_allocation_and_the_layer_tabl
     assert len(points) == len(result.frontier.points) and "measured / predicted" in points.columns
     assert list(layers["layer"]) == LAYERS and set(layers["scheme"]) <= set(SCHEMES)
     assert any(m.value.startswith("**Measured against predicted**: Spearman") for m in at.markdown)
-    assert any("No fusion assumed" in c.value for c in at.caption)  # an encoder: served unfused
+    assert any("No fusion assumed" in c.value for c in at.caption)  # an output projection and an FFN: never fused
 
 
 def test_the_downloads_hold_the_viewed_allocation_and_a_rerun_does_not_recompute(allocated, monkeypatch):

@@ -26,7 +26,7 @@ from sample_models.calibration_sets import CalibrationSourceError
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
-LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+LAYERS = [f"encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]  # one fused unit
 RECORDS = [
     "the first calibration record, about rivers and the sea",
     "",

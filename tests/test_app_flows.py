@@ -20,7 +20,7 @@ from lab.results import choose
 _ws, _ok, _page, _button = app_workspace, app_ok, app_page, app_button
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
-MINILM_LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+MINILM_LAYERS = [f"encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]  # one fused unit
 
 
 def _run(at: AppTest) -> AppTest:

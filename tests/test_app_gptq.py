@@ -19,7 +19,7 @@ from observers.gptq import ACTORDER_ALIASES
 _ws, _ok, _page, _button = app_workspace, app_ok, app_page, app_button
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 300
-LAYERS = ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"]
+LAYERS = [f"encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]  # one fused unit
 OBSERVERS = ["memoryless_minmax", "mse_grid"]
 
 

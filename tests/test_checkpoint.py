@@ -22,10 +22,10 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 import observers as ob
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
-from lab.export import checkpoint, lab_json
+from lab.export import checkpoint, lab_json, model_dir
 from sample_models import open_model
 
-QUERY = "encoder.layer.0.attention.self.query"
+ATTENTION_OUT = "encoder.layer.0.attention.output.dense"  # no server fuses it with another layer
 FFN = "encoder.layer.0.intermediate.dense"
 UNCHOSEN = "encoder.layer.1.output.dense"
 IDS = torch.tensor([[101, 2023, 2003, 1037, 3231, 1997, 1996, 10938, 102]])
@@ -40,7 +40,7 @@ def _lab_file(model, spec: ob.QuantSpec, choices: dict, input_spec: ob.QuantSpec
     specs = {"weight": spec} | ({} if input_spec is None else {"input": input_spec})
     observers = tuple(sorted(set(choices.values())))
     config = RunConfig(specs=specs, observers=observers, samples=4, seq_len=32)
-    analysis = analyse(model, [QUERY, FFN], config)
+    analysis = analyse(model, [ATTENTION_OUT, FFN], config)
     chosen = {(layer, "weight"): observer for layer, observer in choices.items()}
     if input_spec is not None:
         chosen |= {(layer, "input"): "minmax" for layer in choices}
@@ -56,7 +56,7 @@ def _round_trip(model, lab_file, directory, dtype=torch.float32):
     dequantize = CompressedTensorsConfig(dequantize=True)
     dequantized = AutoModel.from_pretrained(directory, quantization_config=dequantize, dtype=dtype)
     packed = AutoModel.from_pretrained(directory, dtype=dtype)
-    for layer in (QUERY, FFN):
+    for layer in (ATTENTION_OUT, FFN):
         entry = _entry(lab_file, layer)
         fake = ob.fake_quantize(model.weight(layer).float(), entry.qparams, entry.spec).to(dtype)
         assert torch.equal(dequantized.get_submodule(layer).weight.detach(), fake), layer
@@ -85,14 +85,14 @@ def _round_trip(model, lab_file, directory, dtype=torch.float32):
     ids=["int4-group", "int8-channel", "fp8-channel"],
 )
 def test_round_trip_is_bit_exact(minilm, tmp_path, spec, format_name):
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"})
     written = _round_trip(minilm, lab_file, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["quantization_status"] == "compressed" and config["format"] == format_name
     (group,) = config["config_groups"].values()
-    assert sorted(group["targets"]) == sorted([QUERY, FFN])
-    assert UNCHOSEN in config["ignore"] and QUERY not in config["ignore"]
-    assert written.packed_layers == [QUERY, FFN]
+    assert sorted(group["targets"]) == sorted([ATTENTION_OUT, FFN])
+    assert UNCHOSEN in config["ignore"] and ATTENTION_OUT not in config["ignore"]
+    assert written.packed_layers == [ATTENTION_OUT, FFN]
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_round_trip_is_bit_exact(minilm, tmp_path, spec, format_name):
     ],
 )
 def test_block_formats_round_trip_in_bfloat16(minilm, tmp_path, dtype, format_name):
-    lab_file = _lab_file(minilm, ob.QuantSpec(dtype), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec(dtype), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     _round_trip(minilm, lab_file, tmp_path / "out", dtype=torch.bfloat16)
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == format_name
@@ -123,7 +123,7 @@ def test_block_formats_round_trip_in_bfloat16(minilm, tmp_path, dtype, format_na
 )
 def test_weights_and_static_inputs_round_trip(minilm, tmp_path, spec, format_name):
     input_spec = ob.QuantSpec(spec.dtype)
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"}, input_spec=input_spec)
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"}, input_spec=input_spec)
     _round_trip(minilm, lab_file, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == format_name
@@ -132,15 +132,15 @@ def test_weights_and_static_inputs_round_trip(minilm, tmp_path, spec, format_nam
 @pytest.mark.slow
 def test_mixed_choice_gets_a_group_per_observer_with_input_scales(minilm, tmp_path):
     spec = ob.QuantSpec("int4", strategy="group", group_size=32)
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "mse_grid"}, input_spec=ob.QuantSpec("int8"))
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "mse_grid"}, input_spec=ob.QuantSpec("int8"))
     _round_trip(minilm, lab_file, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     groups = {g["weights"]["observer"]: g for g in config["config_groups"].values()}
     assert set(groups) == {"static_minmax", "memoryless_mse"}
-    assert groups["static_minmax"]["targets"] == [QUERY] and groups["memoryless_mse"]["targets"] == [FFN]
+    assert groups["static_minmax"]["targets"] == [ATTENTION_OUT] and groups["memoryless_mse"]["targets"] == [FFN]
     assert groups["static_minmax"]["input_activations"]["num_bits"] == 8
     loaded = AutoModel.from_pretrained(tmp_path / "out")
-    for layer in (QUERY, FFN):
+    for layer in (ATTENTION_OUT, FFN):
         expected = _entry(lab_file, layer, "input").qparams.scale.float().reshape(-1)
         assert torch.equal(loaded.get_submodule(layer).input_scale.detach().float().reshape(-1), expected)
     notes = (tmp_path / "out" / checkpoint.NOTES_FILE).read_text()
@@ -150,11 +150,11 @@ def test_mixed_choice_gets_a_group_per_observer_with_input_scales(minilm, tmp_pa
 
 def test_a_format_compressed_tensors_cannot_pack_stays_dense_with_a_note(minilm, tmp_path):
     spec = ob.QuantSpec("int4", strategy="group", group_size=32)
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"})
     odd = ob.QuantSpec("int4", strategy="group", group_size=32, scale_rule="qmax")
     entries = [e if e.layer != FFN else _with(e, spec=odd) for e in lab_file.entries]
     written = checkpoint.write(_replace(lab_file, entries), minilm, tmp_path / "out")
-    assert written.packed_layers == [QUERY]
+    assert written.packed_layers == [ATTENTION_OUT]
     assert any(note.startswith(f"{FFN} weight: scale_rule") and "stays dense" in note for note in written.notes)
     loaded = AutoModel.from_pretrained(tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True))
     assert torch.equal(loaded.get_submodule(FFN).weight, minilm.module().get_submodule(FFN).weight)
@@ -163,11 +163,11 @@ def test_a_format_compressed_tensors_cannot_pack_stays_dense_with_a_note(minilm,
 def test_asymmetric_integer_weights_stay_dense_as_compressed_tensors_cannot_load_them_packed(minilm, tmp_path):
     spec = ob.QuantSpec("int4", strategy="group", group_size=32)
     asymmetric = ob.QuantSpec("int4", strategy="group", group_size=32, symmetric=False)
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"})
-    mixed = _lab_file(minilm, asymmetric, {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"})
+    mixed = _lab_file(minilm, asymmetric, {ATTENTION_OUT: "minmax", FFN: "minmax"})
     entries = [e if e.layer != FFN else _entry(mixed, FFN) for e in lab_file.entries]
     written = checkpoint.write(_replace(lab_file, entries), minilm, tmp_path / "out")
-    assert written.packed_layers == [QUERY]
+    assert written.packed_layers == [ATTENTION_OUT]
     assert any(note.startswith(f"{FFN} weight: stays dense") for note in written.notes)
     loaded = AutoModel.from_pretrained(tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True))
     assert torch.equal(loaded.get_submodule(FFN).weight, minilm.module().get_submodule(FFN).weight)
@@ -189,7 +189,7 @@ def _scaled(entry, value: float):
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -1.0])
 def test_a_bad_scale_is_refused_naming_the_tensor_and_nothing_is_written(minilm, tmp_path, value):
-    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     entries = [_scaled(e, value) if e.layer == FFN else e for e in lab_file.entries]
     with pytest.raises(checkpoint.CheckpointError, match=f"{FFN} weight"):
         checkpoint.write(_replace(lab_file, entries), minilm, tmp_path / "out")
@@ -197,7 +197,7 @@ def test_a_bad_scale_is_refused_naming_the_tensor_and_nothing_is_written(minilm,
 
 
 def test_a_non_empty_directory_is_refused_unless_overwrite(minilm, tmp_path):
-    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -210,7 +210,7 @@ def test_a_non_empty_directory_is_refused_unless_overwrite(minilm, tmp_path):
 
 
 def test_choices_for_another_model_are_refused_naming_both(minilm, tmp_path):
-    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     other = open_model("tiny-llama")
     with pytest.raises(checkpoint.CheckpointError, match="made for the model 'minilm', not for 'tiny-llama'"):
         checkpoint.write(lab_file, other, tmp_path / "out")
@@ -218,7 +218,7 @@ def test_choices_for_another_model_are_refused_naming_both(minilm, tmp_path):
 
 
 def test_qparams_that_do_not_fit_the_model_are_refused(minilm, tmp_path):
-    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     entry = _entry(lab_file, FFN)
     short = _with(entry, qparams=replace(entry.qparams, scale=entry.qparams.scale[:7]))
     entries = [e if e.layer != FFN else short for e in lab_file.entries]
@@ -264,11 +264,11 @@ def test_a_model_built_in_memory_with_kv_scales_loads_as_a_causal_lm(tmp_path):
 
 def test_weights_are_written_in_files_of_bounded_size_with_an_index(minilm, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "FILE_BYTES", 8 << 20)
-    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, ob.QuantSpec("int8", strategy="channel"), {ATTENTION_OUT: "minmax", FFN: "minmax"})
     _round_trip(minilm, lab_file, tmp_path / "out")
     files = sorted((tmp_path / "out").glob("*.safetensors"))
     assert len(files) > 3 and not (tmp_path / "out" / "model.safetensors").exists()
-    index = json.loads((tmp_path / "out" / checkpoint.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / "out" / model_dir.INDEX_FILE).read_text())
     assert set(index["weight_map"].values()) == {f.name for f in files}
     word_embeddings = 30522 * 384 * 4  # a tensor over the bound gets a file of its own
     assert max(f.stat().st_size for f in files) < word_embeddings + (1 << 20)
@@ -287,9 +287,9 @@ def test_weights_are_written_in_files_of_bounded_size_with_an_index(minilm, tmp_
     ids=["int4-group", "int8-tensor", "nvfp4", "mxfp4"],
 )
 def test_a_weight_packed_a_slice_of_rows_at_a_time_is_the_same(minilm, tmp_path, monkeypatch, spec, dtype):
-    lab_file = _lab_file(minilm, spec, {QUERY: "minmax", FFN: "minmax"})
+    lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"})
     checkpoint.write(lab_file, minilm, tmp_path / "whole")
-    monkeypatch.setattr(checkpoint, "CHUNK_ELEMENTS", 7 * 384)  # 7 rows of the query, 18 of the FFN's 1536
+    monkeypatch.setattr(checkpoint, "CHUNK_ELEMENTS", 7 * 384)  # 7 rows of the attention output, 18 of the FFN's 1536
     _round_trip(minilm, lab_file, tmp_path / "sliced", dtype=dtype)
     whole = safetensors_torch.load_file(str(tmp_path / "whole" / "model.safetensors"))
     sliced = safetensors_torch.load_file(str(tmp_path / "sliced" / "model.safetensors"))

@@ -12,9 +12,9 @@ import yaml
 
 from lab.cli import main
 
-QUERY = "encoder.layer.0.attention.self.query"
+ATTENTION_OUT = "encoder.layer.0.attention.output.dense"  # no server fuses it with another layer
 FFN = "encoder.layer.0.intermediate.dense"
-RUN = ["run", "minilm", "--layers", f"{QUERY},{FFN}", "--kinds", "weight", "--format", "int4"]
+RUN = ["run", "minilm", "--layers", f"{ATTENTION_OUT},{FFN}", "--kinds", "weight", "--format", "int4"]
 RUN += ["--strategy", "group", "--group-size", "32", "--observers", "minmax,mse_grid", "--quiet"]
 
 
@@ -28,7 +28,8 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
 def chosen(tmp_path_factory):
     """One run that overrides both layers' choices and writes the JSON, a checkpoint and a recipe."""
     folder = tmp_path_factory.mktemp("deploy")
-    argv = [*RUN, "--choose", "*.query=minmax", "--choose", "*intermediate*=mse_grid", "--out", str(folder / "c.json")]
+    argv = [*RUN, "--choose", "*attention.output*=minmax", "--choose", "*intermediate*=mse_grid"]
+    argv += ["--out", str(folder / "c.json")]
     argv += ["--checkpoint", str(folder / "ckpt"), "--recipe", str(folder / "recipe.yaml")]
     code, out, err = _cli(argv)
     assert code == 0, err
@@ -38,8 +39,8 @@ def chosen(tmp_path_factory):
 def test_choose_overrides_the_best_observer_per_layer(chosen):
     folder, out = chosen
     entries = {e["layer"]: e["chosen"]["observer"] for e in json.loads((folder / "c.json").read_text())["entries"]}
-    assert entries == {QUERY: "minmax", FFN: "mse_grid"}
-    assert f"{QUERY}\tweight\tminmax" in out and f"{FFN}\tweight\tmse_grid" in out
+    assert entries == {ATTENTION_OUT: "minmax", FFN: "mse_grid"}
+    assert f"{ATTENTION_OUT}\tweight\tminmax" in out and f"{FFN}\tweight\tmse_grid" in out
     assert "ckpt" in out.splitlines()[-1] and "recipe.yaml" in out.splitlines()[-1]
 
 
@@ -47,7 +48,7 @@ def test_run_writes_a_checkpoint_and_a_recipe_with_a_group_per_observer(chosen):
     folder, _ = chosen
     config = json.loads((folder / "ckpt" / "config.json").read_text())["quantization_config"]
     by_observer = {g["weights"]["observer"]: g["targets"] for g in config["config_groups"].values()}
-    assert by_observer == {"static_minmax": [QUERY], "memoryless_mse": [FFN]}
+    assert by_observer == {"static_minmax": [ATTENTION_OUT], "memoryless_mse": [FFN]}
     stage = yaml.safe_load((folder / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"]
     groups = stage["QuantizationModifier"]["config_groups"].values()
     assert {g["weights"]["observer"]: g["targets"] for g in groups} == by_observer
@@ -98,9 +99,9 @@ def test_export_needs_a_checkpoint_or_a_recipe(chosen):
 @pytest.mark.parametrize(
     ("rule", "phrase"),
     [
-        ("*.query=percentile", "percentile was not run"),
+        ("*attention.output*=percentile", "percentile was not run"),
         ("nothing.here=minmax", "no analysed layer matches 'nothing.here'"),
-        ("*.query", "expected GLOB=OBSERVER"),
+        ("*attention.output*", "expected GLOB=OBSERVER"),
     ],
 )
 def test_a_bad_choose_rule_is_one_line_and_writes_nothing(tmp_path, rule, phrase):

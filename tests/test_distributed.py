@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.runtime.fusion import fused_groups
 from lab.scale.distributed import MISMATCH, SINGLE, owner, rank_device
 from lab.scale.sweep import partial_path
 
@@ -88,7 +89,8 @@ def test_two_ranks_splitting_layers_write_one_file_with_the_qparams_of_one_proce
     assert second["world_size"] == 2 and "world_size" not in first
     assert {e["rank"] for e in second["entries"]} == {0, 1}
     layers = list(dict.fromkeys(e["layer"] for e in first["entries"]))
-    assert all(e["rank"] == layers.index(e["layer"]) % 2 for e in second["entries"])
+    group_of = {layer: i for i, (_, members) in enumerate(fused_groups(layers)) for layer in members}
+    assert all(e["rank"] == group_of[e["layer"]] % 2 for e in second["entries"])  # a fused group on one rank
     for a, b in zip(first["entries"], second["entries"], strict=True):
         assert (a["layer"], a["tensor"]) == (b["layer"], b["tensor"])
         assert a["qparams"] == b["qparams"]  # bit for bit: bytes_b64 holds the raw float32 bytes
@@ -103,9 +105,12 @@ def test_two_ranks_splitting_batches_merge_to_the_qparams_of_one_process(tmp_pat
     args = [*RUN, "--samples", "16", "--observers", "minmax,percentile,mse_grid"]
     first, second, _ = _one_and_two_ranks(tmp_path, args, one=["--batch-size", "16"])
     layers = list(dict.fromkeys(e["layer"] for e in first["entries"]))
+    # the weights of fused group i (q/k/v, gate/up: their inputs share one static scale) go to rank i % 2
+    group_of = {layer: i for i, (_, members) in enumerate(fused_groups(layers)) for layer in members}
+    assert len(set(group_of.values())) < len(layers)
     for a, b in zip(first["entries"], second["entries"], strict=True):
         assert (a["layer"], a["tensor"], a["tensor_shape"]) == (b["layer"], b["tensor"], b["tensor_shape"])
-        assert b["rank"] == (layers.index(a["layer"]) % 2 if a["tensor"] == "weight" else "all")
+        assert b["rank"] == (group_of[a["layer"]] % 2 if a["tensor"] == "weight" else "all")
         assert a["chosen"]["observer"] == b["chosen"]["observer"]
         sqnr = a["chosen"]["metrics"]["sqnr_db"], b["chosen"]["metrics"]["sqnr_db"]
         assert sqnr[1] == pytest.approx(sqnr[0], rel=1e-5)

@@ -21,7 +21,7 @@ from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.model_facts import ModelFacts, describe_source
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
-from lab.export import compressed_tensors, lab_json
+from lab.export import compressed_tensors, lab_apply, lab_json
 from lab.results import choose
 from observers.suite import SuiteResult
 
@@ -88,7 +88,7 @@ def test_round_trip_restores_choices_and_bit_identical_qparams(run):
     model, analysis, choices, _, text = run
     loaded = lab_json.load(text)
     assert loaded.choices == choices
-    restored = lab_json.apply_choices(loaded, ModelFacts.of(model))
+    restored = lab_apply.apply_choices(loaded, ModelFacts.of(model))
     assert restored["choices"] == choices
     for key, observer in choices.items():
         original = analysis.entry(*key).result(observer).qparams
@@ -226,7 +226,7 @@ def test_a_version_1_file_still_loads_and_restores_bit_exact():
         original = analysis.entry(*key).result(observer).qparams
         for name in ("scale", "zero_point", "min_val", "max_val"):
             assert torch.equal(_bits(getattr(original, name)), _bits(getattr(loaded.qparams[key], name))), key
-    restored = lab_json.restore(json.dumps(old), analysis)
+    restored = lab_apply.restore(json.dumps(old), analysis)
     assert restored.choices == choices and restored.notes == []
 
 
@@ -254,7 +254,7 @@ def test_wrong_model_lists_unknown_layer_and_every_shape_mismatch(run):
     loaded = lab_json.load(run[4])
     other = FakeModel({"blk.q_proj": (16, 96), "blk.k_proj": (8, 64)})
     with pytest.raises(ValueError) as info:
-        lab_json.apply_choices(loaded, ModelFacts.of(other))
+        lab_apply.apply_choices(loaded, ModelFacts.of(other))
     message = str(info.value)
     assert "the model has no layer 'zero.proj'" in message
     assert "blk.q_proj weight: file has weight shape [16, 64], model has [16, 96]" in message
@@ -267,10 +267,10 @@ def test_expected_qparam_shape_matches_observers():
     w = torch.randn(10, 70)
     observer = ob.create("minmax", spec)
     observer.observe(w)
-    assert lab_json.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
-    assert lab_json.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
-    assert lab_json.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
-    assert lab_json.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
+    assert lab_apply.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
+    assert lab_apply.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
+    assert lab_apply.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
+    assert lab_apply.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
 
 
 def test_export_rejects_choices_outside_the_analysis(run):

@@ -18,12 +18,12 @@ from safetensors import safe_open
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
-from lab import cli, results, ui
+from lab import cli, ui
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
-from lab.export import compressed_tensors, lab_json
-from lab.results import choose, plots
+from lab.export import compressed_tensors, lab_apply, lab_json
+from lab.results import choose, plots, ranges
 from sample_models import open_model
 
 OBSERVERS = ("minmax", "mse_grid", "percentile")
@@ -136,15 +136,15 @@ def test_json_round_trip_and_model_checks_for_kv_entries(llama, per_head):
     text = lab_json.dumps(document)
     assert lab_json.schema_problems(document) == []
     assert {e["tensor"] for e in document["entries"]} == {"k", "v"}
-    restored = lab_json.apply_choices(lab_json.load(text), ModelFacts.of(llama, with_kv=True))
+    restored = lab_apply.apply_choices(lab_json.load(text), ModelFacts.of(llama, with_kv=True))
     for (layer, tensor), qp in restored["qparams"].items():
         original = per_head.entry(layer, tensor).result(restored["choices"][(layer, tensor)]).qparams
         assert torch.equal(qp.scale, original.scale) and qp.kind == "attention"
     minilm = open_model("minilm")
     with pytest.raises(ValueError, match="has no attention block 'model.layers.0.self_attn'"):
-        lab_json.apply_choices(lab_json.load(text), ModelFacts.of(minilm))
-    assert lab_json.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
-    assert lab_json.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
+        lab_apply.apply_choices(lab_json.load(text), ModelFacts.of(minilm))
+    assert lab_apply.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
+    assert lab_apply.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
 
 
 def test_per_head_plots_cover_every_head(per_head):
@@ -251,9 +251,9 @@ def test_app_analyses_and_exports_kv_states():
 
 def test_granularity_note_speaks_of_heads_for_kv_states():
     spec = ob.QuantSpec(dtype="fp8_e4m3", strategy="channel")
-    assert "one range per head" in results.granularity_note(spec, "k")
-    assert "one range per channel" in results.granularity_note(spec, "weight")
-    assert results.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
+    assert "one range per head" in ranges.granularity_note(spec, "k")
+    assert "one range per channel" in ranges.granularity_note(spec, "weight")
+    assert ranges.granularity_note(ob.QuantSpec(dtype="fp8_e4m3"), "v") is None
 
 
 def test_kv_cache_scheme_records_the_most_common_choice_and_notes_the_others(per_head, blocks):

@@ -18,7 +18,8 @@ from lab.analyse.model_facts import ModelFacts
 from lab.analyse.run_config import RunConfig
 from lab.gptq.layer import GPTQRow
 from lab.gptq.table import gptq_frame
-from lab.results import envelope, plots
+from lab.results import plots
+from lab.results.ranges import envelope
 from lab.results.report import report_figures
 from observers.suite import SuiteResult
 

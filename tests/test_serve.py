@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.export.checkpoint import NOTES_FILE, lab_written
+from lab.export.model_dir import NOTES_FILE, lab_written
 from lab.serve import __main__ as launcher
 from lab.serve import config as serve_config
 from lab.serve import roots

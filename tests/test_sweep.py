@@ -21,7 +21,8 @@ from lab.export import lab_json
 from lab.progress_bar import ProgressBar
 from lab.results import choose
 from lab.scale import sweep, sweep_file
-from lab.scale.sweep import Plan, partial_path, run_sweep
+from lab.scale.plan import Plan
+from lab.scale.sweep import partial_path, run_sweep
 from sample_models import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +229,9 @@ def write_round(self, payloads):
 
 
 sweep_file.Writer.write_round = write_round
+# A child of a background job inherits SIGINT as ignored: the test's interrupt must reach the CLI
+# however the suite was started, as a person's Ctrl-C does.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -126,12 +126,12 @@ def run(
     """Score, solve, measure, write. ``deploy(lab_file)`` writes ``--checkpoint``/``--recipe``."""
     from lab.allocate import export, frontier
     from lab.allocate.cost import LayerSizes
-    from lab.allocate.fusion import fused_groups
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
     from lab.effect.evaluate import Evaluator
     from lab.export import lab_json
     from lab.progress_bar import ProgressBar
+    from lab.runtime.fusion import fused_groups
 
     schemes = request.schemes
     sizes = LayerSizes.of(model, layers)

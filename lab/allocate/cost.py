@@ -23,7 +23,7 @@ from typing import Any
 import observers as ob
 from lab.export.checkpoint import dense_reason
 from lab.export.compressed_tensors import ct_args
-from lab.export.lab_json import expected_qparam_shape
+from lab.export.lab_apply import expected_qparam_shape
 from lab.export.recipe import ragged_groups
 
 SHAPE_BYTES = 16

@@ -2,7 +2,7 @@
 
 Per layer and scheme the option is the scheme with the observer that damages the model least
 (a layer's cost does not depend on its observer, so the best observer under each scheme is all the
-solver needs); layers a server fuses (``lab.allocate.fusion``) form one group whose option is a
+solver needs); layers a server fuses (``lab.runtime.fusion``) form one group whose option is a
 scheme for all of them, with each member's own best observer. ``allocate`` solves one budget
 (``lab.allocate.solve``); ``uniform`` puts every layer on one scheme; ``fixed`` takes a rule
 (a scheme per layer). ``measure`` runs an allocation with all its choices applied together and

@@ -298,8 +298,8 @@ class AllocateState:
         observer) scored, each budget solved and every allocation measured end to end. The result
         replaces the last one and its budget is viewed."""
         from lab.allocate import frontier
-        from lab.allocate.fusion import fused_groups
         from lab.allocate.score import part_configs, score
+        from lab.runtime.fusion import fused_groups
         from lab.serve.session_runs import SessionRun
 
         layers, schemes = list(asked.layers), list(asked.schemes)

@@ -37,6 +37,19 @@ class ToolResult:
     result: SuiteResult
 
 
+@dataclass(frozen=True)
+class Served:
+    """How a server runs a tensor fused with others (``lab.runtime``): the fused ``unit``
+    (``model.layers.0.self_attn qkv_proj``), its ``members`` in the run, what it keeps one of for
+    them (``collapse``: ``global scale`` or ``tensor scale``), and per observer the member whose
+    own range sets that shared scale (``set_by``: the one reaching farthest)."""
+
+    unit: str
+    members: tuple[str, ...]
+    collapse: str
+    set_by: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class TensorAnalysis:
     """The suite's results on one tensor of one layer.
@@ -69,6 +82,13 @@ class TensorAnalysis:
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
     sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
+    served: Served | None = None
+    """Of a tensor a server runs fused with others whose scales it shares: the fused group.
+    ``results`` then hold each observer's qparams and figures as served (the group's shared scale),
+    ``per_layer`` the same observers with this tensor's own scales."""
+    per_layer: list[SuiteResult] = field(default_factory=list)
+    """With ``served``: each observer's result with this tensor's own scales, in ``results``' order
+    (what a runtime that does not fuse, e.g. transformers' own forward, runs)."""
 
     @property
     def data(self) -> torch.Tensor:

@@ -26,6 +26,7 @@ from lab.analyse.analysis import Analysis, TensorAnalysis, ToolResult
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.result_cache import ResultCache
 from lab.analyse.run_config import RunConfig
+from lab.analyse.served import as_chosen, serve
 from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
@@ -33,6 +34,8 @@ from lab.calibrate.activations import tensor_id as activations_tensor_id
 from lab.gptq.held_out import held_out_hessians
 from lab.gptq.layer import gptq_rows, weight_quant
 from lab.results import Choices, choose
+from lab.runtime.fusion import fused_groups, unit
+from lab.runtime.scales import level, serving_level, shared_tensors, with_fused_members
 from lab.scale.distributed import SINGLE, Ranks, owner
 from lab.vocab import (
     DEFAULT_METRIC,
@@ -101,14 +104,18 @@ def analyse(
         raise ValueError("propagation runs in one process: every rank would need every weight's choice")
     cache = ResultCache() if cache is None else cache
     start = time.perf_counter()
+    shared = shared_tensors(config.specs)
+    every = [info.name for info in model.layers()] if hasattr(model, "layers") else list(layers)
+    layers, added = with_fused_members(layers, every, config.specs)
     facts = ModelFacts.of(model, with_kv=bool(attention))
     split = ranks.world_size > 1
-    mine = [layer for i, layer in enumerate(layers) if not split or owner(i, ranks.world_size) == ranks.rank]
+    mine = _owned(layers, config, ranks)
     extra = config.calibration_key()
     extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
     extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
     jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
     jobs += [(block, which) for block in attention for which in KV_TENSORS]
+    order = {job: index for index, job in enumerate(jobs)}
     names_for = {key: config.observers_for(key) for key in config.specs}
     total = sum(len(names_for[spec_key(tensor)]) for _, tensor in jobs)
     if progress is not None:
@@ -127,6 +134,7 @@ def analyse(
     calibration = _calibration_set(model, config) if streams else None  # a bad dataset stops it here
     entries: list[TensorAnalysis] = []
     warnings: list[str] = [calibration.shortfall] if calibration is not None and calibration.shortfall else []
+    warnings += added
     recorded = None if calibration is None else calibration.to_dict()
     steps = iter(range(total))
 
@@ -137,19 +145,28 @@ def analyse(
 
     def finish(units: list[str], calibrated: Calibrated) -> Propagation | None:
         """The entries of ``units`` (layers, attention blocks), now that their activations are final:
-        their weights are read and observed now, one layer at a time."""
-        found = []
+        their weights are read and observed now, a fused group's at once (``_weight_group``), and
+        a fused group's activations served together."""
+        found, weights = [], []
         for layer, tensor in (job for job in jobs if job[0] in units):
             spec, names = config.specs[spec_key(tensor)], names_for[spec_key(tensor)]
             if tensor != "weight":
                 found.append(_activation_entry(layer, tensor, spec, calibrated, None if split else ranks.rank))
             elif layer in mine:
-                read = partial(_read_weight, model, layer, config, calibrated.smoothing.get(layer))
-                given = calibrated.statistics.get(layer, {}) | {"gptq_held_out": held_out.get(layer)}
-                found.append(_weight_entry(model, layer, read, config, cache, given, extra, tick, ranks.rank))
+                weights.append(layer)
                 continue
             for name in names:
                 tick(f"{layer} · {tensor} · {name}")
+        for _, members in fused_groups(weights, level("weight")) if "weight" in shared else [(w, [w]) for w in weights]:
+            reads = [partial(_read_weight, model, layer, config, calibrated.smoothing.get(layer)) for layer in members]
+            given = [calibrated.statistics.get(layer, {}) | {"gptq_held_out": held_out.get(layer)} for layer in members]
+            found += _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank)
+        if "input" in shared:
+            inputs = [e for e in found if e.tensor == "input"]
+            for unit, members in fused_groups([e.layer for e in inputs], level("input")):
+                group = [next(e for e in inputs if e.layer == member) for member in members]
+                serve(group, [e.data for e in group], shared["input"], unit)
+        found.sort(key=lambda e: order[(e.layer, e.tensor)])
         warnings.extend(note for note in calibrated.notes if note not in warnings)
         part = Analysis(facts, config, found, time.perf_counter() - start, list(warnings), recorded)
         if on_done is None:
@@ -170,7 +187,6 @@ def analyse(
     except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
         failed = err
     ranks.agree(failed)
-    order = {job: index for index, job in enumerate(jobs)}
     entries.sort(key=lambda e: order[(e.layer, e.tensor)])
     if progress is not None:
         progress(total, total, "done")
@@ -184,10 +200,11 @@ def _propagation(model, part: Analysis, choices: Callable[[Analysis], Choices] |
     is its GPTQ weight, as llm-compressor's sequential pipeline calibrates the next block behind
     the already GPTQ-quantized one."""
     chosen = choose(part, DEFAULT_METRIC) if choices is None else choices(part)
+    served = as_chosen(part, chosen)
     quantization = {
-        (e.layer, e.tensor): _quantized(e, chosen[key], part.config)
+        (e.layer, e.tensor): _quantized(e, served[key].result, part.config)
         for e in part.entries
-        if e.tensor in LAYER_TENSORS and (key := (e.layer, e.tensor)) in chosen
+        if e.tensor in LAYER_TENSORS and (key := (e.layer, e.tensor)) in served
     }
     if not quantization:
         return None
@@ -196,13 +213,13 @@ def _propagation(model, part: Analysis, choices: Callable[[Analysis], Choices] |
     return lambda module: quantizing_hooks(module, quantization, heads, owner)
 
 
-def _quantized(entry: TensorAnalysis, observer: str, config: RunConfig) -> TensorQuant:
-    """How propagation quantizes one chosen tensor."""
+def _quantized(entry: TensorAnalysis, result: SuiteResult, config: RunConfig) -> TensorQuant:
+    """How propagation quantizes one chosen tensor (``result``: its choice as served)."""
     if entry.spec.dynamic:
         return TensorQuant(entry.spec)
     if entry.tensor == "weight":
-        return weight_quant(entry, observer, config.gptq)
-    return TensorQuant(entry.spec, entry.result(observer).qparams)
+        return weight_quant(entry, result, config.gptq)
+    return TensorQuant(entry.spec, result.qparams)
 
 
 def _calibration_set(model, config: RunConfig) -> CalibrationSamples | None:
@@ -232,10 +249,61 @@ def _read_weight(model, layer: str, config: RunConfig, smoothing: torch.Tensor |
     return observed.weight_view(config, model.weight(layer), smoothing)
 
 
+def _owned(layers: Sequence[str], config: RunConfig, ranks: Ranks) -> list[str]:
+    """The layers whose weights this rank analyses: every one in one process; with several ranks,
+    fused group ``i`` (a layer alone when nothing is shared) goes to rank ``i % world_size``, so a
+    group's shared scales are computed in one place."""
+    if ranks.world_size <= 1:
+        return list(layers)
+    serving = serving_level(config.specs)
+    groups = fused_groups(layers, serving) if serving is not None else [(layer, [layer]) for layer in layers]
+    return [
+        layer for i, (_, members) in enumerate(groups) if owner(i, ranks.world_size) == ranks.rank for layer in members
+    ]
+
+
+def _weight_group(
+    model,
+    layers: Sequence[str],
+    reads: Sequence[Callable[[], torch.Tensor]],
+    given: Sequence[dict[str, torch.Tensor | None]],
+    config: RunConfig,
+    cache: ResultCache,
+    extra: str,
+    tick: Callable[[str], None],
+    rank: int,
+) -> list[TensorAnalysis]:
+    """The weight entries of one fused group (or one layer): each observed alone (``_weight_entry``),
+    then served together when the run's weight scales are shared (``lab.analyse.served``), then
+    put through GPTQ with the served qparams. The weights are read once and dropped afterwards."""
+    data = [read() for read in reads]
+    entries = [
+        _weight_entry(model, layer, read, tensor, config, cache, statistics, extra, tick, rank)
+        for layer, read, tensor, statistics in zip(layers, reads, data, given, strict=True)
+    ]
+    how = shared_tensors(config.specs).get("weight")
+    if how is not None and len(entries) > 1:
+        serve(entries, data, how, unit(layers[0], level("weight")))
+    if config.gptq is not None:
+        for entry, tensor, statistics in zip(entries, data, given, strict=True):
+            entry.hessian = statistics.get("gptq_hessian")
+            entry.gptq = gptq_rows(
+                entry.results,
+                tensor,
+                entry.hessian,
+                entry.spec,
+                config.gptq,
+                config.knobs,
+                statistics.get("gptq_held_out"),
+            )
+    return entries
+
+
 def _weight_entry(
     model,
     layer: str,
     read: Callable[[], torch.Tensor],
+    data: torch.Tensor,
     config: RunConfig,
     cache: ResultCache,
     given: dict[str, torch.Tensor | None],
@@ -243,11 +311,9 @@ def _weight_entry(
     tick: Callable[[str], None],
     rank: int,
 ) -> TensorAnalysis:
-    """A weight observed by each of the run's weight observers (through the cache), with the
-    statistics of its layer's inputs (``given``) where an observer takes them, and as each tool
-    would; under GPTQ beside its held-out Hessian. The weight is read once here and dropped: the
-    entry keeps ``read``."""
-    data = read()
+    """A weight (``data``, read by ``read``) observed by each of the run's weight observers (through
+    the cache), with the statistics of its layer's inputs (``given``) where an observer takes them,
+    and as each tool would. The entry keeps ``read``, not the weight."""
     spec, names = config.specs["weight"], config.observers_for("weight")
     g_idx = observed.g_idx_for(config, spec, given.get("importance"))
     weight_extra = extra if g_idx is not None else extra.removeprefix(config.calibration_key())
@@ -266,10 +332,6 @@ def _weight_entry(
         results.append(cache.get_or_run(key, run))
     entry = TensorAnalysis(layer, "weight", spec, read, results, g_idx, tuple(data.shape), rank)
     entry.tool_results = [_as_tool(tool, entry, data, cache, tensor_id, weight_extra) for tool in config.tools]
-    if config.gptq is not None:
-        entry.hessian = given.get("gptq_hessian")
-        held_out = given.get("gptq_held_out")
-        entry.gptq = gptq_rows(results, data, entry.hessian, spec, config.gptq, config.knobs, held_out)
     return entry
 
 

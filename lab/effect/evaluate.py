@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
+from lab.analyse.served import as_chosen
 from lab.export.json_values import json_safe
 from lab.gptq.deploy import GPTQDeploy
 from lab.gptq.hessians import HessianOf
@@ -76,13 +77,14 @@ def from_analysis(analysis: Analysis, choices: Mapping[Key, str], name: str) -> 
     if notes:
         raise ValueError(f"choice set {name!r} cannot be evaluated:\n  - " + "\n  - ".join(notes))
     tensors, observers = {}, {}
+    served = as_chosen(analysis, kept)
     for key, observer in kept.items():
         entry = analysis.entry(*key)
         dynamic = _is_dynamic(entry.spec, entry.tensor)
         if entry.tensor == "weight":
-            tensors[key] = weight_quant(entry, observer, analysis.config.gptq)
+            tensors[key] = weight_quant(entry, served[key].result, analysis.config.gptq)
         else:
-            tensors[key] = TensorQuant(entry.spec, None if dynamic else entry.result(observer).qparams)
+            tensors[key] = TensorQuant(entry.spec, None if dynamic else served[key].result.qparams)
         observers[key] = "run time" if dynamic else observer
     return ChoiceSet(name, tensors, observers)
 
@@ -109,7 +111,7 @@ def from_lab_file(lab_file: Any, model: Any, name: str = "file", hessians: Hessi
     fit: one ``ValueError`` naming the problem. A file of a GPTQ run runs its weights as GPTQ weights,
     made again from ``hessians`` (``lab.gptq.hessians``), as the checkpoint does."""
     from lab.export.chosen import of_lab_file
-    from lab.export.lab_json import apply_choices
+    from lab.export.lab_apply import apply_choices
 
     here = describe_source(model)
     if not same_weights(lab_file.source, here):
@@ -138,7 +140,7 @@ def check_applies(choice_set: ChoiceSet, model: Any) -> None:
     held-out text: one ``ValueError`` listing each problem (a missing layer, a spec for another
     kind of tensor, static per-token qparams, which belong to the calibration tokens, a dynamic
     spec with no run-time form, qparams of another shape)."""
-    from lab.export.lab_json import expected_qparam_shape
+    from lab.export.lab_apply import expected_qparam_shape
 
     problems = []
     blocks = None

@@ -24,7 +24,6 @@ destination and renamed into place, so a refused or interrupted write leaves not
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -38,25 +37,23 @@ import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
-from lab.export.lab_json import LabFile, apply_choices
+from lab.export.lab_apply import apply_choices
+from lab.export.lab_json import LabFile
+from lab.export.model_dir import NOTES_FILE, files_section, move_into_place, name_weight_files
 from lab.export.recipe import config_groups_of
 from lab.gptq.deploy import GPTQDeploy
 from lab.gptq.hessians import HessianOf
 from lab.results import unusable_scales
+from lab.runtime.scales import load_problems
 from lab.vocab import KV_TENSORS
 from sample_models.sequential import return_freed_memory
 
-NOTES_FILE = "observer_lab_checkpoint.txt"
-FILES_HEADER = "files written:"
-"""The last section of the notes file: every file the write made, so ``lab_written`` can tell a
-directory the lab wrote (and nothing else put there) from any other."""
 CHUNK_ELEMENTS = 4 << 20
 """Weight elements packed at once: a bigger weight (a head, an embedding-sized layer) is packed a
 slice of rows at a time, so the fp32 copies fake-quantization and packing make stay small."""
 FILE_BYTES = 256 << 20
 """Largest weight file the checkpoint gets (a bigger tensor gets one of its own): what a write
 holds in memory at once, twice (safetensors copies a file's tensors into bytes to write them)."""
-INDEX_FILE = "model.safetensors.index.json"
 # Files a model directory carries beside its weights that a loader or a server reads.
 _SIDE_FILES = (
     "tokenizer.json",
@@ -146,6 +143,25 @@ def _plan(chosen: list[Chosen], facts: ModelFacts, notes: list[str]) -> list[CtL
     return layers
 
 
+def check_served(layers: list[CtLayer], facts: ModelFacts) -> None:
+    """The packed layers must load as the lab computed them in a server that fuses layers (vLLM,
+    SGLang: ``lab.runtime``): every fused group packed whole, in one scheme, sharing the scales the
+    server keeps one of. One ``CheckpointError`` line per group that would not; nothing is written."""
+    packed = {
+        layer.layer: {
+            tensor: (entry.spec, entry.qparams) for tensor, entry in layer.entries.items() if tensor in layer.args
+        }
+        for layer in layers
+    }
+    linear = [name for name, kind in facts.layer_types.items() if kind == "Linear"]
+    problems = load_problems(packed, linear)
+    if problems:
+        raise CheckpointError(
+            "a server that fuses layers (vLLM, SGLang) would load this checkpoint wrong:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
 def quantization_config(
     lab_file: LabFile, facts: ModelFacts
 ) -> tuple[dict[str, Any], list[CtLayer], dict[str, torch.Tensor], list[str]]:
@@ -161,6 +177,7 @@ def quantization_config(
     layers = _plan(chosen, facts, notes)
     config_groups, _ = config_groups_of(layers, facts.layer_shapes, notes)
     layers = [layer for layer in layers if layer.args]
+    check_served(layers, facts)
     formats = set()
     for scheme in config_groups.values():
         scheme["format"] = infer_module_format(torch.nn.Linear, QuantizationScheme(**scheme)).value
@@ -316,23 +333,8 @@ def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str],
     notes = list(notes)
     if notes:
         lines += ["", "notes:", *(f"  {note}" for note in notes)]
-    lines += ["", FILES_HEADER, *(f"  {name}" for name in files)]
+    lines += files_section(files)
     return "\n".join(lines) + "\n"
-
-
-def lab_written(directory: Path) -> bool:
-    """Whether ``directory`` holds a checkpoint this lab wrote and nothing else: its notes file is
-    there and lists every entry of the directory, each a plain file. The app replaces only such a
-    directory (a person's own files beside a checkpoint, or any other directory, are never deleted)."""
-    notes = directory / NOTES_FILE
-    if notes.is_symlink() or not notes.is_file():
-        return False
-    text = notes.read_text(encoding="utf-8", errors="replace")
-    if f"\n{FILES_HEADER}\n" not in text:
-        return False
-    listed = {line.strip() for line in text.split(f"\n{FILES_HEADER}\n", 1)[1].splitlines() if line.strip()}
-    listed.add(NOTES_FILE)
-    return all(e.name in listed and e.is_file() and not e.is_symlink() for e in directory.iterdir())
 
 
 def _prepare(out_dir: Path, overwrite: bool) -> None:
@@ -391,38 +393,13 @@ def write(
             return_freed_memory()
         if pending:
             raise CheckpointError(f"layers without a stored weight: {', '.join(pending)}")
-        _name_files(staging, parts)
+        name_weight_files(staging, parts)
         model_config["quantization_config"] = config
         (staging / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True), encoding="utf-8")
         files = sorted(entry.name for entry in staging.iterdir())
         (staging / NOTES_FILE).write_text(_notes_text(lab_file, config, notes, files), encoding="utf-8")
-        _replace(staging, out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Written(out, config, [layer.layer for layer in layers], notes)
-
-
-def _name_files(staging: Path, parts: list[tuple[Path, list[str]]]) -> None:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with their index."""
-    if len(parts) == 1:
-        parts[0][0].rename(staging / "model.safetensors")
-        return
-    weight_map = {}
-    for index, (part, keys) in enumerate(parts, start=1):
-        name = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
-        part.rename(staging / name)
-        weight_map |= dict.fromkeys(keys, name)
-    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
-
-
-def _replace(staging: Path, out: Path) -> None:
-    """Move the finished directory into place (an old one only goes once the new one is whole)."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    staging.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

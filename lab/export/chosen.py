@@ -29,13 +29,14 @@ class Chosen:
     """Activation order's group index, when the weight's columns were reordered."""
 
 
-def of_analysis(selected: Sequence[tuple[Any, str]]) -> list[Chosen]:
-    """``lab.results.export_selection``'s ``(entry, observer)`` pairs as ``Chosen``."""
+def of_analysis(selected: Sequence[tuple[Any, Any]]) -> list[Chosen]:
+    """``lab.results.export_selection``'s ``(entry, served choice)`` pairs as ``Chosen``: the qparams a
+    server runs (a fused group's shared scales)."""
     chosen = []
-    for entry, observer in selected:
-        result = entry.result(observer)
+    for entry, served in selected:
+        result = served.result
         knobs = dict(result.knobs)
-        chosen.append(Chosen(entry.layer, entry.tensor, entry.spec, observer, knobs, result.qparams, entry.g_idx))
+        chosen.append(Chosen(entry.layer, entry.tensor, entry.spec, result.name, knobs, result.qparams, entry.g_idx))
     return chosen
 
 

@@ -8,8 +8,8 @@ and runner-up observers, plus the model's source with a sha256 per weight file. 
 one error that lists every problem, and nothing is applied partially.
 
 Paired in-memory and file forms, as safetensors has them: ``save`` -> bytes / ``save_file``,
-``load`` (bytes or text) / ``load_file``. Imports are checked against an analysis's
-``ModelFacts`` (``apply_choices``), never against whatever model happens to be open.
+``load`` (bytes or text) / ``load_file``. A file is applied to a model or an analysis by
+``lab.export.lab_apply``.
 """
 
 from __future__ import annotations
@@ -18,19 +18,17 @@ import datetime as _dt
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import observers as ob
 from lab.analyse.analysis import Analysis, TensorAnalysis, ToolResult
-from lab.analyse.model_facts import ModelFacts, same_weights
+from lab.analyse.served import ServedChoice
 from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.results import Choices, check_metric, export_selection, rank
-from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION, KV_TENSORS
+from lab.vocab import DEFAULT_METRIC, GLOBAL_SCALE_CONVENTION
 from observers.suite import SuiteResult
 
 FORMAT_NAME = "observer-lab-qparams"
@@ -66,10 +64,26 @@ def _tool_record(run: ToolResult) -> dict[str, Any]:
     return record
 
 
-def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str, Any]:
-    chosen = entry.result(observer)
-    others = [r for r in rank(entry, metric) if r.name != observer]
+def _fused_record(entry: TensorAnalysis, served: ServedChoice) -> dict[str, Any]:
+    """How a server runs a tensor fused with others: the fused unit, its members, the scale they
+    share, the member whose range set it, and the chosen observer's metrics with the layer's own
+    scales (what fusion costs this layer)."""
+    return {
+        "fused": {
+            "unit": entry.served.unit,
+            "members": list(entry.served.members),
+            "shares": entry.served.collapse,
+            "set_by": served.set_by,
+            "per_layer_metrics": metrics_to_json(served.own.metrics),
+        }
+    }
+
+
+def _entry_record(entry: TensorAnalysis, served: ServedChoice, metric: str) -> dict[str, Any]:
+    chosen = served.result
+    others = [r for r in rank(entry, metric) if r.name != chosen.name]
     tools = {"tools": [_tool_record(run) for run in entry.tool_results]} if entry.tool_results else {}
+    fused = _fused_record(entry, served) if entry.served is not None else {}
     return (
         {
             "layer": entry.layer,
@@ -81,6 +95,7 @@ def _entry_record(entry: TensorAnalysis, observer: str, metric: str) -> dict[str
             "qparams": chosen.qparams.to_dict(),
         }
         | tools
+        | fused
         | ({} if entry.metrics_tokens is None else {"metrics_tokens": entry.metrics_tokens})
     )
 
@@ -113,10 +128,10 @@ def build_document(
         "metric": metric,
         "config": json_safe(analysis.config.to_dict()),
         **({} if analysis.calibration is None else {"calibration": json_safe(analysis.calibration)}),
-        "entries": [_entry_record(entry, observer, metric) for entry, observer in selected],
+        "entries": [_entry_record(entry, served, metric) for entry, served in selected],
         "uncalibrated": [uncalibrated_record(e) for e in missing],
     }
-    if any(entry.result(observer).qparams.global_scale is not None for entry, observer in selected):
+    if any(served.result.qparams.global_scale is not None for _, served in selected):
         document["global_scale_convention"] = GLOBAL_SCALE_CONVENTION
     problems = schema_problems(document)
     if problems:
@@ -189,6 +204,8 @@ class LabEntry:
     qparams: ob.QParams
     metrics: dict[str, float | None]
     runner_up: dict[str, Any] | None
+    fused: dict[str, Any] | None = None
+    """How a fusing server runs it with others (the file's ``fused`` record), None when alone."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +265,7 @@ def _restore_entry(index: int, raw: dict[str, Any], problems: list[str]) -> LabE
         qparams=qparams,
         metrics=metrics_from_json(raw["chosen"]["metrics"]),
         runner_up=raw["runner_up"],
+        fused=raw.get("fused"),
     )
 
 
@@ -308,122 +326,3 @@ def load_file(path: str | Path) -> LabFile:
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
     return load(data, str(path))
-
-
-def expected_qparam_shape(
-    spec: ob.QuantSpec, tensor: str, weight_shape: tuple[int, ...], g_idx: torch.Tensor | None = None
-) -> tuple[int, ...] | None:
-    """The qparam shape ``spec`` gives on this layer's weight, input or output, or on an
-    attention block's keys or values (``tensor`` ``k``/``v``, ``weight_shape`` then
-    ``(kv_heads, head_dim)``); None when it depends on the calibration data (per-token).
-    Computed on a meta tensor, so no memory is used."""
-    if spec.strategy == "token":
-        return None
-    if tensor in KV_TENSORS:
-        heads, head_dim = weight_shape
-        shape, kind = (1, heads, 1, head_dim), "attention"
-    elif tensor == "weight":
-        shape, kind = weight_shape, "weight"
-    else:
-        width = weight_shape[1] if tensor == "input" else weight_shape[0]
-        shape, kind = (1, width), "activation"
-    probe = torch.empty(shape, device="meta")
-    return tuple(ob.flatten(probe, spec, kind, g_idx=g_idx).qparam_shape)
-
-
-def _model_problems(entry: LabEntry, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    where = f"{entry.layer} {entry.tensor}"
-    if entry.layer not in shapes:
-        what = "attention block" if entry.tensor in KV_TENSORS else "layer"
-        return [f"{where}: the model has no {what} {entry.layer!r}"]
-    weight_shape = shapes[entry.layer]
-    if len(weight_shape) < 2:
-        return [f"{where}: layer weight shape {list(weight_shape)} is not a matrix"]
-    problems = []
-    if entry.tensor == "weight" and tuple(entry.tensor_shape) != weight_shape:
-        problems.append(f"{where}: file has weight shape {list(entry.tensor_shape)}, model has {list(weight_shape)}")
-    try:
-        expected = expected_qparam_shape(entry.spec, entry.tensor, weight_shape, entry.qparams.extras.get("g_idx"))
-    except (ValueError, RuntimeError) as err:
-        return [*problems, f"{where}: spec does not apply to this layer: {err}"]
-    if expected is not None:
-        for name in ("scale", "zero_point", "min_val", "max_val"):
-            got = tuple(getattr(entry.qparams, name).shape)
-            if got != expected:
-                problems.append(f"{where}: {name} has shape {list(got)}, the layer needs {list(expected)}")
-    return problems
-
-
-def apply_choices(lab_file: LabFile, facts: ModelFacts) -> dict[str, dict[tuple[str, str], Any]]:
-    """Check a loaded file against a model's facts (``ModelFacts.of(model)``, or an analysis's
-    ``facts``) and restore its choices.
-
-    Returns ``{"choices": {(layer, tensor): observer}, "qparams": {...: QParams},
-    "specs": {...: QuantSpec}, "knobs": {...: dict}}``. A layer the model lacks, a weight shape
-    or qparam shape that does not fit the layer: one ``ValueError`` listing every problem, and
-    nothing is returned.
-    """
-    shapes = {**facts.layer_shapes, **facts.kv_shapes}
-    problems = [p for entry in lab_file.entries for p in _model_problems(entry, shapes)]
-    if problems:
-        raise ValueError("the file does not fit this model:\n  - " + "\n  - ".join(problems))
-    keys = [(e.layer, e.tensor) for e in lab_file.entries]
-    return {
-        "choices": dict(zip(keys, (e.observer for e in lab_file.entries), strict=True)),
-        "qparams": dict(zip(keys, (e.qparams for e in lab_file.entries), strict=True)),
-        "specs": dict(zip(keys, (e.spec for e in lab_file.entries), strict=True)),
-        "knobs": dict(zip(keys, (e.knobs for e in lab_file.entries), strict=True)),
-    }
-
-
-def import_differences(lab_file: LabFile, analysis: Analysis) -> list[str]:
-    """What differs between a file and the analysis its choices are applied to: other weights
-    (file hashes or model name) and, per tensor, another spec. The choices still apply (the
-    observer is chosen again on this analysis's data), but a person must be told."""
-    notes = []
-    if not same_weights(lab_file.source, analysis.source):
-        notes.append(
-            f"the file was made on {lab_file.source.get('name')!r}, this analysis on {analysis.source.get('name')!r} "
-            "(different weights): its observer choices are applied, its qparams are not"
-        )
-    specs = {(e.layer, e.tensor): e.spec for e in analysis.entries}
-    differing = [e for e in lab_file.entries if (e.layer, e.tensor) in specs and specs[(e.layer, e.tensor)] != e.spec]
-    if differing:
-        first = differing[0]
-        notes.append(
-            f"{len(differing)} tensor(s) were exported with another format than this run "
-            f"(e.g. {first.layer} {first.tensor}: file {first.spec.dtype} {first.spec.strategy}, run "
-            f"{specs[(first.layer, first.tensor)].dtype} {specs[(first.layer, first.tensor)].strategy}): "
-            "the observer choices are applied to this run's format"
-        )
-    return notes
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What importing a file into an analysis gave: the choices that apply, and notes on the
-    rest (entries this run did not analyse or whose observer gave no qparams here, other weights,
-    other formats)."""
-
-    choices: Choices
-    notes: list[str]
-
-
-def restore(data: bytes | str, analysis: Analysis, name: str = "the file") -> Restored:
-    """Import an Observer Lab file's choices into ``analysis``: the file is validated, its entries
-    for tensors this run analysed are checked against the analysis's model facts, and what it
-    cannot restore is listed, not silently dropped."""
-    from lab.results import valid_choices
-
-    lab_file = load(data, name)
-    analysed = set(analysis.keys())
-    fitting = replace(lab_file, entries=[e for e in lab_file.entries if (e.layer, e.tensor) in analysed])
-    apply_choices(fitting, analysis.facts)
-    notes = import_differences(lab_file, analysis)
-    notes += [
-        f"{e.layer} · {e.tensor}: not analysed in this run"
-        for e in lab_file.entries
-        if (e.layer, e.tensor) not in analysed
-    ]
-    choices, not_run = valid_choices(analysis, fitting.choices)
-    return Restored(choices, notes + not_run)

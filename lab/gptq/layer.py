@@ -163,25 +163,25 @@ def gptq_weight(
     return ob.gptq_quantize(weight, hessian, spec, observe, factors=factors, **gptq.kwargs())
 
 
-def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec) -> ob.GPTQResult:
+def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec, result: SuiteResult | None = None) -> ob.GPTQResult:
     """``gptq_weight`` of an analysed weight (a ``TensorAnalysis`` with its kept ``hessian``) with one
-    of its observers: the weight read again, the observer's qparams and knobs as the run had them."""
+    of its observers: the weight read again, the observer's qparams and knobs as the run had them
+    (``result``: as a choice serves them, when a fused group's members chose different observers)."""
     if entry.hessian is None:
         raise ValueError(f"{entry.layer}: no Hessian was kept (no calibration token reached it): no GPTQ weight")
-    result = entry.result(observer)
+    result = entry.result(observer) if result is None else result
     if result.qparams is None:
         raise ValueError(f"{observer} gave no qparams on {entry.layer}: no GPTQ weight")
     return gptq_weight(entry.data, entry.hessian, entry.spec, gptq, observer, result.qparams, result.knobs)
 
 
-def weight_quant(entry: Any, observer: str, gptq: ob.GPTQSpec | None) -> TensorQuant:
-    """How a chosen weight runs in the model (propagation, the model-level effect): its observer's
-    qparams, and under GPTQ (``gptq`` given, a Hessian kept) its GPTQ weight, which is what the
-    checkpoint deploys."""
-    qparams = entry.result(observer).qparams
+def weight_quant(entry: Any, result: SuiteResult, gptq: ob.GPTQSpec | None) -> TensorQuant:
+    """How a chosen weight runs in the model (propagation, the model-level effect): its chosen
+    ``result``'s qparams (as served), and under GPTQ (``gptq`` given, a Hessian kept) its GPTQ
+    weight, which is what the checkpoint deploys."""
     if gptq is None or entry.hessian is None:
-        return TensorQuant(entry.spec, qparams)
-    return TensorQuant(entry.spec, qparams, entry_gptq(entry, observer, gptq).weight)
+        return TensorQuant(entry.spec, result.qparams)
+    return TensorQuant(entry.spec, result.qparams, entry_gptq(entry, result.name, gptq, result).weight)
 
 
 def _row(

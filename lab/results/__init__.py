@@ -24,6 +24,8 @@ import torch
 
 import observers as ob
 from lab.analyse.analysis import Analysis, TensorAnalysis
+from lab.analyse.served import ServedChoice, as_chosen
+from lab.results.served import fused_rows
 from lab.vocab import (
     DEFAULT_METRIC,
     FEW_TOKENS,
@@ -31,6 +33,7 @@ from lab.vocab import (
     GPTQ_METRICS,
     MODEL_METRIC_PREFIX,
     MODEL_METRICS,
+    PER_LAYER_PREFIX,
     TensorKind,
 )
 from observers.suite import SuiteResult
@@ -42,12 +45,16 @@ Effect = Mapping[tuple[str, str], Mapping[str, Mapping[str, float]]]
 
 
 def check_metric(metric: str) -> str:
-    """``metric`` itself (a local metric of ``ob.HIGHER_IS_BETTER``, a model-level one as
-    ``model:<name>``, a GPTQ figure as ``gptq:<name>``), or a ``ValueError`` naming the metrics there are."""
+    """``metric`` itself (a local metric of ``ob.HIGHER_IS_BETTER``, as served or as ``per-layer:<name>``
+    with each layer's own scales, a model-level one as ``model:<name>``, a GPTQ figure as
+    ``gptq:<name>``), or a ``ValueError`` naming the metrics there are."""
     if metric.startswith(GPTQ_METRIC_PREFIX) and metric.removeprefix(GPTQ_METRIC_PREFIX) in GPTQ_METRICS:
         return metric
+    if metric.startswith(PER_LAYER_PREFIX) and metric.removeprefix(PER_LAYER_PREFIX) in ob.HIGHER_IS_BETTER:
+        return metric
     if metric not in ob.HIGHER_IS_BETTER and metric.removeprefix(MODEL_METRIC_PREFIX) not in MODEL_METRICS:
-        known = [*ob.HIGHER_IS_BETTER, *(MODEL_METRIC_PREFIX + m for m in MODEL_METRICS)]
+        known = [*ob.HIGHER_IS_BETTER, *(PER_LAYER_PREFIX + m for m in ob.HIGHER_IS_BETTER)]
+        known += [MODEL_METRIC_PREFIX + m for m in MODEL_METRICS]
         known += [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS]
         raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(known)}")
     if metric not in ob.HIGHER_IS_BETTER and not metric.startswith(MODEL_METRIC_PREFIX):
@@ -59,8 +66,8 @@ def higher_is_better(metric: str) -> bool:
     """Whether a larger value of ``metric`` is better: a local metric (``ob.HIGHER_IS_BETTER``) or a
     model-level one as ``model:<name>`` (``lab.vocab.MODEL_METRICS``). The one direction rule of the
     lab; an unknown metric is a ``ValueError`` naming the known ones (``check_metric``), never a guess."""
-    if check_metric(metric) in ob.HIGHER_IS_BETTER:
-        return ob.HIGHER_IS_BETTER[metric]
+    if check_metric(metric).removeprefix(PER_LAYER_PREFIX) in ob.HIGHER_IS_BETTER:
+        return ob.HIGHER_IS_BETTER[metric.removeprefix(PER_LAYER_PREFIX)]
     if metric.startswith(GPTQ_METRIC_PREFIX):
         return GPTQ_METRICS[metric.removeprefix(GPTQ_METRIC_PREFIX)]
     return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]
@@ -88,6 +95,8 @@ def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[s
     model-level effect of quantizing this tensor with it for a ``model:`` one (none without ``effect``)."""
     if metric in ob.HIGHER_IS_BETTER:
         found = {r.name: r.metrics.get(metric) for r in entry.results}
+    elif metric.startswith(PER_LAYER_PREFIX):
+        found = {r.name: r.metrics.get(metric.removeprefix(PER_LAYER_PREFIX)) for r in per_layer(entry)}
     elif metric.startswith(GPTQ_METRIC_PREFIX):
         found = {row.observer: getattr(row, metric.removeprefix(GPTQ_METRIC_PREFIX)) for row in entry.gptq}
     else:
@@ -95,6 +104,12 @@ def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[s
         per_observer = (effect or {}).get((entry.layer, entry.tensor), {})
         found = {observer: values.get(name) for observer, values in per_observer.items()}
     return {k: float(v) for k, v in found.items() if v is not None and not math.isnan(float(v))}
+
+
+def per_layer(entry: TensorAnalysis) -> list[SuiteResult]:
+    """``entry``'s results with its own scales: ``per_layer`` for a tensor a server runs fused with
+    others, else its results (a tensor served alone is served with its own scales)."""
+    return entry.per_layer if entry.served is not None else entry.results
 
 
 def metric_value(entry: TensorAnalysis, observer: str, metric: str, effect: Effect | None = None) -> float | None:
@@ -126,9 +141,7 @@ def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | No
     return chosen
 
 
-def override(
-    analysis: Analysis, choices: Choices, rules: Sequence[tuple[str, str]], *, part: bool = False
-) -> Choices:
+def override(analysis: Analysis, choices: Choices, rules: Sequence[tuple[str, str]], *, part: bool = False) -> Choices:
     """``choices`` with every tensor of the layers a rule's glob matches taking that rule's observer
     (later rules win), the CLI's ``--choose GLOB=OBSERVER``. A glob that matches no analysed layer,
     or an observer that was not run or gave no qparams on a matched tensor: one ``ValueError``
@@ -195,15 +208,21 @@ def token_warnings(analysis: Analysis, few: int = FEW_TOKENS) -> list[str]:
 
 
 def metric_options(analysis: Analysis | None) -> list[str]:
-    """The metrics a choice, the overview and the bars can go by: the local ones, and the GPTQ
+    """The metrics a choice, the overview and the bars can go by: the local ones (as served), each
+    layer's own (``per-layer:<metric>``) when a server shares some scales of the run, and the GPTQ
     figures (``gptq:<figure>``) when the run put its weights through GPTQ."""
     has_gptq = analysis is not None and any(e.gptq for e in analysis.entries)
-    return list(ob.METRIC_KEYS) + ([GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS] if has_gptq else [])
+    fused = analysis is not None and any(e.served is not None for e in analysis.entries)
+    options = list(ob.METRIC_KEYS) + ([PER_LAYER_PREFIX + m for m in ob.METRIC_KEYS] if fused else [])
+    return options + ([GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS] if has_gptq else [])
 
 
 def error_table(analysis: Analysis) -> pd.DataFrame:
-    """Layer × observer rows with every metric, time and observed tokens (errors kept as text), and
-    a GPTQ run's figures per weight observer (``gptq:<figure>`` columns, empty for activations)."""
+    """Layer × observer rows with every metric as served, time and observed tokens (errors kept as
+    text); beside them, for tensors a server runs fused with others, each metric with the layer's
+    own scales (``per-layer:<metric>`` columns), the fused unit and the member whose range sets the
+    shared scale (``scale set by``); and a GPTQ run's figures per weight observer (``gptq:<figure>``
+    columns, empty for activations)."""
     frame = analysis.frame()
     gptq = [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS]
     rows = [
@@ -214,7 +233,12 @@ def error_table(analysis: Analysis) -> pd.DataFrame:
     ]
     if rows and not frame.empty:
         frame = frame.merge(pd.DataFrame(rows), on=["layer", "tensor", "observer"], how="left")
-    wanted = ["layer", "tensor", "observer", *ob.METRIC_KEYS, *gptq, "seconds", "num_observed_tokens", "error"]
+    fused = fused_rows(analysis)
+    if fused and not frame.empty:
+        frame = frame.merge(pd.DataFrame(fused), on=["layer", "tensor", "observer"], how="left")
+    own = [PER_LAYER_PREFIX + m for m in ob.METRIC_KEYS]
+    wanted = ["layer", "tensor", "observer", *ob.METRIC_KEYS, *own, "fused as", "scale set by", *gptq]
+    wanted += ["seconds", "num_observed_tokens", "error"]
     return frame[[c for c in wanted if c in frame.columns]]
 
 
@@ -230,26 +254,35 @@ def best_mask(frame: pd.DataFrame, metric: str) -> pd.Series:
 def _metric_of(entry: TensorAnalysis, observer: str | None, metric: str) -> float | None:
     if observer is None:
         return None
-    return entry.result(observer).metrics.get(metric)
+    return metric_value(entry, observer, metric)
 
 
 def choices_frame(analysis: Analysis, choices: Mapping[tuple[str, str], str], metric: str) -> pd.DataFrame:
-    """One row per tensor: the chosen observer, the best one by ``metric``, and both metric values."""
+    """One row per tensor: the chosen observer, the best one by ``metric``, and both metric values.
+    The chosen one's local metric is the one it is served with under the whole choice (a fused
+    group whose members chose differently shares the scale of the one reaching farthest,
+    ``lab.analyse.served.as_chosen``); for a tensor a server fuses, ``served as`` names the fused
+    unit and the member setting its shared scale, and ``per layer`` gives the metric with the
+    layer's own scales."""
     best = choose(analysis, metric)
+    chosen_all = {key: choices.get(key, best.get(key)) for key in analysis.keys()}
+    served = as_chosen(analysis, {key: name for key, name in chosen_all.items() if name is not None})
+    local = metric.removeprefix(PER_LAYER_PREFIX)
     rows = []
     for e in analysis.entries:
         key = (e.layer, e.tensor)
-        chosen = choices.get(key, best.get(key))
-        rows.append(
-            {
-                "layer": e.layer,
-                "tensor": e.tensor,
-                "observer": chosen,
-                metric: _metric_of(e, chosen, metric),
-                "best": best.get(key),
-                f"best {metric}": _metric_of(e, best.get(key), metric),
-            }
-        )
+        chosen, found = chosen_all[key], served.get(key)
+        value = _metric_of(e, chosen, metric)
+        if found is not None and metric in ob.HIGHER_IS_BETTER:
+            value = found.result.metrics.get(metric)
+        row = {"layer": e.layer, "tensor": e.tensor, "observer": chosen, metric: value}
+        row |= {"best": best.get(key), f"best {metric}": _metric_of(e, best.get(key), metric)}
+        if e.served is not None:
+            setter = (found.set_by or "").rpartition(".")[2] if found is not None else ""
+            row["served as"] = f"{e.served.unit}, one {e.served.collapse} set by {setter or 'none'}"
+            if found is not None and local in ob.HIGHER_IS_BETTER:
+                row[f"per layer {local}"] = found.own.metrics.get(local)
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -308,46 +341,12 @@ def spec_text(spec: ob.QuantSpec) -> str:
     return text + (" dynamic" if spec.dynamic else "")
 
 
-def envelope(result: SuiteResult, spec: ob.QuantSpec) -> tuple[float, float]:
-    """The tensor-wide ``(lo, hi)`` where an observer's format clips: for channel, group, token
-    or block granularity the smallest low end and largest high end of ``ob.representable_range``
-    over all its qparam groups.
-
-    Not the chosen ``min_val``/``max_val``: what a reader of a range plot or table needs is where
-    values start to saturate, and that is the grid's ends (``-128·s`` under the ``half_range``
-    rule, ``6·2^e`` for an MX block), which ``clip_ratio`` also counts against."""
-    lo, hi = ob.representable_range(result.qparams, spec)
-    return float(lo.min()), float(hi.max())
-
-
-def range_table(
-    results: Sequence[SuiteResult], spec: ob.QuantSpec, specs: Mapping[str, ob.QuantSpec] | None = None
-) -> pd.DataFrame:
-    """Per observer: the tensor-wide range its format keeps unclipped (``envelope``), the
-    share of values clipped and the SQNR; ``specs`` as in ``plots.range_histogram``."""
-    rows = []
-    for r in results:
-        if r.qparams is None:
-            continue
-        lo, hi = envelope(r, (specs or {}).get(r.name, spec))
-        clip = r.metrics.get("clip_ratio")
-        rows.append(
-            {
-                "observer": r.name,
-                "clips below": lo,
-                "clips above": hi,
-                "clipped %": None if clip is None else 100 * clip,
-                "SQNR dB": r.metrics.get("sqnr_db"),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
 def export_selection(
     analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncalibrated: bool = False
-) -> tuple[list[tuple[TensorAnalysis, str]], list[TensorAnalysis]]:
-    """What an export writes: the ``(entry, observer)`` pairs of ``choices`` in analysis order, and
-    the activation entries that saw no calibration tokens (recorded as uncalibrated).
+) -> tuple[list[tuple[TensorAnalysis, ServedChoice]], list[TensorAnalysis]]:
+    """What an export writes: each chosen entry of ``choices`` in analysis order with its choice as a
+    server runs the whole choice (``lab.analyse.served.as_chosen``: a fused group shares its scales),
+    and the activation entries that saw no calibration tokens (recorded as uncalibrated).
 
     Raises one ``ValueError`` listing every problem: uncalibrated tensors unless
     ``allow_uncalibrated`` (any qparams for them would be made up), choices naming a tensor that
@@ -381,11 +380,21 @@ def export_selection(
             problems += [f"{key[0]} {key[1]}: observer {observer!r} {bad}" for bad in unusable_scales(result.qparams)]
     if problems:
         raise ValueError("cannot export these choices:\n  - " + "\n  - ".join(problems))
-    selected = [
-        (e, choices[(e.layer, e.tensor)])
+    kept = {key: observer for key, observer in choices.items() if tuple(key) not in skipped}
+    served = as_chosen(analysis, kept)
+    problems = [
+        f"{e.layer} {e.tensor}: observer {kept[key]!r} as served {bad}"
         for e in analysis.entries
-        if (e.layer, e.tensor) in choices and (e.layer, e.tensor) not in skipped
+        if (key := (e.layer, e.tensor)) in served
+        for bad in (
+            [served[key].result.error]
+            if served[key].result.qparams is None
+            else unusable_scales(served[key].result.qparams)
+        )
     ]
+    if problems:
+        raise ValueError("cannot export these choices:\n  - " + "\n  - ".join(problems))
+    selected = [(e, served[(e.layer, e.tensor)]) for e in analysis.entries if (e.layer, e.tensor) in served]
     if not selected:
         raise ValueError("nothing to export: no (layer, tensor) has a chosen observer")
     return selected, missing
@@ -402,18 +411,3 @@ def unusable_scales(qp: ob.QParams) -> list[str]:
         if bad:
             found.append(f"gave {bad} non-finite or non-positive {name} value(s) of {tensor.numel()}")
     return found
-
-
-def granularity_note(spec: ob.QuantSpec, tensor: str = "weight") -> str | None:
-    """What the histogram lines mean when there is more than one range per tensor (``tensor``
-    ``k``/``v``: per-channel ranges of attention states are per head)."""
-    if spec.strategy == "tensor" and not spec.format.is_block:
-        return None
-    unit = "block" if spec.format.is_block else spec.strategy
-    if tensor in (TensorKind.K, TensorKind.V) and unit == "channel":
-        unit = "head"
-    return (
-        f"Granularity is {unit}: each observer chose one range per {unit}. The lines show the tensor-wide "
-        "envelope of what each keeps unclipped (smallest low end, largest high end over all of them); see the "
-        "Scales page for the ranges per group."
-    )

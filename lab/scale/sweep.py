@@ -22,7 +22,6 @@ layers (each rank analyses its own chunks alone).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -32,123 +31,20 @@ from pathlib import Path
 from typing import Any
 
 from lab.analyse.analysis import Analysis
-from lab.analyse.model_facts import describe_source
 from lab.analyse.pipeline import ProgressFn, analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import lab_json
 from lab.export.json_values import json_safe
 from lab.gptq import hessians
-from lab.results import check_metric, choose, export_selection, first_error, uncalibrated
+from lab.results import choose, export_selection, first_error, uncalibrated
 from lab.scale import sweep_file
 from lab.scale.distributed import SINGLE, Ranks, RankSplit, owner
+from lab.scale.plan import Plan, Unit, chunked
 from lab.scale.sweep_file import partial_path
-from lab.vocab import DEFAULT_METRIC, KV, TensorKind
+from lab.vocab import KV
 
 ALL_RANKS = "all"
 """The ``rank`` of an entry that every rank computed together (split calibration batches)."""
-LAYERS_PER_CHUNK = 8
-"""Layers per chunk when ranks split the layers and activations are captured: each chunk costs one
-calibration pass. One process, or ranks that split the batches, analyse every layer in one pass
-(its finished blocks written as they come); weight-only sweeps go one layer at a time."""
-
-Unit = tuple[int, str, bool]
-"""``(index, name, is_attention_block)``: layers first in model order, then attention blocks."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one sweep analyses: ``layers`` (and ``attention`` blocks when ``config`` has a ``kv``
-    spec) of ``model``, chosen by ``metric``; ``chunk`` layers at a time (None: the default)."""
-
-    model: Any
-    layers: tuple[str, ...]
-    config: RunConfig
-    attention: tuple[str, ...] = ()
-    metric: str = DEFAULT_METRIC
-    allow_uncalibrated: bool = False
-    chunk: int | None = None
-    split: RankSplit | None = None
-
-    def __post_init__(self) -> None:
-        check_metric(self.metric)
-        if self.split is not None:
-            object.__setattr__(self, "split", RankSplit(self.split))
-        if self.chunk is not None and self.chunk < 1:
-            raise ValueError(f"--chunk must be at least 1, got {self.chunk}")
-        if not (self.layers or self.attention):
-            raise ValueError("choose at least one layer or attention block")
-
-    def units(self) -> list[Unit]:
-        named = [(name, False) for name in self.layers] + [(name, True) for name in self.attention]
-        return [(index, name, block) for index, (name, block) in enumerate(named)]
-
-    @property
-    def captures(self) -> bool:
-        """Whether the sweep runs calibration passes (activations, or inputs for activation order)."""
-        return self.config.actorder or any(kind != TensorKind.WEIGHT for kind in self.config.specs)
-
-    def chunk_size(self, world_size: int = 1) -> int | None:
-        """Units per chunk; None: all of them in one calibration pass (the default when the sweep
-        captures and the batches are not split by layer), each block written as it finishes."""
-        if self.chunk is not None:
-            return self.chunk
-        if not self.captures:
-            return 1
-        return None if self.split_for(world_size) == RankSplit.BATCHES or world_size == 1 else LAYERS_PER_CHUNK
-
-    def split_for(self, world_size: int) -> RankSplit:
-        """What the ranks divide: the calibration batches when the sweep captures (each rank then
-        runs 1/N of every pass) and there are at least as many batches as ranks, else the layers;
-        ``split`` overrides (an explicit ``batches`` with too few batches is refused when the
-        batches are shared out). One process: layers."""
-        if world_size <= 1:
-            return RankSplit.LAYERS
-        if self.split is not None:
-            return self.split
-        if not self.captures or self._calibration_batches < world_size:
-            return RankSplit.LAYERS
-        return RankSplit.BATCHES
-
-    def split_note(self, world_size: int) -> str | None:
-        """One line when the default split fell back to layers because the calibration makes
-        fewer batches than there are ranks; None otherwise."""
-        if world_size <= 1 or self.split is not None or not self.captures:
-            return None
-        batches = self._calibration_batches
-        if batches >= world_size:
-            return None
-        return (
-            f"the calibration set makes {batches} batch(es), fewer than the {world_size} ranks: "
-            "the ranks split the layers instead of the batches"
-        )
-
-    def calibration_shortfall(self) -> str | None:
-        """One line when the calibration set has fewer samples than asked (the sweep goes on)."""
-        if not self.captures:
-            return None
-        options = self.config.capture_options()
-        return self.model.calibration_set(options["texts"], options["samples"], options["seq_len"]).shortfall
-
-    @cached_property
-    def _calibration_batches(self) -> int:
-        options = self.config.capture_options()
-        return self.model.calibration_batches(options["texts"], options["samples"], options["seq_len"])
-
-    def settings_hash(self, world_size: int) -> str:
-        """Changes exactly when a unit's records could change (the chunk size does not count)."""
-        payload = {
-            "source": describe_source(self.model),
-            "layers": self.layers,
-            "attention": self.attention,
-            "config": self.config.to_dict(),
-            "metric": self.metric,
-            "allow_uncalibrated": self.allow_uncalibrated,
-            "world_size": world_size,
-            "split": self.split_for(world_size),
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class Outcome:
     """What rank 0 gets back: the written file, analyse's warnings over every unit (those of a
@@ -247,18 +143,6 @@ def _payload(plan: Plan, analysis: Analysis, units: list[Unit], ranks: Ranks) ->
     ]
     header = None if document is None else {**document, "entries": [], "uncalibrated": []}
     return {"units": lines, "header": header, "error": None}
-
-
-def _chunks(units: list[Unit], size: int | None) -> list[list[Unit]]:
-    """Consecutive runs of at most ``size`` units (None: no limit), never mixing layers and
-    attention blocks."""
-    chunks: list[list[Unit]] = []
-    for unit in units:
-        if chunks and (size is None or len(chunks[-1]) < size) and chunks[-1][0][2] == unit[2]:
-            chunks[-1].append(unit)
-        else:
-            chunks.append([unit])
-    return chunks
 
 
 def _assemble(pending: Path, world_size: int, config: RunConfig) -> tuple[dict, Iterator[dict], list[str]]:
@@ -367,8 +251,8 @@ def run_sweep(
 ) -> Outcome | None:
     """Analyse every unit of ``plan`` chunk by chunk and write the Observer Lab file ``out``
     (rank 0 only; the other ranks return None). ``progress(done, total, label)`` counts units
-    (layers and attention blocks). Unit ``i`` goes to rank ``i % world_size``; each round every
-    rank analyses one chunk of its own and rank 0 gathers and appends them."""
+    (layers and attention blocks). Fused group ``i`` (``Plan.group``) goes to rank ``i % world_size``;
+    each round every rank analyses one chunk of its own and rank 0 gathers and appends them."""
     out, pending = Path(out), partial_path(out)
     kept = hessians.directory_for(out) if plan.config.gptq is not None else None
     units = plan.units()
@@ -376,11 +260,12 @@ def run_sweep(
     todo = [unit for unit in units if unit[0] not in done]
     split, size = plan.split_for(ranks.world_size), plan.chunk_size(ranks.world_size)
     if split == RankSplit.BATCHES:  # every rank takes part in every chunk
-        plans = [_chunks(todo, size)] * ranks.world_size
+        plans = [chunked(todo, size, plan.group)] * ranks.world_size
         together = ranks
     else:
         world = range(ranks.world_size)
-        plans = [_chunks([u for u in todo if owner(u[0], ranks.world_size) == r], size) for r in world]
+        mine = [[u for u in todo if owner(plan.group(u), ranks.world_size) == r] for r in world]
+        plans = [chunked(units, size, plan.group) for units in mine]
         together = replace(ranks, group=None, world_size=1)  # analyse alone; ranks.rank still names it
     written = set(done)
     if progress is not None:

@@ -3,7 +3,7 @@ and must lie inside a root the person starting the server declared (``lab.serve.
 
 A refusal is one line (``OutsideRootsError``) that names the roots and the flag that adds one, and
 it comes before anything of the file is read. "Save checkpoint" writes only under the output root,
-and replaces only a directory the lab itself wrote there (``lab.export.checkpoint.lab_written``).
+and replaces only a directory the lab itself wrote there (``lab.export.model_dir.lab_written``).
 Hub ids count as paths too when they name something on disk: ``open_model`` and ``datasets`` read
 an existing local path before they look at the hub.
 """
@@ -36,7 +36,7 @@ def model_path(text: str, config: ServeConfig) -> Path:
 def checkpoint_dir(text: str, config: ServeConfig, replace: bool) -> Path:
     """Where "Save checkpoint" may write ``text``: a new or empty directory under the output root,
     or, with ``replace``, a directory the lab wrote there before. Anything else is refused."""
-    from lab.export.checkpoint import lab_written
+    from lab.export.model_dir import lab_written
 
     root = config.output_root
     path = _inside(text, (root,), "output", "--output-root")

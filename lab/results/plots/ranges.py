@@ -13,8 +13,8 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
-from lab.results import envelope
 from lab.results.plots.style import DATA_COLOR, _numpy, _ok, legend_on_top, observer_color
+from lab.results.ranges import envelope
 from observers.suite import SuiteResult
 
 

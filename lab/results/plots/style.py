@@ -12,6 +12,7 @@ import torch
 from plotly.colors import qualitative
 
 import observers as ob
+from lab.vocab import PER_LAYER_PREFIX
 from observers.suite import SuiteResult
 
 PALETTE: tuple[str, ...] = (*qualitative.Plotly, *qualitative.Dark24)
@@ -87,3 +88,10 @@ METRIC_LABELS = {
     "gptq:gptq_held_out": "GPTQ held-out error",
     "gptq:gptq_clipped": "share clipped after GPTQ",
 }
+METRIC_LABELS |= {
+    PER_LAYER_PREFIX + metric: f"{label}, per layer (own scales)"
+    for metric, label in list(METRIC_LABELS.items())
+    if metric in ob.HIGHER_IS_BETTER
+}
+"""The local metrics as served (a fused group's shared scales) are named plainly; with each layer's
+own scales they say so (``per-layer:<metric>``)."""
