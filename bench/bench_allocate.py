@@ -1,7 +1,8 @@
 """Budgeted allocation (issue 34) on MiniLM: every Linear layer (37), the schemes NVFP4, W4A16 (int4
 group 128), FP8 and none, the budgets 4.5, 5 and 6 bits per weight, every default weight observer,
-the built-in calibration paragraphs (``SAMPLES`` windows of 128 tokens) and the Evaluator's default
-held-out text (64 sentences of the built-in held-out paragraphs), run in this process as
+the built-in calibration paragraphs (``SAMPLES`` windows of 128 tokens) and the built-in held-out
+paragraphs split in two (``lab.allocate.held_out``: scores on alternate paragraphs, the frontier
+measured on the others and in sample), run in this process as
 ``python -m observers allocate`` runs it (``lab.allocate.command.run``: the same flags, parsed by
 the CLI's own parser).
 
@@ -11,20 +12,22 @@ Rows, each against the issue's target:
   and one model run per distinct quantized layer): under 3 minutes on this 2-core machine. The
   float pass (``Evaluator``) and the frontier's end-to-end runs are timed beside it.
 - **budgets**: at each budget, the allocation's measured embedding cosine (every choice applied at
-  once) is at least that of every uniform scheme that fits the budget.
+  once, on the measuring part) is at least that of every uniform scheme that fits the budget.
 - **rule**: the allocation is at least as good as the rule "first and last encoder blocks in FP8,
   the rest NVFP4" at the rule's own size: the allocation solved at exactly the rule's checkpoint
   bytes (a size budget, so that no float rounding of bits per weight drops the rule itself out of
   its own budget) and measured.
-- **spearman**: the rank correlation of predicted (the sum of the layers' scores) and measured
-  damage over the frontier (the budgets' allocations and the uniform schemes) is at least 0.9.
+- **spearman**: the rank correlation of predicted (the sum of the layers' scores, scoring part) and
+  measured damage (measuring part) over the frontier (the budgets' allocations and the uniform
+  schemes) is at least 0.9.
 - **ModelOpt**: NVIDIA ModelOpt's ``auto_quantize`` on the same model, formats and budgets
   (``NVFP4_DEFAULT_CFG``, ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``, ``FP8_DEFAULT_CFG``; its
   ``effective_bits``). Its NVFP4 fake quantization needs CUDA (``tensor_quant.py`` asserts a CUDA
   amax, then runs a Triton kernel or a CUDA extension): the row says where it stops. What runs on
   CPU runs: ModelOpt with W4A16 and FP8 against the lab's allocation over W4A16, FP8 and none at
-  the same checkpoint size (the lab's byte count of what ModelOpt chose), both measured on the same
-  held-out sentences (mean-pooled ``last_hidden_state`` against the float model's).
+  the same checkpoint size (the lab's byte count of what ModelOpt chose), ModelOpt scoring on the
+  lab's scoring part and both measured on its measuring part (mean-pooled ``last_hidden_state``
+  against the float model's).
 - **oneshot**: llm-compressor's ``oneshot`` with the allocation's recipe (``lab.export.recipe``)
   gives each layer the scheme the allocation gave it.
 
@@ -80,7 +83,7 @@ class LabRun:
 
     model: Any
     layers: list[str]
-    evaluator: Any
+    held_out: Any
     scores: Any
     options: dict
     sizes: Any
@@ -115,9 +118,9 @@ def lab_allocation(device: str) -> LabRun:
     """``allocate``'s flow (``lab.allocate.command.run``) up to the measured frontier, timed."""
     from lab.allocate import command, frontier
     from lab.allocate.cost import LayerSizes
+    from lab.allocate.held_out import split
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
-    from lab.effect.evaluate import Evaluator
     from lab.runtime.fusion import fused_groups
     from sample_models import open_model
 
@@ -132,19 +135,17 @@ def lab_allocation(device: str) -> LabRun:
     frontier.check_budgets(sizes, request.schemes, request.budgets)
     base = command.base_config(args, next(s for s in request.schemes if not s.dense))
     start = time.perf_counter()
-    evaluator = Evaluator(model, sequential=args.sequential, max_memory=base.max_memory)
+    held_out = split(model, sequential=args.sequential, max_memory=base.max_memory)
     float_s = time.perf_counter() - start
     start, cpu, load = time.perf_counter(), _cpu_s(), os.getloadavg()[0]
-    scores = score(
-        evaluator, mine, request.schemes, base, lambda scheme, config, chosen: analyse(model, chosen, config)
-    )
+    scores = score(held_out, mine, request.schemes, base, lambda scheme, config, chosen: analyse(model, chosen, config))
     score_s, score_cpu_s, load = time.perf_counter() - start, _cpu_s() - cpu, (load, os.getloadavg()[0])
     options = frontier.layer_options(scores, sizes, request.schemes)
     start = time.perf_counter()
-    measured = frontier.frontier(evaluator, scores, options, groups, sizes, request.budgets)
+    measured = frontier.frontier(held_out, scores, options, groups, sizes, request.budgets)
     frontier_s = time.perf_counter() - start
     return LabRun(
-        model, layers, evaluator, scores, options, sizes, groups, measured, float_s, score_s, score_cpu_s,
+        model, layers, held_out, scores, options, sizes, groups, measured, float_s, score_s, score_cpu_s,
         frontier_s, request.schemes, load,
     )  # fmt: skip
 
@@ -168,7 +169,7 @@ def scoring_row(run: LabRun) -> dict:
     scores = run.scores
     passed = run.score_s < SCORING_TARGET_S
     observers = scores.frame["observer"].nunique()
-    held = run.evaluator.held_out
+    held = run.held_out.scoring.held_out
     note = (
         f"{'PASS' if passed else 'FAIL'}: score() {run.score_s:.1f} s against the target < {SCORING_TARGET_S:.0f} s "
         f"({run.score_cpu_s:.0f} CPU s); {scores.runs} (layer, scheme, observer) scores, {scores.unique_runs} "
@@ -178,7 +179,7 @@ def scoring_row(run: LabRun) -> dict:
     )
     label = (
         f"allocate scoring, MiniLM {len(run.layers)} Linear x {SCHEMES}, {SAMPLES}x{SEQ_LEN} calibration tokens, "
-        f"{held['batches']} held-out batches / {held['tokens']} tokens"
+        f"{held['batches']} held-out batches / {held['tokens']} tokens (the scoring part)"
     )
     return case(label, run.score_s, agreement=note)
 
@@ -214,7 +215,7 @@ def _solve_and_measure_s(run: LabRun, text: str) -> float:
     from lab.allocate.schemes import parse_budget
 
     start = time.perf_counter()
-    measure(allocate(run.options, run.groups, run.sizes, parse_budget(text)), run.evaluator, run.scores)
+    measure(allocate(run.options, run.groups, run.sizes, parse_budget(text)), run.held_out, run.scores)
     return time.perf_counter() - start
 
 
@@ -230,9 +231,9 @@ def rule_row(run: LabRun) -> dict:
     from lab.allocate.schemes import Budget
 
     start = time.perf_counter()
-    rule = measure(fixed(run.options, run.sizes, RULE, _rule_scheme(run.layers)), run.evaluator, run.scores)
+    rule = measure(fixed(run.options, run.sizes, RULE, _rule_scheme(run.layers)), run.held_out, run.scores)
     budget = Budget(f"{rule.checkpoint_bytes}B (the rule's size)", checkpoint_bytes=rule.checkpoint_bytes)
-    ours = measure(allocate(run.options, run.groups, run.sizes, budget), run.evaluator, run.scores)
+    ours = measure(allocate(run.options, run.groups, run.sizes, budget), run.held_out, run.scores)
     seconds = time.perf_counter() - start
     passed = _cosine(ours) >= _cosine(rule) and ours.layer_bytes <= rule.layer_bytes
     note = (
@@ -264,7 +265,7 @@ class _TwoPhaseData:
     """ModelOpt's one ``data_loader`` for its two phases: calibration (``calibrate`` runs in
     ``no_grad``) takes the lab's calibration windows, scoring (the KL searcher's
     ``estimate_sensitivity_scores`` runs in ``inference_mode``) the held-out batches the lab scores
-    on, so each side calibrates and chooses on the same text. ``passes`` counts each phase's."""
+    on (its scoring part), so each side calibrates and chooses on the same text. ``passes`` counts each phase's."""
 
     def __init__(self, calibration: list[dict], held_out: list[dict]) -> None:
         self.calibration, self.held_out = calibration, held_out
@@ -323,25 +324,27 @@ MODELOPT_BITS = {"NVFP4": 4.5, "W4A16": 4.0, "FP8": 8.0, "none": 16.0}
 
 class ModelOptBench:
     """ModelOpt's ``auto_quantize`` on MiniLM's Linear layers, KL scoring (``method="kl_div"``) on
-    the held-out sentences, calibrated on the lab's calibration windows."""
+    the held-out sentences the lab scores on (its scoring part), calibrated on the lab's calibration
+    windows, its model measured on the lab's measuring part."""
 
     def __init__(self, run: LabRun, scratch: Path) -> None:
         self.run = run
         self.scratch = scratch
-        runner = run.evaluator.runner
-        self.device = runner.batches[0].input_ids.device
-        self.held_out = [{"input_ids": b.input_ids, "attention_mask": b.attention_mask} for b in runner.batches]
+        scoring, measuring = run.held_out.scoring.runner, run.held_out.measuring.runner
+        self.device = scoring.batches[0].input_ids.device
+        self.scoring = [{"input_ids": b.input_ids, "attention_mask": b.attention_mask} for b in scoring.batches]
+        self.measuring = [{"input_ids": b.input_ids, "attention_mask": b.attention_mask} for b in measuring.batches]
         windows = run.model.calibration_set(None, SAMPLES, SEQ_LEN).windows
         ids = [torch.tensor([w], device=self.device) for w in windows]
         self.calibration = [{"input_ids": t, "attention_mask": torch.ones_like(t)} for t in ids]
-        self.anchors = torch.nn.functional.normalize(torch.cat(runner.float_outputs).float(), dim=-1)
+        self.anchors = torch.nn.functional.normalize(torch.cat(scoring.float_outputs).float(), dim=-1)
         self.float_cosine = self.held_out_metrics(_bert(self.device))["cosine"]
         """The float BertModel through ``_embed`` against the lab's float outputs: 1 when the two
         paths embed alike, so that ModelOpt's cosine and the lab's are the same measurement."""
 
     def forward_step(self, model: Any, batch: dict) -> torch.Tensor:
         """ModelOpt's "logits" for its KL: each sentence's scaled cosine similarities to the float
-        embeddings of every held-out sentence (the model's retrieval distribution)."""
+        embeddings of every scoring-part sentence (the model's retrieval distribution)."""
         embedded = torch.nn.functional.normalize(_embed(model, batch), dim=-1)
         return SIMILARITY_SCALE * embedded @ self.anchors.T
 
@@ -349,8 +352,8 @@ class ModelOptBench:
         from lab.effect.evaluate import encoder_metrics
 
         with torch.no_grad():
-            embedded = [_embed(model, batch) for batch in self.held_out]
-        return encoder_metrics(self.run.evaluator.runner.float_outputs, embedded)
+            embedded = [_embed(model, batch) for batch in self.measuring]
+        return encoder_metrics(self.run.held_out.measuring.runner.float_outputs, embedded)
 
     def auto_quantize(self, formats: Sequence[str], bits: float, checkpoint: Path) -> ModelOptRun:
         """``auto_quantize`` at ``bits`` effective bits; ``checkpoint`` keeps its calibration and
@@ -358,7 +361,7 @@ class ModelOptBench:
         import modelopt.torch.quantization as mtq
 
         model = _bert(self.device)
-        data = _TwoPhaseData(self.calibration, self.held_out)
+        data = _TwoPhaseData(self.calibration, self.scoring)
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
             model, state = mtq.auto_quantize(
@@ -368,7 +371,7 @@ class ModelOptBench:
                 data_loader=data,
                 forward_step=self.forward_step,
                 num_calib_steps=len(self.calibration),
-                num_score_steps=len(self.held_out),
+                num_score_steps=len(self.scoring),
                 method="kl_div",
                 checkpoint=str(checkpoint),
             )
@@ -400,7 +403,7 @@ def _lab_schemes(recipes: dict) -> dict[str, str]:
 def _against_modelopt(bench: ModelOptBench, formats: Sequence[str], bits: str, checkpoint: Path) -> dict:
     """ModelOpt at ``bits`` effective bits with ``formats``, and the lab's allocation over the same
     formats (and none) at exactly the checkpoint bytes of ModelOpt's choice, both measured on the
-    held-out sentences."""
+    held-out text's measuring part."""
     from lab.allocate.frontier import allocate, fixed, measure
     from lab.allocate.schemes import Budget
 
@@ -410,10 +413,10 @@ def _against_modelopt(bench: ModelOptBench, formats: Sequence[str], bits: str, c
     options = {layer: {s: c for s, c in found.items() if s in allowed} for layer, found in run.options.items()}
     theirs = bench.auto_quantize(formats, float(bits), checkpoint)
     picked = fixed(options, run.sizes, f"{MODELOPT} {bits}", lambda layer: theirs.schemes.get(layer, "none"))
-    as_lab = measure(picked, run.evaluator, run.scores)  # ModelOpt's schemes with the lab's qparams
+    as_lab = measure(picked, run.held_out, run.scores)  # ModelOpt's schemes with the lab's qparams
     budget = Budget(f"{as_lab.checkpoint_bytes}B", checkpoint_bytes=as_lab.checkpoint_bytes)
     start = time.perf_counter()
-    ours = measure(allocate(options, run.groups, run.sizes, budget), run.evaluator, run.scores)
+    ours = measure(allocate(options, run.groups, run.sizes, budget), run.held_out, run.scores)
     ours_s = time.perf_counter() - start
     cosine = theirs.metrics["cosine"]
     note = (

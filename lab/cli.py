@@ -361,8 +361,8 @@ def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> No
 
 def _cmd_allocate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     """``allocate MODEL --layers ... --schemes ... --budget B``: see ``lab.allocate.command``."""
-    request = allocate_command.check(args)
     held_out = _held_out(args)
+    request = allocate_command.check(args, held_out.get("texts"))
     from sample_models import open_model
 
     model = open_model(args.model, device=args.device)

@@ -1,6 +1,7 @@
 """Allocate: each chosen layer's scheme and observer under a size budget, chosen by the model's own
 loss on held-out text (issue 34): the layers, the candidate schemes and the budgets; Score and
-allocate, with progress; the frontier, measured beside predicted; one budget's allocation layer by
+allocate, with progress; the frontier, measured on one part of the held-out text beside predicted
+from the other (and measured in sample there); one budget's allocation layer by
 layer, with the fusions it assumed; its exports (Observer Lab JSON, recipe, packed checkpoint)."""
 
 import streamlit as st
@@ -21,8 +22,9 @@ state = allocating.state_of(ws)
 form = state.form
 st.caption(
     "Which scheme each layer takes under a size budget, chosen by the model's own loss: every layer is scored "
-    "alone under every candidate scheme and observer on held-out text, the least total damage within each budget is "
-    "solved exactly, and every allocation is then measured with all its layers quantized together."
+    "alone under every candidate scheme and observer on one part of the held-out text (the scoring part), the least "
+    "total damage within each budget is solved exactly, and every allocation is then measured with all its layers "
+    "quantized together on the other part (the measuring part, out of sample) and on the scoring part (in sample)."
 )
 model = None
 with ui.guard("Opening the model"):
@@ -101,7 +103,7 @@ with scoring:
         form.samples = int(
             ui.bound(
                 st.number_input,
-                "Held-out windows (decoders) or sentences (encoders)",
+                "Held-out windows (decoders) or sentences (encoders), per part",
                 "alloc_samples",
                 form.samples,
                 min_value=3,
@@ -115,11 +117,12 @@ with scoring:
                 st.number_input, "Tokens per window or sentence", "alloc_seq_len", form.seq_len, min_value=2, step=1
             )
         )
-evaluator = None
+held_out = None
 with ui.guard("Running the float model on the held-out text"), st.spinner("Running the float model…"):
-    evaluator = state.evaluator_for(model, ws.request, ws.settings, serving.heavy_slot())
+    held_out = state.held_out_for(model, ws.request, ws.settings, serving.heavy_slot())
 with scoring:
-    if evaluator is not None:
+    if held_out is not None:
+        evaluator = held_out.scoring
         metrics = list(evaluator.metric_names)
         form.metric = ui.bound(
             st.selectbox,
@@ -130,8 +133,8 @@ with scoring:
             format_func=lambda m: effect_plots.MODEL_METRIC_LABELS.get(m, m),
         )
         st.caption(
-            f"{evaluator.kind} · {evaluator.runner.tokens} held-out tokens · the score is "
-            f"{score_name(form.metric)}, lower is better."
+            f"{evaluator.kind} · held-out text {held_out.summary()} · the score is {score_name(form.metric)}, "
+            "lower is better."
         )
     run = ws.settings
     source = "a dataset" if run.dataset else "the pasted text" if run.texts else "the built-in texts"
@@ -147,7 +150,7 @@ except ValueError as err:
     problem = str(err)
 if problem:
     st.error(f"Cannot allocate: {problem}.")
-if st.button("Score and allocate", type="primary", icon=":material/tune:", disabled=asked is None or evaluator is None):
+if st.button("Score and allocate", type="primary", icon=":material/tune:", disabled=asked is None or held_out is None):
     with ui.guard("Allocating"), st.status("Scoring each layer under each scheme…", expanded=True) as status:
         bar, timer = st.progress(0.0, text="starting"), ui.Timer()
 
@@ -184,13 +187,17 @@ measured = result.frontier
 name = score_name(measured.metric)
 st.caption(
     f"**{result.model_name}** · {len(result.asked.layers)} layer(s) · {describe(result.asked.schemes)} · "
-    f"damage in {name}. Predicted: the sum of the layers' own scores (it assumes their damages add); measured: "
-    "the model run with every layer of the allocation quantized at once."
+    f"damage in {name}. Held-out text {measured.held_out}. Predicted: the sum of the layers' own scores on the "
+    "scoring part (it assumes their damages add); in sample: the model run with every layer of the allocation "
+    "quantized at once, on the scoring part; measured: the same on the measuring part (out of sample)."
 )
 with ui.guard("Drawing the frontier"):
     st.plotly_chart(plots.frontier_figure(measured), theme="streamlit")
 spearman = "n/a (under three points, or one side constant)" if measured.spearman is None else f"{measured.spearman:.3f}"
-st.markdown(f"**Measured against predicted**: Spearman {spearman} over {len(measured.points)} allocations.")
+st.markdown(
+    f"**Measured (measuring part) against predicted (scoring part)**: Spearman {spearman} over "
+    f"{len(measured.points)} allocations."
+)
 damage = st.column_config.NumberColumn(format="%.3g")
 st.dataframe(
     plots.points_frame(measured),
@@ -199,6 +206,7 @@ st.dataframe(
         "bits per weight": st.column_config.NumberColumn(format="%.3f"),
         "checkpoint bytes": st.column_config.NumberColumn(format="localized"),
         f"predicted {name}": damage,
+        f"in-sample {name}": damage,
         f"measured {name}": damage,
         "measured / predicted": st.column_config.NumberColumn(format="%.3f"),
     },
@@ -228,10 +236,13 @@ state.viewed = ui.bound(
 )
 point = result.point(state.viewed)
 mix = ", ".join(f"{s} {share:.0%}" for s, share in scheme_counts(point, result.sizes).items())
-measured_line = "n/a" if point.measured_score is None else f"{point.measured_score:.4g}"
+measured_line, in_sample_line = (
+    "n/a" if v is None else f"{v:.4g}" for v in (point.measured_score, point.in_sample_score)
+)
 st.caption(
     f"{point.bits_per_weight:.3f} bits per weight over the chosen layers, a {point.checkpoint_bytes:,}-byte "
-    f"checkpoint · predicted {name} {point.predicted:.4g}, measured {measured_line} · weights by scheme: {mix}"
+    f"checkpoint · predicted {name} {point.predicted:.4g}, in sample {in_sample_line}, measured {measured_line} · "
+    f"weights by scheme: {mix}"
     + (" · above what every layer's best option takes: each layer takes its best" if point.unconstrained else "")
 )
 with ui.guard("Drawing the allocation"):

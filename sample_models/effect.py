@@ -68,6 +68,23 @@ def held_out_texts() -> list[str]:
     return list(_held_out())
 
 
+def split_held_out(texts: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Held-out paragraphs in two disjoint parts: the scoring part (the 1st, 3rd, 5th, …
+    paragraph, blank ones dropped first) and the measuring part (the 2nd, 4th, …). A choice made
+    on the scoring part is then measured on the measuring part, so the measurement is out of
+    sample. Alternate paragraphs rather than halves because paragraphs often run by topic or kind
+    (prose, code, lists), and alternating gives each part a share of each; by position, so the
+    same text always splits the same way. Fewer than two paragraphs is a ``ValueError``: one part
+    would be empty."""
+    kept = [text for text in texts if text.strip()]
+    if len(kept) < 2:
+        raise ValueError(
+            f"the held-out text has {len(kept)} paragraph(s); scoring on one part and measuring on another needs "
+            "at least 2 (blank lines separate paragraphs)"
+        )
+    return kept[0::2], kept[1::2]
+
+
 def sentences(texts: Sequence[str]) -> list[str]:
     """Texts split into sentences (after ``.``, ``!`` or ``?`` and at line breaks)."""
     return [part.strip() for text in texts for part in _SENTENCE_END.split(text) if part.strip()]

@@ -1,15 +1,18 @@
 """Budgeted allocation (issue 34): schemes and budgets as written, the allocation from scores (fused
 layers sharing a scheme, the budget kept, the frontier and where prediction and measurement part),
-and ``python -m observers allocate`` end to end on MiniLM: the mixed checkpoint loads in
-transformers with the chosen fake-quantized weights, its bytes are the costs the budget counted,
-the recipe gives every layer its scheme and observer, and each bad input is one line with nothing
-written."""
+the held-out text split in two (scores on one part, the frontier measured on the other and in
+sample), and ``python -m observers allocate`` end to end on MiniLM: scores run on the scoring part
+only, the measured figures are the measuring part's, the mixed checkpoint loads in transformers
+with the chosen fake-quantized weights, its bytes are the costs the budget counted, the recipe
+gives every layer its scheme and observer, and each bad input (a held-out text too short to split
+included) is one line with nothing written."""
 
 from __future__ import annotations
 
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -20,13 +23,16 @@ from safetensors import safe_open
 import observers as ob
 from lab.allocate import frontier as fr
 from lab.allocate.cost import LayerSizes
+from lab.allocate.held_out import HeldOut
 from lab.allocate.schemes import NONE, Budget, parse_budget, parse_budgets, parse_scheme, parse_schemes
 from lab.allocate.score import Scores
 from lab.cli import main
+from lab.effect.evaluate import Evaluator, from_lab_file
 from lab.export import lab_json
 from lab.export.compressed_tensors import ct_args
 from lab.export.recipe import lc_observer
 from lab.runtime.fusion import fused_groups
+from sample_models.effect import EffectRunner, held_out_texts, sentences, split_held_out
 
 # ---------------------------------------------------------------- schemes and budgets
 
@@ -96,7 +102,7 @@ def _scores(table: dict[str, dict[str, float]]) -> Scores:
         for layer, found in table.items()
         for scheme, value in found.items()
     ]
-    return Scores(pd.DataFrame(rows), "kl", {}, {"kl": 0.0}, len(rows), len(rows), 0.0)
+    return Scores(pd.DataFrame(rows), "kl", {}, len(rows), len(rows), 0.0)
 
 
 def test_fused_layers_share_a_scheme_and_the_budget_is_kept():
@@ -160,16 +166,75 @@ def test_a_scheme_missing_from_a_layer_is_no_option_there_and_no_uniform_point()
         fr.fixed(options, sizes, "rule", lambda layer: "W4A16")
 
 
-def test_where_prediction_and_measurement_part_is_said():
-    def point(name, predicted, measured):
-        return fr.Point(name, "budget", (), 0, 4.0, 0, predicted, measured_score=measured)
+def _point(name, predicted, measured, in_sample=None):
+    return fr.Point(name, "budget", (), 0, 4.0, 0, predicted, measured_score=measured, in_sample_score=in_sample)
 
-    notes = fr.parting([point("a", 0.01, 0.011), point("b", 0.02, 0.05), point("c", 0.03, 0.012)], "cosine")
-    assert any(n.startswith("b: measured 1 − cosine 0.05") and "compound" in n for n in notes)
-    assert any(n.startswith("c:") and "partly cancel" in n for n in notes)
-    assert any("b and c: predicted in one order, measured in the other" in n for n in notes)
-    assert fr.rank_correlation([point(str(i), i, i * i) for i in range(1, 5)]) == pytest.approx(1.0)
-    assert fr.rank_correlation([point("a", 1, 1), point("b", 2, 2)]) is None
+
+def test_where_prediction_and_measurement_part_is_said_with_the_scoring_parts_figure():
+    points = [
+        _point("a", 0.01, 0.011, 0.01),
+        _point("b", 0.02, 0.05, 0.045),  # parts on both texts: the damages compound
+        _point("c", 0.03, 0.012, 0.029),  # adds on the scoring part: the other text differs
+        _point("d", 0.04, 0.1, 0.042),
+    ]
+    notes = fr.parting(points, "cosine")
+    assert not any(n.startswith("a:") for n in notes)
+    assert any(
+        n.startswith("b: measured 1 − cosine 0.05 on the measuring part against 0.02 predicted from the scoring part")
+        and "compound rather than add (2.25× on the scoring part too)" in n
+        for n in notes
+    ), notes
+    assert any(
+        n.startswith("c:") and "0.97× the prediction, so the measuring part's text is hurt less" in n for n in notes
+    )
+    assert any(
+        n.startswith("d:") and "1.05× the prediction, so the measuring part's text is hurt more" in n for n in notes
+    )
+    assert "b and c: predicted in one order, measured on the measuring part in the other" in notes
+    unknown = fr.parting([_point("e", 0.01, 0.03)], "kl")
+    assert len(unknown) == 1 and unknown[0].endswith("the layers' damages compound rather than add")
+    assert fr.rank_correlation([_point(str(i), i, i * i) for i in range(1, 5)]) == pytest.approx(1.0)
+    assert fr.rank_correlation([_point("a", 1, 1), _point("b", 2, 2)]) is None
+
+
+# ---------------------------------------------------------------- the held-out text in two parts
+
+
+def test_the_held_out_paragraphs_split_into_two_disjoint_deterministic_parts():
+    texts = held_out_texts()
+    scoring, measuring = split_held_out(texts)
+    assert scoring and measuring and len(scoring) + len(measuring) == len(texts)
+    assert sorted(scoring + measuring) == sorted(texts)
+    assert not set(scoring) & set(measuring)
+    assert not set(sentences(scoring)) & set(sentences(measuring))  # no sentence is in both parts
+    assert (scoring, measuring) == (texts[0::2], texts[1::2]) == split_held_out(list(texts))
+    assert split_held_out(["one", "  ", "two", "three"]) == (["one", "three"], ["two"])  # blank ones dropped first
+    for short in (["a single paragraph"], ["a single paragraph", "\n  "], []):
+        with pytest.raises(ValueError, match=r"has [01] paragraph\(s\).* needs at least 2") as caught:
+            split_held_out(short)
+        assert "\n" not in str(caught.value)
+
+
+class _Part:
+    """An evaluator of one part: ``perplexity`` of every choice set, and the float model's."""
+
+    def __init__(self, perplexity: float, float_perplexity: float) -> None:
+        self.perplexity, self.float_perplexity = perplexity, float_perplexity
+
+    def evaluate(self, chosen):
+        return SimpleNamespace(metrics={"perplexity": self.perplexity})
+
+    def float_metrics(self):
+        return {"perplexity": self.float_perplexity}
+
+
+def test_a_point_is_measured_on_the_measuring_part_and_in_sample_on_the_scoring_part():
+    held_out = HeldOut(_Part(9.9, 9.0), _Part(12.0, 10.0), "given paragraphs", (1, 1))
+    scores = Scores(pd.DataFrame(), "perplexity", {}, 0, 0, 0.0)
+    point = fr.measure(_point("a", 0.1, None), held_out, scores)
+    assert point.measured == {"perplexity": 12.0} and point.in_sample == {"perplexity": 9.9}
+    # each part's damage is against its own float model: 12 / 10 - 1, not the scoring part's 12 / 9 - 1
+    assert point.measured_score == pytest.approx(0.2) and point.in_sample_score == pytest.approx(0.1)
 
 
 # ---------------------------------------------------------------- the command, end to end
@@ -187,14 +252,37 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def allocated(tmp_path_factory):
+    """The command run once; ``runs``: each model run of held-out text as ``(kind, texts)``, the
+    texts its ``EffectRunner`` was given (``stacked``: scores, ``EffectRunner.run_stacked``;
+    ``evaluate``: an end-to-end measurement, ``Evaluator.evaluate``)."""
     where = tmp_path_factory.mktemp("allocate")
-    code, out, err = _cli(
-        "allocate", "minilm", "--layers", LAYERS, *ARGS, "--budget", "5", "--budgets", "4.5,6,40",
-        "--out", str(where / "a.json"), "--checkpoint", str(where / "ckpt"), "--recipe", str(where / "r.yaml"),
-        "--report", str(where / "r.html"), *FAST,
-    )  # fmt: skip
+    given: dict[int, tuple[str, ...]] = {}
+    runs: list[tuple[str, tuple[str, ...]]] = []
+    init, stacked, evaluate = EffectRunner.__init__, EffectRunner.run_stacked, Evaluator.evaluate
+
+    def spied_init(self, model, texts=None, **options):
+        given[id(self)] = tuple(held_out_texts() if texts is None else texts)
+        init(self, model, texts, **options)
+
+    def spied_stacked(self, *args, **options):
+        runs.append(("stacked", given[id(self)]))
+        return stacked(self, *args, **options)
+
+    def spied_evaluate(self, *args, **options):
+        runs.append(("evaluate", given[id(self.runner)]))
+        return evaluate(self, *args, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EffectRunner, "__init__", spied_init)
+        patch.setattr(EffectRunner, "run_stacked", spied_stacked)
+        patch.setattr(Evaluator, "evaluate", spied_evaluate)
+        code, out, err = _cli(
+            "allocate", "minilm", "--layers", LAYERS, *ARGS, "--budget", "5", "--budgets", "4.5,6,40",
+            "--out", str(where / "a.json"), "--checkpoint", str(where / "ckpt"), "--recipe", str(where / "r.yaml"),
+            "--report", str(where / "r.html"), *FAST,
+        )  # fmt: skip
     assert code == 0, err
-    return where, out, err
+    return where, out, err, runs
 
 
 @pytest.fixture(scope="module")
@@ -209,26 +297,60 @@ def _allocation(where: Path) -> dict:
 
 
 def test_the_command_prints_the_frontier_and_writes_every_file(allocated):
-    where, out, err = allocated
+    where, out, err, _ = allocated
     assert all((where / name).exists() for name in ("a.json", "ckpt", "r.yaml", "r.html"))
     lines = {line.split("\t")[0]: line for line in out.splitlines() if "\t" in line}
     for budget in ("4.5", "5", "6", "40"):
         bits = float(lines[f"budget {budget}"].split("\t")[1].split()[0])
         assert bits <= float(budget)
     assert {"all NVFP4", "all W4A16", "all FP8", "all none"} <= set(lines)
-    assert "predicted against measured: Spearman" in out
+    points = [line for name, line in lines.items() if name.startswith(("budget ", "all "))]
+    assert len(points) == 8 and all("\tin-sample 1 − cosine=" in p and "\tmeasured 1 − cosine=" in p for p in points)
+    assert "predicted (scoring part) against measured (measuring part): Spearman" in out
+    assert "note: held-out text scored on 9 of the 18 built-in held-out paragraphs (the 1st, 3rd, …;" in err
     assert "budget 40 is above what every layer's best option takes" in err
     assert "note: NVFP4 takes 4.5" in err and "note: FP8 takes 8" in err and "note: none takes 32 bits" in err
     described = _allocation(where)
     assert described["budget"] == "5" and described["bits_per_weight"] <= 5
     assert len(described["layers"]) == 6 and len(described["frontier"]["allocations"]) == 4
     assert described["measured"]["cosine"] < 1.0
+    assert described["frontier"]["parts"] == {"predicted": "scoring", "in_sample": "scoring", "measured": "measuring"}
+    held = described["run"]["held_out"]
+    assert held["scoring"]["texts"] == held["measuring"]["texts"] == "9 paragraph(s)"
+    assert held["scoring"]["digest"] != held["measuring"]["digest"]
     report = (where / "r.html").read_text()
     assert report.count("<script") >= 1 and "Frontier" in report and "budget 5" in report
+    assert "Predicted (scoring part) against measured (measuring part): Spearman" in report
+    assert "in-sample 1 − cosine" in report
+
+
+def test_scores_run_on_the_scoring_part_only_and_every_point_is_measured_on_both(allocated):
+    *_, runs = allocated
+    scoring, measuring = (tuple(part) for part in split_held_out(held_out_texts()))
+    scored = [texts for kind, texts in runs if kind == "stacked"]
+    assert scored and set(scored) == {scoring}
+    measured = [texts for kind, texts in runs if kind == "evaluate"]
+    assert measured.count(measuring) == measured.count(scoring) == 4 + 4  # 4 budgets and 4 uniform schemes
+    assert set(measured) == {scoring, measuring}
+
+
+def test_the_measured_figures_are_the_measuring_parts_and_the_in_sample_ones_the_scoring_parts(allocated, minilm):
+    where, *_ = allocated
+    described = _allocation(where)
+    chosen = from_lab_file(lab_json.load_file(where / "a.json"), minilm)
+    scoring, measuring = split_held_out(held_out_texts())
+    for texts, recorded in ((measuring, described["measured"]), (scoring, described["in_sample"])):
+        metrics = Evaluator(minilm, texts, samples=16).evaluate(chosen).metrics
+        assert metrics["cosine"] == pytest.approx(recorded["cosine"], abs=1e-6)
+        assert metrics["spearman"] == pytest.approx(recorded["spearman"], abs=1e-6)
+    assert abs(described["measured"]["cosine"] - described["in_sample"]["cosine"]) > 1e-5  # two texts, two figures
+    budget = next(p for p in described["frontier"]["allocations"] if p["budget"] == "5")
+    assert budget["measured_score"] == pytest.approx(1 - described["measured"]["cosine"])
+    assert budget["in_sample_score"] == pytest.approx(1 - described["in_sample"]["cosine"])
 
 
 def test_every_entry_has_its_layers_scheme_and_the_layers_left_dense_are_not_exported(allocated):
-    where, _, _ = allocated
+    where, *_ = allocated
     described = _allocation(where)
     lab_file = lab_json.load_file(where / "a.json")
     schemes = {s.name: s for s in parse_schemes("NVFP4,W4A16,FP8,none")}
@@ -249,7 +371,7 @@ def test_the_mixed_checkpoint_loads_in_transformers_with_the_chosen_weights(allo
     from compressed_tensors.compressors import decompress_module
     from transformers import AutoModel
 
-    where, _, _ = allocated
+    where, *_ = allocated
     described = _allocation(where)
     config = json.loads((where / "ckpt" / "config.json").read_text())["quantization_config"]
     used = {found["scheme"] for found in described["layers"].values()} - {NONE}
@@ -274,7 +396,7 @@ def test_the_mixed_checkpoint_loads_in_transformers_with_the_chosen_weights(allo
 
 
 def test_the_checkpoint_stores_what_the_budget_counted(allocated, minilm):
-    where, _, _ = allocated
+    where, *_ = allocated
     described = _allocation(where)
     layers = list(described["layers"])
     sizes = LayerSizes.of(minilm, layers)
@@ -298,7 +420,7 @@ def test_the_checkpoint_stores_what_the_budget_counted(allocated, minilm):
 
 
 def test_the_recipe_gives_every_layer_its_scheme_and_observer(allocated):
-    where, _, _ = allocated
+    where, *_ = allocated
     described = _allocation(where)
     lab_file = lab_json.load_file(where / "a.json")
     groups = yaml.safe_load((where / "r.yaml").read_text())["quant_stage"]["quant_modifiers"]["QuantizationModifier"][
@@ -320,7 +442,7 @@ def test_the_recipe_gives_every_layer_its_scheme_and_observer(allocated):
 
 
 def test_export_writes_the_same_recipe_from_the_allocation_file_later(allocated):
-    where, _, _ = allocated
+    where, *_ = allocated
     code, out, err = _cli("export", str(where / "a.json"), "--model", "minilm", "--recipe", str(where / "again.yaml"))
     assert code == 0, err
     assert (where / "again.yaml").read_text() == (where / "r.yaml").read_text()
@@ -347,3 +469,34 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, flags, words
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and words in lines[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def _short_held_out(tmp_path: Path, text: str) -> tuple[int, str, Path]:
+    held = tmp_path / "held.txt"
+    held.write_text(text, encoding="utf-8")
+    written = tmp_path / "out"
+    written.mkdir()
+    code, _, err = _cli(
+        "allocate", "minilm", "--layers", "encoder.layer.5.output.dense", "--schemes", "W4A16,FP8", "--budget", "5",
+        "--observers", "minmax", "--samples", "2", "--held-out", str(held), "--out", str(written / "a.json"), "--quiet",
+    )  # fmt: skip
+    return code, err, written
+
+
+def test_a_held_out_text_of_one_paragraph_is_one_line_before_the_model_opens(tmp_path, monkeypatch):
+    monkeypatch.setattr("sample_models.open_model", lambda *a, **k: pytest.fail("the model was opened"))
+    code, err, written = _short_held_out(tmp_path, "One paragraph. Three sentences in it.\nAnd a third line.\n")
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert f"--held-out {tmp_path / 'held.txt'}: the held-out text has 1 paragraph(s)" in lines[0]
+    assert list(written.iterdir()) == []
+
+
+def test_a_held_out_part_too_short_to_compare_is_one_line_naming_the_part(tmp_path):
+    code, err, written = _short_held_out(tmp_path, "A first short paragraph.\n\nA second one.\n")
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "has 1 sentence(s); comparing embeddings needs 3 (the scoring part: 1 of the held-out text's 2" in lines[0]
+    assert list(written.iterdir()) == []

@@ -1,5 +1,6 @@
 """The Allocate page driven headless (AppTest) on the MiniLM sample: two layers of the last block
-under W4A16, FP8 and none, scored, solved and measured; the frontier and the allocation drawn, the
+under W4A16, FP8 and none, scored on one part of the held-out text and measured on the other (and in
+sample); the frontier and the allocation drawn, the
 layer table, the downloads as a browser gets them, a checkpoint saved only inside the output root,
 and bad input as one error line, never a traceback."""
 
@@ -30,6 +31,7 @@ def allocated() -> AppTest:
     at.multiselect(key="w:alloc_schemes").set_value(SCHEMES)
     at.multiselect(key="w:alloc_observers").set_value(["minmax", "mse_grid"])
     at.number_input(key="w:alloc_samples").set_value(8)
+    at.number_input(key="w:alloc_seq_len").set_value(64)  # a part's 8 sentences are under 128 tokens
     at.text_input(key="w:alloc_budget").set_value("6")
     at.text_input(key="w:alloc_budgets").set_value("4.5, 8, 16").run()
     app_ok(at)
@@ -64,14 +66,21 @@ def test_score_and_allocate_draws_the_frontier_the_allocation_and_the_layer_tabl
     figures = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
     assert len(figures) == 2
     frontier, allocation = figures
-    assert "allocation, measured" in [trace["name"] for trace in frontier["data"]]
+    assert {"allocation, measured", "allocation, in sample"} <= {trace["name"] for trace in frontier["data"]}
     heat = allocation["data"][0]
     assert heat["type"] == "heatmap" and heat["y"] == LAYERS and set(heat["x"]) == set(SCHEMES)
     assert allocation["layout"]["title"]["text"].startswith("budget 6:")  # the exports' budget is viewed
     points, layers = at.dataframe[0].value, at.dataframe[1].value
     assert len(points) == len(result.frontier.points) and "measured / predicted" in points.columns
+    assert points["in-sample 1 − cosine"].notna().all() and points["measured 1 − cosine"].notna().all()
+    held_out = state.held_out
+    assert held_out.scoring.held_out["digest"] != held_out.measuring.held_out["digest"]  # two texts
+    assert result.settings["held_out"] == held_out.describe()
     assert list(layers["layer"]) == LAYERS and set(layers["scheme"]) <= set(SCHEMES)
-    assert any(m.value.startswith("**Measured against predicted**: Spearman") for m in at.markdown)
+    assert any(
+        m.value.startswith("**Measured (measuring part) against predicted (scoring part)**: Spearman")
+        for m in at.markdown
+    )
     assert any("No fusion assumed" in c.value for c in at.caption)  # an output projection and an FFN: never fused
 
 

@@ -142,6 +142,7 @@ def test_allocation_on_cuda_matches_the_cpu(tmp_path):
     for a, b in zip(cpu["frontier"]["uniform"], gpu["frontier"]["uniform"], strict=True):
         assert a["name"] == b["name"]
         assert b["measured"]["kl"] == pytest.approx(a["measured"]["kl"], rel=0.05, abs=1e-6)
+        assert b["in_sample"]["kl"] == pytest.approx(a["in_sample"]["kl"], rel=0.05, abs=1e-6)
         assert b["predicted"] == pytest.approx(a["predicted"], rel=0.05, abs=1e-6)
 
 

@@ -3,7 +3,9 @@ chosen by the model's own loss, the frontier over a sweep of budgets measured en
 allocation written as a choice (Observer Lab JSON, and a packed checkpoint and recipe from it).
 
 ``lab.cli`` parses, opens the model and hands this module the layers, the held-out options and
-its deployment writer; every check that needs no model runs before the model is opened.
+its deployment writer; every check that needs no model runs before the model is opened. The
+held-out text is split in two (``lab.allocate.held_out``): the scores on one part, the frontier
+measured on the other (and on the first, in sample).
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ class Request:
     budgets: list[Budget]
 
 
-def check(args: argparse.Namespace) -> Request:
-    """The schemes, budgets and kinds; one ``CliError`` for the first problem."""
+def check(args: argparse.Namespace, texts: Sequence[str] | None = None) -> Request:
+    """The schemes, budgets, kinds and the held-out ``texts`` given (``--held-out``'s paragraphs;
+    None: the built-in ones), which must split in two parts; one ``CliError`` for the first problem."""
     kinds = split_csv(args.kinds) if args.kinds else None
     if kinds is not None and (
         not kinds or any(kind not in ("weight", "input") for kind in kinds) or "weight" not in kinds
@@ -88,6 +91,13 @@ def check(args: argparse.Namespace) -> Request:
         budget, budgets = parse_budgets(args.budget, args.budgets)
     except ValueError as err:
         raise CliError(str(err)) from None
+    if texts is not None:
+        from sample_models.effect import split_held_out
+
+        try:
+            split_held_out(texts)
+        except ValueError as err:
+            raise CliError(f"--held-out {args.held_out}: {err}") from None
     return Request(schemes, budget, budgets)
 
 
@@ -118,17 +128,17 @@ def run(
     request: Request,
     model: Any,
     layers: Sequence[str],
-    held_out: dict[str, Any],
+    held_out_options: dict[str, Any],
     deploy: Callable[[Any], list[str]],
     out: IO[str],
     err: IO[str],
 ) -> None:
-    """Score, solve, measure, write. ``deploy(lab_file)`` writes ``--checkpoint``/``--recipe``."""
-    from lab.allocate import export, frontier
+    """Score on the held-out text's scoring part, solve, measure on both parts, write.
+    ``deploy(lab_file)`` writes ``--checkpoint``/``--recipe``."""
+    from lab.allocate import export, frontier, held_out
     from lab.allocate.cost import LayerSizes
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
-    from lab.effect.evaluate import Evaluator
     from lab.export import lab_json
     from lab.progress_bar import ProgressBar
     from lab.runtime.fusion import fused_groups
@@ -140,8 +150,9 @@ def run(
     frontier.check_budgets(sizes, schemes, request.budgets)
     quiet = args.quiet
     base = base_config(args, next(s for s in schemes if not s.dense))
-    evaluator = Evaluator(model, sequential=args.sequential, max_memory=base.max_memory, **held_out)
+    parts = held_out.split(model, sequential=args.sequential, max_memory=base.max_memory, **held_out_options)
     err.write(f"note: schemes {describe(schemes)}\n")
+    err.write(f"note: held-out text {parts.summary()}\n")
     for scheme in schemes:
         chosen = mine.get(scheme.name, list(layers))
         bits = sizes.scheme_bits(scheme.weight, scheme.input, chosen)
@@ -155,16 +166,16 @@ def run(
         return analyse(model, list(chosen), config)
 
     scores = score(
-        evaluator, mine, schemes, base, analysed, metric=args.metric, progress=None if quiet else ProgressBar(err, "")
+        parts, mine, schemes, base, analysed, metric=args.metric, progress=None if quiet else ProgressBar(err, "")
     )
     options = frontier.layer_options(scores, sizes, schemes)
     measured = frontier.frontier(
-        evaluator, scores, options, groups, sizes, request.budgets, None if quiet else ProgressBar(err, "runs")
+        parts, scores, options, groups, sizes, request.budgets, None if quiet else ProgressBar(err, "runs")
     )
     chosen = next(p for p in measured.allocations if p.budget == request.budget.text)
     if (args.checkpoint or args.recipe) and not export.quantized_layers(chosen):
         raise CliError(f"{chosen.name} keeps every layer dense: there is no checkpoint or recipe to write")
-    settings = {"layers": list(layers), "budgets": [b.text for b in request.budgets], "held_out": evaluator.held_out}
+    settings = {"layers": list(layers), "budgets": [b.text for b in request.budgets], "held_out": parts.describe()}
     document = export.document(chosen, scores, schemes, measured, settings)
     Path(args.out).write_text(lab_json.dumps(document), encoding="utf-8")
     written = [args.out]
@@ -178,7 +189,10 @@ def run(
         err.write(f"note: {note}\n")
     out.writelines(_point_line(p, measured.metric) for p in measured.points)
     if measured.spearman is not None:
-        out.write(f"predicted against measured: Spearman {measured.spearman:.3f} over {len(measured.points)} points\n")
+        out.write(
+            f"predicted (scoring part) against measured (measuring part): Spearman {measured.spearman:.3f} "
+            f"over {len(measured.points)} points\n"
+        )
     out.writelines(f"{c.layer}\t{c.scheme}\t{c.observer or '-'}\n" for c in chosen.choices)
     out.write(f"wrote {', '.join(written)}\n")
 
@@ -186,7 +200,7 @@ def run(
 def _point_line(point: Any, metric: str) -> str:
     from lab.allocate.frontier import score_name
 
-    measured = "n/a" if point.measured_score is None else f"{point.measured_score:.6g}"
+    measured, in_sample = ("n/a" if v is None else f"{v:.6g}" for v in (point.measured_score, point.in_sample_score))
     counts: dict[str, int] = {}
     for choice in point.choices:
         counts[choice.scheme] = counts.get(choice.scheme, 0) + 1
@@ -194,5 +208,5 @@ def _point_line(point: Any, metric: str) -> str:
     name = score_name(metric)
     return (
         f"{point.name}\t{point.bits_per_weight:.4f} bits/weight\t{point.checkpoint_bytes:,} bytes\t"
-        f"predicted {name}={point.predicted:.6g}\tmeasured {name}={measured}\t{mix}\n"
+        f"predicted {name}={point.predicted:.6g}\tin-sample {name}={in_sample}\tmeasured {name}={measured}\t{mix}\n"
     )

@@ -5,7 +5,8 @@ llm-compressor recipe (one config group per scheme × observer, exact layer name
 
 The document is each scheme's own (``lab_json.build_document`` over that scheme's analyses and the
 layers the allocation gave it) with their entries put together in the model's layer order; its
-``config`` says what was allocated (schemes, budget, each layer's scheme, the frontier), since no
+``config`` says what was allocated (schemes, budget, each layer's scheme, the metrics measured on
+the held-out text's measuring part and, in sample, on its scoring part, the frontier), since no
 one run's settings describe a mixed choice. Layers left at ``none`` are not in it: they stay dense.
 """
 
@@ -55,6 +56,7 @@ def document(
         "checkpoint_bytes": point.checkpoint_bytes,
         "predicted": point.predicted,
         "measured": point.measured,
+        "in_sample": point.in_sample,
         "layers": {
             c.layer: {"scheme": c.scheme, "observer": c.observer, "input_observer": c.input_observer}
             for c in point.choices

@@ -8,6 +8,11 @@ scheme for all of them, with each member's own best observer. ``allocate`` solve
 (a scheme per layer). ``measure`` runs an allocation with all its choices applied together and
 ``frontier`` does it for every budget and every uniform scheme, so that the prediction (the sum
 of the scores, which assumes the layers' damages add) is seen beside what the model does.
+
+The scores come from the held-out text's scoring part, and a point is measured on the measuring
+part (``measured``, out of sample) and on the scoring part too (``in_sample``): the prediction and
+the in-sample figure share their text, so their gap is the layers' interaction; the measured
+figure adds what another text does (``lab.allocate.held_out``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lab.allocate.cost import LayerSizes
+from lab.allocate.held_out import PARTS, HeldOut
 from lab.allocate.schemes import NONE, Budget, Scheme
 from lab.allocate.score import Scores, quantized
 from lab.allocate.solve import Option, least_cost, solve
@@ -47,8 +53,10 @@ Options = dict[str, dict[str, LayerChoice]]
 @dataclass
 class Point:
     """One allocation: what it chose per layer, its size (the chosen layers' bytes, as average bits
-    per weight, and the whole checkpoint's bytes), its predicted score and, once measured, the
-    model-level metrics with every choice applied together and their damage (``measured_score``)."""
+    per weight, and the whole checkpoint's bytes), its predicted score (the sum of its scores, on
+    the scoring part) and, once measured, the model-level metrics with every choice applied
+    together on the measuring part (``measured``, out of sample) and on the scoring part
+    (``in_sample``), and their damage (``measured_score``, ``in_sample_score``)."""
 
     name: str
     kind: str
@@ -61,6 +69,8 @@ class Point:
     unconstrained: bool = False
     measured: dict[str, float] = field(default_factory=dict)
     measured_score: float | None = None
+    in_sample: dict[str, float] = field(default_factory=dict)
+    in_sample_score: float | None = None
 
     def schemes(self) -> dict[str, str]:
         return {choice.layer: choice.scheme for choice in self.choices}
@@ -77,6 +87,8 @@ class Point:
             "predicted": self.predicted,
             "measured": self.measured,
             "measured_score": self.measured_score,
+            "in_sample": self.in_sample,
+            "in_sample_score": self.in_sample_score,
             "layers": [choice.__dict__ for choice in self.choices],
         }
 
@@ -215,24 +227,36 @@ def choice_set(point: Point, scores: Scores) -> ChoiceSet:
     return ChoiceSet(point.name, tensors, observers)
 
 
-def measure(point: Point, evaluator: Evaluator, scores: Scores) -> Point:
-    """The point with its end-to-end metrics (every choice applied at once) and their damage."""
-    evaluation = evaluator.evaluate(choice_set(point, scores))
-    metric = scores.metric
-    measured_score = damage(metric, evaluation.metrics[metric], scores.baseline[metric])
-    return replace(point, measured=dict(evaluation.metrics), measured_score=measured_score)
+def _damaged(evaluator: Evaluator, chosen: ChoiceSet, metric: str) -> tuple[dict[str, float], float]:
+    """``chosen``'s end-to-end metrics on ``evaluator``'s text and their damage against the float
+    model on the same text (a part's own float perplexity, not the other part's)."""
+    metrics = dict(evaluator.evaluate(chosen).metrics)
+    return metrics, damage(metric, metrics[metric], evaluator.float_metrics()[metric])
+
+
+def measure(point: Point, held_out: HeldOut, scores: Scores) -> Point:
+    """The point with its end-to-end metrics (every choice applied at once) and their damage, on
+    the measuring part (``measured``) and on the scoring part its scores came from (``in_sample``)."""
+    chosen = choice_set(point, scores)
+    measured, measured_score = _damaged(held_out.measuring, chosen, scores.metric)
+    in_sample, in_sample_score = _damaged(held_out.scoring, chosen, scores.metric)
+    return replace(
+        point, measured=measured, measured_score=measured_score, in_sample=in_sample, in_sample_score=in_sample_score
+    )
 
 
 @dataclass
 class Frontier:
     """The budgets' allocations and the uniform schemes, measured; the rank correlation of
-    predicted and measured damage over all of them; where the two part."""
+    predicted (scoring part) and measured (measuring part) damage over all of them; where the two
+    part; ``held_out``: the split in one line (``HeldOut.summary``)."""
 
     metric: str
     allocations: list[Point]
     uniforms: list[Point]
     spearman: float | None
     notes: list[str]
+    held_out: str
 
     @property
     def points(self) -> list[Point]:
@@ -243,6 +267,8 @@ class Frontier:
             "metric": self.metric,
             "score": score_name(self.metric),
             "spearman": self.spearman,
+            "parts": PARTS,
+            "held_out": self.held_out,
             "notes": self.notes,
             "allocations": [p.to_dict() for p in self.allocations],
             "uniform": [p.to_dict() for p in self.uniforms],
@@ -257,7 +283,7 @@ def score_name(metric: str) -> str:
 
 
 def frontier(
-    evaluator: Evaluator,
+    held_out: HeldOut,
     scores: Scores,
     options: Options,
     groups: Sequence[tuple[str, list[str]]],
@@ -265,7 +291,8 @@ def frontier(
     budgets: Sequence[Budget],
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Frontier:
-    """Every budget's allocation and every uniform scheme, measured end to end."""
+    """Every budget's allocation and every uniform scheme, measured end to end on both parts of
+    ``held_out``; Spearman and ``parting`` compare the prediction with the measuring part's figure."""
     notes = []
     planned = [allocate(options, groups, sizes, budget) for budget in budgets]
     for point in planned:
@@ -280,17 +307,18 @@ def frontier(
     for index, point in enumerate(planned + every):
         if progress is not None:
             progress(index, len(planned) + len(every), f"measuring {point.name}")
-        measured.append(measure(point, evaluator, scores))
+        measured.append(measure(point, held_out, scores))
     if progress is not None:
         progress(len(measured), len(measured), "measured")
     allocations, uniforms = measured[: len(planned)], measured[len(planned) :]
     correlation = rank_correlation(measured)
-    return Frontier(scores.metric, allocations, uniforms, correlation, notes + parting(measured, scores.metric))
+    notes += parting(measured, scores.metric)
+    return Frontier(scores.metric, allocations, uniforms, correlation, notes, held_out.summary())
 
 
 def rank_correlation(points: Sequence[Point]) -> float | None:
-    """Spearman's rank correlation of predicted and measured damage (None under three points or
-    when either side is constant)."""
+    """Spearman's rank correlation of predicted (scoring part) and measured (measuring part)
+    damage (None under three points or when either side is constant)."""
     from scipy.stats import spearmanr
 
     pairs = [(p.predicted, p.measured_score) for p in points if p.measured_score is not None]
@@ -301,29 +329,43 @@ def rank_correlation(points: Sequence[Point]) -> float | None:
 
 
 def parting(points: Sequence[Point], metric: str) -> list[str]:
-    """Where prediction and measurement part: a point measured beyond ``PART_RATIO`` times its
-    prediction either way, and pairs of points the two put in opposite orders."""
+    """Where prediction (the scores, on the scoring part) and measurement (on the measuring part)
+    part: a point measured beyond ``PART_RATIO`` times its prediction either way, with why (see
+    ``_why``), and pairs of points the two put in opposite orders."""
     name = score_name(metric)
     notes = []
     for p in points:
         if p.measured_score is None or p.predicted <= 0 or p.measured_score <= 0:
             continue
         ratio = p.measured_score / p.predicted
-        if ratio > PART_RATIO:
+        if ratio > PART_RATIO or ratio < 1 / PART_RATIO:
+            in_sample = None if p.in_sample_score is None else p.in_sample_score / p.predicted
             notes.append(
-                f"{p.name}: measured {name} {p.measured_score:.4g} against {p.predicted:.4g} predicted ({ratio:.2f}×): "
-                "the layers' damages compound rather than add"
-            )
-        elif ratio < 1 / PART_RATIO:
-            notes.append(
-                f"{p.name}: measured {name} {p.measured_score:.4g} against {p.predicted:.4g} predicted ({ratio:.2f}×): "
-                "the layers' damages partly cancel"
+                f"{p.name}: measured {name} {p.measured_score:.4g} on the measuring part against {p.predicted:.4g} "
+                f"predicted from the scoring part ({ratio:.2f}×): {_why(ratio, in_sample)}"
             )
     ordered = sorted((p for p in points if p.measured_score is not None), key=lambda p: p.predicted)
     for a, b in zip(ordered, ordered[1:], strict=False):
         if b.predicted > a.predicted and b.measured_score < a.measured_score:
-            notes.append(f"{a.name} and {b.name}: predicted in one order, measured in the other")
+            notes.append(f"{a.name} and {b.name}: predicted in one order, measured on the measuring part in the other")
     return notes
+
+
+def _why(ratio: float, in_sample: float | None) -> str:
+    """Why a measurement parts from its prediction by ``ratio``, from the in-sample figure's ratio
+    to the prediction (None: not measured there): when the scoring part parts the same way, the
+    layers' damages do not add (they compound, or partly cancel); when it does not, the layers'
+    damages add on the text they were scored on and the other text is what differs."""
+    higher = ratio > 1
+    words = "the layers' damages compound rather than add" if higher else "the layers' damages partly cancel"
+    if in_sample is None:
+        return words
+    if in_sample > PART_RATIO if higher else in_sample < 1 / PART_RATIO:
+        return f"{words} ({in_sample:.2f}× on the scoring part too)"
+    return (
+        f"on the scoring part it is {in_sample:.2f}× the prediction, so the measuring part's text is hurt "
+        f"{'more' if higher else 'less'} than the text the layers were scored on"
+    )
 
 
 def scheme_counts(point: Point, sizes: LayerSizes) -> Mapping[str, float]:

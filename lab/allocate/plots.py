@@ -1,7 +1,8 @@
 """Figures of an allocation (the app's Allocate page and the report draw the same ones): the
-frontier, bits per weight against the damage, the budgets' allocations measured and predicted
-with every uniform scheme as a point; and the layers × schemes view of one allocation, each cell
-the best observer's score under that scheme, the chosen cell marked.
+frontier, bits per weight against the damage, the budgets' allocations predicted (the scores, on
+the held-out text's scoring part), measured in sample (on that part) and measured out of sample
+(on the measuring part), with every uniform scheme as a point; and the layers × schemes view of
+one allocation, each cell the best observer's score under that scheme, the chosen cell marked.
 
 Damage is drawn on a log scale, as the sensitivity heatmap draws it: the layers' scores span
 orders of magnitude.
@@ -21,13 +22,15 @@ from lab.results.plots.style import legend_on_top
 
 
 def frontier_figure(frontier: Frontier) -> go.Figure:
-    """Bits per weight against damage: allocations measured (line) and predicted (dashed), the
-    uniform schemes measured (points) and predicted (hollow)."""
+    """Bits per weight against damage: allocations measured on the measuring part (line), in
+    sample on the scoring part (dotted) and predicted (dashed), the uniform schemes measured
+    (points) and predicted (hollow); every point's in-sample figure is in ``points_frame``."""
     name = score_name(frontier.metric)
     figure = go.Figure()
     allocations = sorted(frontier.allocations, key=lambda p: p.bits_per_weight)
     for label, values, style in (
         ("allocation, measured", [p.measured_score for p in allocations], {"dash": "solid"}),
+        ("allocation, in sample", [p.in_sample_score for p in allocations], {"dash": "dot"}),
         ("allocation, predicted", [p.predicted for p in allocations], {"dash": "dash"}),
     ):
         figure.add_trace(
@@ -66,7 +69,7 @@ def frontier_figure(frontier: Frontier) -> go.Figure:
         height=420,
         margin={"t": 40, "l": 10, "r": 10, "b": 10},
     )
-    return legend_on_top(figure, title="", entries=4)
+    return legend_on_top(figure, title="", entries=5)
 
 
 def _floor(value: float | None) -> float | None:
@@ -120,7 +123,9 @@ def allocation_figure(point: Point, options: Options, metric: str) -> go.Figure:
 
 
 def points_frame(frontier: Frontier) -> pd.DataFrame:
-    """One row per measured point: size, predicted and measured damage, their ratio."""
+    """One row per measured point: size, predicted damage (scoring part), the damage measured in
+    sample (scoring part) and out of sample (measuring part), measured over predicted, and the
+    measuring part's metrics."""
     name = score_name(frontier.metric)
     rows = []
     for p in frontier.points:
@@ -131,6 +136,7 @@ def points_frame(frontier: Frontier) -> pd.DataFrame:
                 "bits per weight": p.bits_per_weight,
                 "checkpoint bytes": p.checkpoint_bytes,
                 f"predicted {name}": p.predicted,
+                f"in-sample {name}": p.in_sample_score,
                 f"measured {name}": p.measured_score,
                 "measured / predicted": ratio,
                 **{m: v for m, v in p.measured.items()},

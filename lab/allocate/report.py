@@ -1,6 +1,7 @@
 """The allocation's self-contained HTML report (``allocate --report``): the frontier, the chosen
-allocation's layers × schemes view, every measured point with its prediction, and where the two
-part. plotly.js is embedded once, inline, so the file opens offline like the run's report."""
+allocation's layers × schemes view, every measured point with its prediction (scoring part), its
+in-sample figure (scoring part) and its measured one (measuring part), and where the two part.
+plotly.js is embedded once, inline, so the file opens offline like the run's report."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def render(frontier: Frontier, chosen: Point, options: Options, sizes: LayerSize
         f"<style>{_STYLE}</style></head><body><h1>Budgeted allocation</h1>"
         f"<p>{html.escape(chosen.name)}: {chosen.bits_per_weight:.4f} bits per weight over {len(sizes.shapes)} "
         f"layers, a {chosen.checkpoint_bytes:,}-byte checkpoint. Made {created}.</p>"
-        f"<h2>Frontier</h2>{drawn[0]}<p>Predicted against measured: Spearman {spearman}.</p>"
+        f"<h2>Frontier</h2><p>Held-out text: {html.escape(frontier.held_out)}. Predicted: the sum of the layers' "
+        "scores; in sample: every layer quantized at once, on the scoring part; measured: the same on the "
+        f"measuring part (out of sample).</p>{drawn[0]}"
+        f"<p>Predicted (scoring part) against measured (measuring part): Spearman {spearman}.</p>"
         f"<h3>Where prediction and measurement part</h3><ul>{notes}</ul>{table}"
         f"<h2>The allocation</h2>{drawn[1]}</body></html>"
     )

@@ -1,4 +1,5 @@
-"""Score every (layer, scheme, observer): the model's own loss on held-out text with that layer alone
+"""Score every (layer, scheme, observer): the model's own loss on the held-out text's scoring part
+(``lab.allocate.held_out``; the frontier is measured on the other part) with that layer alone
 quantized, its weight by the observer and, when the scheme has them, its inputs too (by the
 observer the run's ranking rule picks, or at run time for a dynamic input).
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import pandas as pd
 
+from lab.allocate.held_out import HeldOut
 from lab.allocate.schemes import Scheme
 from lab.analyse.analysis import Analysis
 from lab.analyse.run_config import RunConfig
@@ -39,13 +41,13 @@ Analyse = Callable[[Scheme, RunConfig, Sequence[str]], Analysis]
 class Scores:
     """One row per (layer, scheme, observer) in ``frame``: ``score`` (the damage in ``metric``),
     every model-level metric, the input's observer (None without one) and the block its run
-    started at. ``analyses``: each quantizing scheme's analyses (its weights, then its inputs),
-    whose qparams the allocation's exports and end-to-end runs take."""
+    started at, all on the held-out text's scoring part (the damage against the float model there).
+    ``analyses``: each quantizing scheme's analyses (its weights, then its inputs), whose qparams
+    the allocation's exports and end-to-end runs take."""
 
     frame: pd.DataFrame
     metric: str
     analyses: dict[str, list[Analysis]]
-    baseline: dict[str, float]
     runs: int
     unique_runs: int
     seconds: float
@@ -78,7 +80,7 @@ def part_configs(base: RunConfig, scheme: Scheme) -> list[RunConfig]:
 
 
 def score(
-    evaluator: Evaluator,
+    held_out: HeldOut,
     layers: Mapping[str, Sequence[str]],
     schemes: Sequence[Scheme],
     base: RunConfig,
@@ -90,8 +92,9 @@ def score(
     """Analyse each quantizing scheme's layers (``layers[scheme.name]``: those the checkpoint can
     store under it) with ``run_analysis(scheme, config, layers)`` for each of ``part_configs(base,
     scheme)`` (the calibration settings are the base's), then score every observer that gave
-    qparams on each layer. A scheme that gives no qparams on any of its layers is a ``ValueError``
-    naming it."""
+    qparams on each layer, on ``held_out.scoring`` only: the measuring part is kept for the
+    frontier. A scheme that gives no qparams on any of its layers is a ``ValueError`` naming it."""
+    evaluator = held_out.scoring
     metric = metric or evaluator.default_metric
     if metric not in evaluator.metric_names:
         raise ValueError(
@@ -145,7 +148,7 @@ def score(
             }
         )
     frame = pd.DataFrame(rows)
-    return Scores(frame, metric, analyses, floats, len(jobs), len(done), time.perf_counter() - start_time)
+    return Scores(frame, metric, analyses, len(jobs), len(done), time.perf_counter() - start_time)
 
 
 def _run_all(evaluator: Evaluator, planned: dict[tuple, dict], progress: ProgressFn | None) -> dict[tuple, dict]:

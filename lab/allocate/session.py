@@ -1,6 +1,7 @@
 """The Allocate page's state and steps, without streamlit: what a person asks (``AllocateForm``),
 checked as ``allocate``'s flags are (one line for the first problem, in the page's words); the
-flow of ``lab.allocate.command.run`` (score, solve, measure the frontier) with the app's analyses
+flow of ``lab.allocate.command.run`` (score on the held-out text's scoring part, solve, measure
+the frontier on its measuring part and in sample) with the app's analyses
 (the session's result cache and capture memo, the Model page's calibration settings) and one
 progress fraction over its three stages; and a chosen allocation's exports (Observer Lab JSON,
 recipe, the lab file a checkpoint is written from), made once per allocation viewed."""
@@ -18,6 +19,7 @@ import pandas as pd
 import observers as ob
 from lab.allocate.cost import LayerSizes
 from lab.allocate.frontier import Frontier, Options, Point, score_name
+from lab.allocate.held_out import HeldOut
 from lab.allocate.schemes import NONE, Budget, Scheme, parse_budgets, parse_schemes
 from lab.allocate.score import Scores
 from lab.analyse.run_config import RunConfig
@@ -219,14 +221,15 @@ def _fraction(done: int, total: int) -> float:
 @dataclass
 class AllocateState:
     """The Allocate page's state in a session (``Workspace.allocation``): the form, the chosen
-    layers' sizes (read once per model and layers), the evaluator (the float run on held-out text,
-    once per model and held-out settings), the last allocation and which of its budgets is viewed."""
+    layers' sizes (read once per model and layers), the held-out text's two parts (``HeldOut``:
+    their float runs, once per model and held-out settings), the last allocation and which of its
+    budgets is viewed."""
 
     form: AllocateForm = field(default_factory=AllocateForm)
     sizes_key: tuple | None = None
     sizes: LayerSizes | None = None
-    evaluator: Any = None
-    evaluator_key: tuple | None = None
+    held_out: HeldOut | None = None
+    held_out_key: tuple | None = None
     result: Allocation | None = None
     viewed: str | None = None
 
@@ -261,27 +264,28 @@ class AllocateState:
         observers = tuple(form.observers) or None
         return Asked(tuple(layers), tuple(schemes), budget, tuple(budgets), observers, form.metric)
 
-    def evaluator_for(self, model: Any, request: Any, settings: RunSettings, slot: Any = None) -> Any:
-        """The ``Evaluator`` of ``model`` on the form's held-out settings (and the Model page's
-        capture), built inside ``slot`` (the server's heavy-run slot) when it is not already."""
+    def held_out_for(self, model: Any, request: Any, settings: RunSettings, slot: Any = None) -> HeldOut:
+        """The built-in held-out paragraphs split in two (``lab.allocate.held_out.split``) with each
+        part's float run of ``model`` on the form's held-out settings (and the Model page's capture),
+        built inside ``slot`` (the server's heavy-run slot) when it is not already."""
         from contextlib import nullcontext
 
-        from lab.effect.evaluate import Evaluator
+        from lab.allocate.held_out import split
 
         form = self.form
         key = (request, int(form.samples), int(form.seq_len), settings.sequential, settings.max_memory)
-        if self.evaluator is None or self.evaluator_key != key:
-            self.evaluator, self.evaluator_key = None, None
+        if self.held_out is None or self.held_out_key != key:
+            self.held_out, self.held_out_key = None, None
             with slot or nullcontext():
-                self.evaluator = Evaluator(
+                self.held_out = split(
                     model,
                     samples=int(form.samples),
                     seq_len=int(form.seq_len),
                     sequential=settings.sequential,
                     max_memory=settings.max_memory,
                 )
-            self.evaluator_key = key
-        return self.evaluator
+            self.held_out_key = key
+        return self.held_out
 
     def run(
         self,
@@ -295,8 +299,9 @@ class AllocateState:
     ) -> Allocation:
         """``allocate``'s flow on ``model``: each quantizing scheme's analyses (the app's analysis
         path, with the session's result ``cache`` and capture ``memo``), every (layer, scheme,
-        observer) scored, each budget solved and every allocation measured end to end. The result
-        replaces the last one and its budget is viewed."""
+        observer) scored on the held-out text's scoring part, each budget solved and every
+        allocation measured end to end on its measuring part (and in sample on the scoring part).
+        The result replaces the last one and its budget is viewed."""
         from lab.allocate import frontier
         from lab.allocate.score import part_configs, score
         from lab.runtime.fusion import fused_groups
@@ -307,7 +312,7 @@ class AllocateState:
         groups = fused_groups(layers)
         mine = frontier.scheme_layers(sizes, schemes)
         base = base_config(settings, schemes, asked.observers)
-        evaluator = self.evaluator_for(model, request, settings)
+        held_out = self.held_out_for(model, request, settings)
         parts = sum(len(part_configs(base, s)) for s in schemes if not s.dense)
         calls, notes = itertools.count(), []
         calibrating, scoring, measuring = (_staged(progress, stage) for stage in STAGES)
@@ -327,10 +332,10 @@ class AllocateState:
                 scoring(_fraction(done, total), f"scoring {done}/{total} · {line}")
 
         try:
-            scores = score(evaluator, mine, schemes, base, analysed, metric=asked.metric, progress=scored)
+            scores = score(held_out, mine, schemes, base, analysed, metric=asked.metric, progress=scored)
             options = frontier.layer_options(scores, sizes, schemes)
             measured = frontier.frontier(
-                evaluator,
+                held_out,
                 scores,
                 options,
                 groups,
@@ -340,7 +345,7 @@ class AllocateState:
             )
         except ValueError as err:
             raise ValueError(app_words(str(err))) from None
-        recorded = {"layers": layers, "budgets": [b.text for b in asked.budgets], "held_out": evaluator.held_out}
+        recorded = {"layers": layers, "budgets": [b.text for b in asked.budgets], "held_out": held_out.describe()}
         name = getattr(model, "name", str(request))
         self.result = Allocation(
             request, name, asked, sizes, groups, scores, options, measured, recorded, list(dict.fromkeys(notes))
