@@ -23,7 +23,7 @@ from playwright.sync_api import expect
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
-LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key)$"
+LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key|value)$"  # one fused unit
 SLOW_MS = 240_000
 SESSION_TTL_S = 2
 """Streamlit's reconnect window for the test servers: a closed tab's session ends this soon."""
@@ -232,13 +232,13 @@ def test_model_run_ranges_export_in_a_browser(page):
 
     _go(tab, "Model")
     tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
-    _pick_layers(tab, LAYER_REGEX, 2)
+    _pick_layers(tab, LAYER_REGEX, 3)
     _no_exception(tab)
     _shot(tab, "1_model")
 
     _go(tab, "Run")
     tab.get_by_role("button", name="Run", exact=True).click()
-    _see(tab, "Results for 4 tensors")
+    _see(tab, "Results for 6 tensors")
     _no_exception(tab)
     _shot(tab, "2_run")
 
@@ -280,7 +280,7 @@ def test_kv_cache_states_in_a_browser(page):
     runs = _runs(tab)
     tab.get_by_text("Input activations", exact=True).click()
     _settle(tab, after=runs)
-    _pick_layers(tab, "model.layers.0.self_attn.q_proj", 1)
+    _pick_layers(tab, r"re:model\.layers\.0\.self_attn\.[qkv]_proj", 3)  # one fused unit
     _no_exception(tab)
     _shot(tab, "8_model_kv")
 
@@ -288,7 +288,7 @@ def test_kv_cache_states_in_a_browser(page):
     tab.get_by_role("tab", name="KV cache (keys, values)").click()
     _choose(tab, "Granularity", "per head (attn_head)")
     tab.get_by_role("button", name="Run", exact=True).click()
-    _see(tab, "Results for 5 tensors")
+    _see(tab, "Results for 8 tensors")
     _no_exception(tab)
 
     _go(tab, "Ranges")
@@ -381,7 +381,8 @@ def test_moe_expert_without_tokens_exports_in_a_browser(page):
     _pick_layers(tab, "model.layers.0.mlp.experts.3", 3)
     _go(tab, "Run")
     tab.get_by_role("button", name="Run", exact=True).click()
-    _see(tab, "Results for 6 tensors")
+    # the inputs' static scales are one per fused MoE kernel: every expert of the layer comes with it
+    _see(tab, "Results for 18 tensors")
     _go(tab, "Choose & export")
     _see(tab, "saw no calibration tokens")
     assert tab.locator('[data-testid="stException"]').count() == 0
@@ -443,7 +444,7 @@ def test_calibration_set_from_a_local_path_in_a_browser(page, tmp_path):
     tab = page
     _go(tab, "Model")
     tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
-    _pick_layers(tab, LAYER_REGEX, 2)
+    _pick_layers(tab, LAYER_REGEX, 3)
     runs = _runs(tab)
     tab.get_by_text("local path", exact=True).click()
     _settle(tab, after=runs)
@@ -458,7 +459,7 @@ def test_calibration_set_from_a_local_path_in_a_browser(page, tmp_path):
 
     _go(tab, "Run")
     tab.get_by_role("button", name="Run", exact=True).click()
-    _see(tab, "Results for 4 tensors")
+    _see(tab, "Results for 6 tensors")
     _see(tab, "Calibrated on 4 samples")
     assert "from saved_set (fingerprint" in tab.get_by_text("Calibrated on 4 samples").first.inner_text()
     _no_exception(tab)

@@ -39,6 +39,8 @@ from lab.analyse.model_facts import ModelFacts
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
 from lab.results import export_selection
+from lab.runtime.fusion import Level, fused_groups, linked_by_llm_compressor
+from lab.runtime.scales import Collapse, collapse
 from lab.vocab import KV_TENSORS, LAYER_TENSORS
 
 RECIPE_FILE = "recipe.yaml"
@@ -321,9 +323,31 @@ def of_chosen(
     if not config_groups and kv_cache_scheme is None:
         raise ValueError("no chosen setting has an llm-compressor equivalent:\n  - " + "\n  - ".join(notes))
     modifier = None if gptq is None else gptq_modifier_args(gptq, notes)
-    notes = list(dict.fromkeys(notes))
+    notes = list(dict.fromkeys([*notes, *unlinked(chosen)]))
     text = _render(config_groups, comments, kv_cache_scheme, kv_comments, notes, modifier)
     return Recipe(text, config_groups, kv_cache_scheme, notes, modifier)
+
+
+def unlinked(chosen: Sequence[Chosen]) -> list[str]:
+    """One note per fused group of weights whose shared scale llm-compressor's oneshot of the
+    recipe does not share (``lab.runtime``): per-tensor scales, and NVFP4 global scales of layers
+    it does not link (a BERT's query/key/value). A fusing server keeps one value for the group; the
+    lab's checkpoint writes it, the recipe's oneshot gives each member its own."""
+    specs = {c.layer: c.spec for c in chosen if c.tensor == "weight"}
+    notes = []
+    for unit, members in fused_groups(specs, Level.LINEAR):
+        how = collapse(specs[members[0]], "weight")
+        if len(members) < 2 or how is None:
+            continue
+        if how == Collapse.GLOBAL_SCALE and linked_by_llm_compressor(members[0]):
+            continue
+        names = ", ".join(member.rpartition(".")[2] for member in members)
+        notes.append(
+            f"{unit}: llm-compressor's oneshot of this recipe gives {names} their own {how.value}s (it links only "
+            "the NVFP4 global scales of q/k/v, gate/up, q_a/kv_a_with_mqa and w1/w3); a fusing server keeps one for "
+            "the group, which the lab's checkpoint writes"
+        )
+    return notes
 
 
 def gptq_modifier_args(gptq: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:

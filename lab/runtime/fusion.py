@@ -47,6 +47,9 @@ LINEAR_FUSIONS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("query", "key", "value"), "qkv_proj"),
 )
 """Sibling layer names a server loads into one linear layer, and what it calls that layer."""
+LLM_COMPRESSOR_LINKS = LINEAR_FUSIONS[:4]
+"""The fusions whose NVFP4 global scales llm-compressor 0.14 links (``FUSED_LAYER_NAMES``); it
+links no per-tensor scale, and no BERT query/key/value."""
 
 EXPERT_FUSIONS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("gate_proj", "up_proj", "w1", "w3"), "experts w13 (gate and up)"),
@@ -63,6 +66,12 @@ def _linear_unit(layer: str) -> str | None:
         if name in members and parent:
             return f"{parent} {fused}"
     return None
+
+
+def linked_by_llm_compressor(layer: str) -> bool:
+    """Whether llm-compressor's ``fuse_weight_observers`` links ``layer``'s NVFP4 global scale with
+    its fused siblings'."""
+    return layer.rpartition(".")[2] in {name for members, _ in LLM_COMPRESSOR_LINKS for name in members}
 
 
 def _kernel_unit(layer: str) -> str | None:
