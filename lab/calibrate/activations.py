@@ -132,13 +132,11 @@ def calibrate(
                 else:
                     slot.known = _result(cache, slot.observation, sample, across)
         for key in (k for k in done if k in statistics):
-            for knob, statistic in statistics[stream.stand_in(key)].items():
-                try:
-                    value = statistic.value(across, device)
-                except ValueError:  # the same on every rank: it depends on the layer's shape only
-                    continue
-                if value is not None:
-                    out.statistics.setdefault(key[0], {})[knob] = value
+            found = _statistic_values(statistics[stream.stand_in(key)], across, device)
+            if found is None:
+                out.notes.append(_unreached_note(key[0]))
+            elif found:
+                out.statistics[key[0]] = found
         if settled is None:
             return None
         return settled(list(dict.fromkeys(key[0] for key in done)), out)
@@ -190,6 +188,34 @@ def _statistics(layers: Sequence[str], config: RunConfig) -> dict[Key, dict[str,
     return {
         (layer, "input"): {knob: MeanStatistic(observed.INPUT_STATISTICS[knob]) for knob in wanted} for layer in layers
     }
+
+
+def _statistic_values(
+    found: dict[str, MeanStatistic], across: Any, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """Each statistic's mean over every token of one layer's inputs; None when no token reached them
+    on any rank (an expert the router never chose), which the run says: the layer then has no
+    statistic and its weight observers fall back as they say."""
+    values = {}
+    for knob, statistic in found.items():
+        try:
+            value = statistic.value(across, device)
+        except ValueError:  # the same on every rank: it depends on the layer's shape only
+            continue
+        if value is None:
+            return None
+        values[knob] = value
+    return values
+
+
+def _unreached_note(layer: str) -> str:
+    """The one line a run says about a layer whose inputs no calibration token reached, worded as
+    ``lab.results.token_warnings`` words an activation that saw none; ``layer: `` first, as every
+    run warning about one unit (a sweep files it under its unit)."""
+    return (
+        f"{layer}: no tokens observed at its input (an expert the router never chose?); "
+        "its weight observers that take input statistics ran unweighted"
+    )
 
 
 def _view(config: RunConfig, smoothing: dict[str, torch.Tensor]) -> View | None:
