@@ -61,6 +61,13 @@ def io_widths(info: LayerInfo) -> tuple[int, int]:
     return info.shape[1], info.shape[0]
 
 
+def inputs_are_columns(info: LayerInfo) -> bool:
+    """Whether each row of a layer's inputs holds one value per column of its (out, in) weight, so
+    a statistic of those inputs (a column's importance, a Hessian) describes the weight's columns:
+    true of a linear layer or an expert's projection, not of an embedding, fed token ids."""
+    return len(info.shape) == 2 and io_widths(info)[0] == info.shape[1]
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """True for a transformers MoE experts module storing all experts as 3-D parameters in the
     concatenated, non-transposed layout (Mixtral, Qwen2-MoE and most others in transformers 5)."""

@@ -128,6 +128,31 @@ def test_weight_observers_get_their_input_statistics_from_the_captured_inputs():
     assert torch.allclose(weight.result("imatrix_mse").knobs["importance"], ob.column_importance(inputs))
 
 
+def test_an_embedding_fed_token_ids_gets_no_input_statistic_and_its_observers_fall_back():
+    """An embedding's inputs are token ids, not its weight's columns: a weights-only NVFP4A16 run
+    over it and a linear layer gives the linear layer its statistics, the embedding none (its
+    observers warn and run unweighted, instead of the run stopping on local_hessian), and GPTQ
+    says why the embedding has no Hessian."""
+    from lab.gptq.layer import NO_HESSIAN
+    from sample_models import open_model
+
+    model = open_model("tiny-llama")
+    embedding, linear = "model.embed_tokens", "model.layers.0.self_attn.q_proj"
+    specs = {"weight": ob.preset("NVFP4A16")["weight"]}
+    config = RunConfig(
+        specs=specs, observers=("local_hessian", "imatrix_mse"), samples=2, seq_len=16, gptq=ob.GPTQSpec()
+    )
+    with pytest.warns(UserWarning) as caught:
+        analysis = analyse(model, [embedding, linear], config)
+    assert {"local_hessian: no inputs were observed; running the plain NVFP4 sweep"} <= {str(w.message) for w in caught}
+    for name, knob in (("local_hessian", "hessian"), ("imatrix_mse", "importance")):
+        assert analysis.entry(embedding, "weight").result(name).knobs[knob] is None
+        assert analysis.entry(embedding, "weight").result(name).qparams is not None
+        assert isinstance(analysis.entry(linear, "weight").result(name).knobs[knob], torch.Tensor)
+    assert {row.error for row in analysis.entry(embedding, "weight").gptq} == {NO_HESSIAN}
+    assert all(row.error is None for row in analysis.entry(linear, "weight").gptq)
+
+
 def test_layers_that_read_the_same_input_share_its_results():
     """q, k and v of an attention block read one hidden state: observed once, same results;
     a tensor that differs in one value is observed on its own."""

@@ -69,3 +69,92 @@ def test_zip_export_refuses_unless_opted_in():
     with zipfile.ZipFile(io.BytesIO(compressed_tensors.save(analysis, choices, allow_uncalibrated=True))) as archive:
         notes = archive.read("observer_lab_notes.txt").decode()
     assert "experts.1 input" in notes
+
+
+UNROUTED = r"re:model\.layers\.0\.mlp\.experts\.3\..*"
+"""tiny-moe's expert 3 of block 0: the router sends it none of the default calibration tokens."""
+UNROUTED_LAYERS = [f"model.layers.0.mlp.experts.3.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+NO_TOKENS = "no tokens observed at its input (an expert the router never chose?)"
+UNWEIGHTED = "; its weight observers that take input statistics ran unweighted"
+
+
+def test_weights_only_run_gives_an_unrouted_expert_no_input_statistic():
+    """Each layer is finished once, the routed expert with the importance of its inputs, the unrouted
+    one with none (imatrix_mse runs unweighted) and a warning saying why."""
+    from lab.analyse.pipeline import analyse
+    from sample_models import open_model
+
+    routed, unrouted = "model.layers.0.mlp.experts.0.up_proj", "model.layers.0.mlp.experts.3.up_proj"
+    weight = ob.preset("W4A16")["weight"]
+    config = RunConfig(specs={"weight": weight}, observers=("imatrix_mse",), samples=4, seq_len=32)
+    with pytest.warns(UserWarning, match="imatrix_mse got no importance"):
+        analysis = analyse(open_model("tiny-moe"), [routed, unrouted], config)
+    assert analysis.keys() == [(routed, "weight"), (unrouted, "weight")]
+    assert isinstance(analysis.entry(routed, "weight").results[0].knobs["importance"], torch.Tensor)
+    assert analysis.entry(unrouted, "weight").results[0].knobs["importance"] is None
+    assert all(e.results[0].qparams is not None for e in analysis.entries)
+    assert [w for w in analysis.warnings if "no tokens observed" in w] == [f"{unrouted}: {NO_TOKENS}{UNWEIGHTED}"]
+
+
+def _run_cli(*flags: str, out: str, layers: str = UNROUTED) -> tuple[int, str]:
+    """``python -m observers run tiny-moe --layers LAYERS FLAGS --out OUT`` in process: exit code, stderr."""
+    from lab.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = main(["run", "tiny-moe", "--layers", layers, *flags, "--out", out, "--quiet"], stdout, stderr)
+    return code, stderr.getvalue()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--preset", "W4A16"),
+        ("--preset", "NVFP4A16"),
+        ("--preset", "FP8", "--allow-uncalibrated"),
+        ("--format", "int4", "--strategy", "group", "--group-size", "32"),
+    ],
+    ids=["W4A16", "NVFP4A16", "FP8", "int4-group32"],
+)
+def test_run_on_an_expert_no_token_reaches_writes_its_weights_and_says_so(tmp_path, flags):
+    """The statistic-weighted weight observers of an unrouted expert get no input statistic and run
+    unweighted; the run writes every weight and says, a line per layer, that no token came."""
+    target = tmp_path / "expert.json"
+    with pytest.warns(UserWarning, match="running unweighted"):
+        code, err = _run_cli(*flags, out=str(target))
+    assert code == 0, err
+    assert "Traceback" not in err
+    written = lab_json.load_file(target)
+    weights = {e.layer: e.qparams.scale for e in written.entries if e.tensor == "weight"}
+    assert sorted(weights) == sorted(UNROUTED_LAYERS)
+    for scale in weights.values():
+        assert scale.numel() > 0 and bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+    for layer in UNROUTED_LAYERS:
+        assert f"warning: {layer}: {NO_TOKENS}{UNWEIGHTED}\n" in err
+    if "FP8" in flags:  # its static inputs saw nothing: recorded as uncalibrated, without qparams
+        uncalibrated = json.loads(target.read_text())["uncalibrated"]
+        assert {u["layer"] for u in uncalibrated} == set(UNROUTED_LAYERS)
+
+
+def test_fp8_run_on_an_unrouted_expert_refuses_its_inputs_in_one_line(tmp_path):
+    """FP8's inputs are static: qparams for an expert that saw no token would be made up, so the run
+    refuses them in one line naming the flag that records them as uncalibrated."""
+    with pytest.warns(UserWarning, match="running unweighted"):
+        code, err = _run_cli("--preset", "FP8", out=str(tmp_path / "expert.json"))
+    assert code == 2
+    assert "Traceback" not in err
+    refusal = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(refusal) == 1 and "saw no calibration tokens" in refusal[0] and "--allow-uncalibrated" in refusal[0]
+    assert not (tmp_path / "expert.json").exists()
+
+
+def test_a_sweep_files_the_no_token_warning_under_its_expert(tmp_path):
+    """A sweep (``--chunk``) keeps a unit's warnings with the unit: the unrouted expert's line
+    reaches its output as a run's does."""
+    experts = r"re:model\.layers\.0\.mlp\.experts\..*"
+    argv = ["--preset", "W4A16", "--observers", "memoryless_minmax,imatrix_mse", "--samples", "4", "--seq-len", "32"]
+    with pytest.warns(UserWarning, match="running unweighted"):
+        code, err = _run_cli(*argv, "--chunk", "3", layers=experts, out=str(tmp_path / "sweep.json"))
+    assert code == 0, err
+    flagged = [line for line in err.splitlines() if NO_TOKENS in line]
+    unrouted = [f"model.layers.0.mlp.experts.{e}.{p}" for e in (2, 3) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert flagged == [f"warning: {layer}: {NO_TOKENS}{UNWEIGHTED}" for layer in unrouted]

@@ -137,6 +137,7 @@ def analyse(
     warnings += added
     recorded = None if calibration is None else calibration.to_dict()
     steps = iter(range(total))
+    finished: set[str] = set()
 
     def tick(label: str) -> None:
         step = next(steps)
@@ -146,7 +147,10 @@ def analyse(
     def finish(units: list[str], calibrated: Calibrated) -> Propagation | None:
         """The entries of ``units`` (layers, attention blocks), now that their activations are final:
         their weights are read and observed now, a fused group's at once (``_weight_group``), and
-        a fused group's activations served together."""
+        a fused group's activations served together. Each unit is finished once: what the
+        calibration pass settled is recorded here, not guessed afterwards from the values it left
+        (a layer no token reached leaves none)."""
+        finished.update(units)
         found, weights = [], []
         for layer, tensor in (job for job in jobs if job[0] in units):
             spec, names = config.specs[spec_key(tensor)], names_for[spec_key(tensor)]
@@ -180,7 +184,6 @@ def analyse(
         weights = [layer for layer in mine if "weight" in config.specs]
         held_out = held_out_hessians(model, weights, config, ranks) if gptq else {}
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish) if streams else None
-        finished = set() if calibrated is None else {key[0] for key in calibrated.samples} | set(calibrated.statistics)
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
         if rest:
             finish(rest, calibrated or Calibrated())

@@ -35,7 +35,7 @@ from observers.suite import SuiteResult
 from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
 from sample_models.capture import Done, Key, Propagation
-from sample_models.layers import io_widths
+from sample_models.layers import inputs_are_columns, io_widths
 
 
 @dataclass
@@ -106,7 +106,7 @@ def calibrate(
         key: [s.observation for s in slots if s.observation and s.observation.spec.strategy != "token"]
         for key, slots in out.results.items()
     }
-    statistics = _statistics(layers, config)
+    statistics = _statistics(model, layers, config)
     if observed.smooths(config):
         out.smoothing = _smoothing_scales(model, layers, config, ranks) if layers else {}
         note = "SmoothQuant does not apply to key/value states; they are shown as captured"
@@ -132,13 +132,11 @@ def calibrate(
                 else:
                     slot.known = _result(cache, slot.observation, sample, across)
         for key in (k for k in done if k in statistics):
-            for knob, statistic in statistics[stream.stand_in(key)].items():
-                try:
-                    value = statistic.value(across, device)
-                except ValueError:  # the same on every rank: it depends on the layer's shape only
-                    continue
-                if value is not None:
-                    out.statistics.setdefault(key[0], {})[knob] = value
+            found = _statistic_values(statistics[stream.stand_in(key)], across, device)
+            if found is None:
+                out.notes.append(_unreached_note(key[0]))
+            elif found:
+                out.statistics[key[0]] = found
         if settled is None:
             return None
         return settled(list(dict.fromkeys(key[0] for key in done)), out)
@@ -182,14 +180,51 @@ def _result(cache: Any, observation: Observation, sample: torch.Tensor, across: 
     return cache.store(observation.cache_key, observation.result(sample, across))
 
 
-def _statistics(layers: Sequence[str], config: RunConfig) -> dict[Key, dict[str, MeanStatistic]]:
+def _statistics(model: Any, layers: Sequence[str], config: RunConfig) -> dict[Key, dict[str, MeanStatistic]]:
     """The input statistics the run's weight observers (or activation order) take, per layer input."""
     wanted = observed.wanted_statistics(config)
     if not wanted:
         return {}
     return {
-        (layer, "input"): {knob: MeanStatistic(observed.INPUT_STATISTICS[knob]) for knob in wanted} for layer in layers
+        (layer, "input"): {knob: MeanStatistic(observed.INPUT_STATISTICS[knob]) for knob in wanted}
+        for layer in _column_fed(model, layers)
     }
+
+
+def _column_fed(model: Any, layers: Sequence[str]) -> list[str]:
+    """The ``layers`` whose inputs are their weight's columns (``inputs_are_columns``): only theirs
+    have statistics. An embedding has none, so its observers fall back as they say, rather than
+    fail on (or stop the run over) the statistics of token ids."""
+    infos = {info.name: info for info in model.layers()}
+    return [layer for layer in layers if inputs_are_columns(infos[layer])]
+
+
+def _statistic_values(
+    found: dict[str, MeanStatistic], across: Any, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """Each statistic's mean over every token of one layer's inputs; None when no token reached them
+    on any rank (an expert the router never chose), which the run says: the layer then has no
+    statistic and its weight observers fall back as they say."""
+    values = {}
+    for knob, statistic in found.items():
+        try:
+            value = statistic.value(across, device)
+        except ValueError:  # the same on every rank: it depends on the layer's shape only
+            continue
+        if value is None:
+            return None
+        values[knob] = value
+    return values
+
+
+def _unreached_note(layer: str) -> str:
+    """The one line a run says about a layer whose inputs no calibration token reached, worded as
+    ``lab.results.token_warnings`` words an activation that saw none; ``layer: `` first, as every
+    run warning about one unit (a sweep files it under its unit)."""
+    return (
+        f"{layer}: no tokens observed at its input (an expert the router never chose?); "
+        "its weight observers that take input statistics ran unweighted"
+    )
 
 
 def _view(config: RunConfig, smoothing: dict[str, torch.Tensor]) -> View | None:
@@ -233,15 +268,19 @@ def input_statistics(
 ) -> dict[str, Any]:
     """A pass of its own for one statistic of each layer's inputs (``make()`` per layer: a
     ``ChannelMax``, a ``MeanStatistic``) over every token, nothing kept; ``options`` replace the
-    run's capture options (other ``texts``: GPTQ's held-out inputs)."""
+    run's capture options (other ``texts``: GPTQ's held-out inputs). A layer whose inputs are not
+    its weight's columns (an embedding) is left out."""
     across = ranks.reduce if ranks.world_size > 1 else None
-    found = {(layer, "input"): [make()] for layer in layers}
+    fed = _column_fed(model, layers)
+    if not fed:
+        return {}
+    found = {(layer, "input"): [make()] for layer in fed}
     stream = ObserverStream({}, found, _empty_shapes(model, list(found)), None, across)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureSubsampledWarning)
-        model.capture(list(layers), stream=stream, **(_options(config, ranks) | options))
+        model.capture(fed, stream=stream, **(_options(config, ranks) | options))
     # Layers fed one tensor (q, k and v) are summed once, under the first one's key.
-    return {layer: found[stream.stand_in((layer, "input"))][0] for layer in layers}
+    return {layer: found[stream.stand_in((layer, "input"))][0] for layer in fed}
 
 
 def _options(config: RunConfig, ranks: Ranks) -> dict[str, Any]:

@@ -25,7 +25,10 @@ def weight_view(config: RunConfig, weight: torch.Tensor, smoothing: torch.Tensor
     if transform.kind == ob.TransformKind.HADAMARD:
         return ob.transform_layer(transform, weight, None)[0]
     if smoothing is None:
-        raise ValueError("SmoothQuant needs the layer's weight and its captured inputs")
+        raise ValueError(
+            "SmoothQuant migrates a layer's input columns into its weight, and this layer's inputs are not its "
+            "weight's columns (an embedding's are token ids): leave it out of the layers"
+        )
     return weight.float() * smoothing
 
 

@@ -47,7 +47,8 @@ class GPTQDeploy:
         its codes were rounded with."""
         hessian = self.hessian_of(chosen.layer)
         if hessian is None:
-            raise ValueError(f"{chosen.layer}: its run kept no GPTQ Hessian (no calibration token reached it)")
+            why = "no calibration token reached it, or it is fed token ids"
+            raise ValueError(f"{chosen.layer}: its run kept no GPTQ Hessian ({why})")
         done = gptq_weight(
             weight.float(), hessian.to(weight.device), chosen.spec, self.gptq, chosen.observer, chosen.qparams,
             dict(chosen.knobs),

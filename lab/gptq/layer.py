@@ -27,6 +27,9 @@ import observers as ob
 from observers.suite import SuiteResult
 from sample_models.effect import TensorQuant
 
+NO_HESSIAN = "no Hessian: no calibration token reached this layer, or it is fed token ids"
+"""Why a layer has no GPTQ: its inputs gave no Hessian (an unrouted expert, an embedding)."""
+
 
 @dataclass(frozen=True)
 class GPTQRow:
@@ -57,9 +60,9 @@ def gptq_rows(
 ) -> list[GPTQRow]:
     """A row per weight observer that gave qparams (``results``, the observers' results on
     ``weight``), GPTQ with ``gptq``'s knobs and scale semantics; ``hessian`` is None when no
-    calibration token reached the layer, ``held_out`` the Hessian of held-out inputs (None: no
-    held-out figures). ``knobs`` are the run's knobs per observer (a refit runs the observer with
-    them)."""
+    calibration token reached the layer or its inputs are token ids (an embedding), ``held_out``
+    the Hessian of held-out inputs (None: no held-out figures). ``knobs`` are the run's knobs per
+    observer (a refit runs the observer with them)."""
     layer = _Layer(weight, hessian, held_out) if hessian is not None else None
     usable = [result for result in results if result.qparams is not None] if layer is not None else []
     done = _fixed_together(usable, layer, spec, gptq, knobs) if gptq.scales == "fixed" else {}
@@ -68,7 +71,7 @@ def gptq_rows(
         if result.qparams is None:
             rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
         elif layer is None:
-            rows.append(GPTQRow(result.name, error="no calibration token reached this layer: no Hessian"))
+            rows.append(GPTQRow(result.name, error=NO_HESSIAN))
         else:
             rows.append(_row(result, layer, spec, gptq, knobs.get(result.name, {}), done.get(result.name)))
     return rows
@@ -168,7 +171,7 @@ def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec, result: SuiteResult
     of its observers: the weight read again, the observer's qparams and knobs as the run had them
     (``result``: as a choice serves them, when a fused group's members chose different observers)."""
     if entry.hessian is None:
-        raise ValueError(f"{entry.layer}: no Hessian was kept (no calibration token reached it): no GPTQ weight")
+        raise ValueError(f"{entry.layer}: {NO_HESSIAN}: no GPTQ weight")
     result = entry.result(observer) if result is None else result
     if result.qparams is None:
         raise ValueError(f"{observer} gave no qparams on {entry.layer}: no GPTQ weight")
