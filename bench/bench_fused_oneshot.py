@@ -64,10 +64,10 @@ def calibration_batches(directory: Path) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": tokens, "attention_mask": torch.ones_like(tokens)} for tokens in ids]
 
 
-def lab_cli(directory: Path, out: Path, *flags: str) -> tuple[float, str]:
+def lab_cli(directory: Path, out: Path, *flags: str, layers: str = LAYERS) -> tuple[float, str]:
     """The lab's CLI on ``directory`` writing ``out/lab`` (checkpoint) and ``out/recipe.yaml``: its
     wall seconds and "" or why it failed."""
-    command = [sys.executable, "-m", "observers", "run", str(directory), "--layers", LAYERS, *flags]
+    command = [sys.executable, "-m", "observers", "run", str(directory), "--layers", layers, *flags]
     command += ["--samples", str(SAMPLES), "--seq-len", str(SEQ_LEN), "--batch-size", "1", "--quiet"]
     command += ["--out", str(out / "lab.json"), "--checkpoint", str(out / "lab"), "--recipe", str(out / "recipe.yaml")]
     start = time.perf_counter()
@@ -197,4 +197,22 @@ def cases(device: str) -> list[dict]:
                 text += f"; the lab's recipe: {agreement(read_nvfp4(work / 'lab'), read_nvfp4(work / 'recipe'))}"
             reference_name = f"{REFERENCE} {type(modifier).__name__}(scheme={json.dumps(modifier.scheme)})"
             rows.append(case(f"{label}, {name}", lab_s, theirs_s, reference_name, agreement=text))
+        rows.append(_moe_row(Path(scratch), QuantizationModifier))
     return rows
+
+
+def _moe_row(scratch: Path, modifier_class: type) -> dict:
+    """tiny-moe under NVFP4A16: its attention's Linears (transformers keeps the experts as fused
+    parameters, which neither side packs as Linear layers)."""
+    model_dir = write_model("tiny-moe", scratch / "tiny-moe")
+    work = scratch / "moe"
+    work.mkdir()
+    label = "NVFP4A16 checkpoint of tiny-moe's attention (8 Linears) vs llm-compressor oneshot, memoryless_minmax"
+    flags = ("--preset", "NVFP4A16", "--kinds", "weight", "--observers", "memoryless_minmax")
+    lab_s, failure = lab_cli(model_dir, work, *flags, layers=r"re:model\.layers\.\d+\.self_attn\..*")
+    if failure:
+        return case(label, lab_s, 0.0, REFERENCE, agreement=failure)
+    modifier = modifier_class(targets="Linear", scheme="NVFP4A16", ignore=["lm_head", "re:.*mlp.gate$"])
+    theirs_s = oneshot_checkpoint(model_dir, modifier, work / "oneshot")
+    text = agreement(read_nvfp4(work / "lab"), read_nvfp4(work / "oneshot"))
+    return case(label, lab_s, theirs_s, f"{REFERENCE} QuantizationModifier(scheme=\"NVFP4A16\")", agreement=text)

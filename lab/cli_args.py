@@ -22,6 +22,7 @@ from lab.vocab import (
     GPTQ_METRICS,
     LAYER_TENSORS,
     MODEL_METRICS,
+    PER_LAYER_PREFIX,
 )
 from sample_models.calibration_sets import CalibrationSource
 
@@ -55,7 +56,8 @@ def build_parser(extra: Sequence[Callable[[Any], None]] = ()) -> argparse.Argume
     run.add_argument(
         "--choose-by",
         default=DEFAULT_METRIC,
-        help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}; with --gptq also "
+        help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}, as served (layers a server fuses share scales); "
+        f"{PER_LAYER_PREFIX}<metric> with each layer's own scales, for a runtime that does not fuse; with --gptq also "
         + ", ".join(GPTQ_METRIC_PREFIX + name for name in GPTQ_METRICS),
     )
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")

@@ -1,12 +1,13 @@
-"""Error: metrics per layer and observer, SQNR bars, the error histogram, each observer under GPTQ
-beside round-to-nearest, and layer-output error."""
+"""Error: metrics per layer and observer (as served, each fused layer's own beside them), SQNR bars,
+the error histogram, the picked tensor as served against its own, each observer under GPTQ beside
+round-to-nearest, and layer-output error."""
 
 import pandas as pd
 import streamlit as st
 
 from lab import results, ui
 from lab.gptq.table import gptq_frame
-from lab.results import plots
+from lab.results import plots, served
 
 GPTQ_COLUMNS = {
     "observer": st.column_config.TextColumn("observer"),
@@ -60,6 +61,11 @@ entry = ui.tensor_picker(ws, analysis)
 with ui.guard("Drawing the error histogram"):
     st.plotly_chart(plots.error_histogram(entry, order=order), theme="streamlit")
 ui.metrics_note(entry)
+
+if entry.served is not None:
+    st.subheader("As served")
+    st.caption(served.served_sentence(entry))
+    st.dataframe(served.served_frame(entry, metric), hide_index=True)
 
 gptq = gptq_frame(analysis)
 if not gptq.empty:

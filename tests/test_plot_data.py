@@ -265,7 +265,7 @@ def test_report_heatmap_and_bars_make_room_for_long_layer_names():
 def test_a_result_computed_under_another_spec_draws_its_own_clip_lines():
     """``--as torch.ao``: its activations use reduce_range (-64..63); drawn under the run's int8 spec
     its lines would sit twice as far out as where it clips."""
-    from lab.results import range_table
+    from lab.results.ranges import range_table
 
     x = torch.linspace(-4.0, 4.0, 1001).reshape(-1, 1)
     run_spec, halved = ob.QuantSpec(dtype="int8"), ob.QuantSpec(dtype="int8", reduce_range=True)

@@ -57,8 +57,10 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _schemes(config: dict) -> dict[str, dict]:
-    """Each target layer's config group (its ``weights``, ``input_activations`` and ``format``)."""
-    return {target: group for group in config["config_groups"].values() for target in group["targets"]}
+    """Each target layer's config group (its ``weights``, ``input_activations`` and ``format``), for the
+    layers whose weights are quantized (a group of inputs alone leaves its weights as stored)."""
+    groups = config["config_groups"].values()
+    return {target: group for group in groups if group.get("weights") for target in group["targets"]}
 
 
 def _shards(layers: list[str], model_type: str) -> list[list[str]]:

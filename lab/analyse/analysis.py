@@ -137,6 +137,10 @@ class Analysis:
     calibration: dict[str, Any] | None = None
     """The calibration set the activations saw (``CalibrationSamples.to_dict``: source, fingerprint,
     samples, asked, tokens); None when nothing was calibrated."""
+    served_choices: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    """``lab.analyse.served.as_chosen``'s memo of fused groups whose members chose different
+    observers, by group and choices: each page rerun, export and evaluation asks again, and serving
+    such a group reads its weights (and may search again)."""
 
     @property
     def source(self) -> dict[str, Any]:

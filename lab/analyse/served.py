@@ -139,10 +139,12 @@ def as_chosen(analysis: Analysis, choices: Mapping[tuple[str, str], str]) -> dic
     for keys in groups.values():
         if len({choices[key] for key in keys}) < 2:
             continue
-        entries = [analysis.entry(*key) for key in keys]
-        own = [found[key].own for key in keys]
-        shared = _shared(own, entries, [entry.data for entry in entries], Collapse(entries[0].served.collapse))
-        set_by = entries[fused.setter([result.qparams for result in own])].layer
-        for key, result, mine in zip(keys, shared, own, strict=True):
-            found[key] = ServedChoice(result, mine, set_by)
+        memo = tuple((key, choices[key]) for key in keys)
+        if memo not in analysis.served_choices:
+            entries = [analysis.entry(*key) for key in keys]
+            own = [found[key].own for key in keys]
+            shared = _shared(own, entries, [entry.data for entry in entries], Collapse(entries[0].served.collapse))
+            set_by = entries[fused.setter([result.qparams for result in own])].layer
+            analysis.served_choices[memo] = [ServedChoice(r, mine, set_by) for r, mine in zip(shared, own, strict=True)]
+        found.update(zip(keys, analysis.served_choices[memo], strict=True))
     return found

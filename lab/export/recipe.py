@@ -172,6 +172,7 @@ def config_groups_of(
     for item in items:
         if _indivisible(item, shapes, notes):
             item.args.pop("weight")
+            item.entries.pop("weight")
             if not item.args:
                 continue
         scheme: dict[str, Any] = {}
