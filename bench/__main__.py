@@ -41,6 +41,7 @@ MODULES = [
     "bench_serve",
     "bench_gptq",
     "bench_gptq_oneshot",
+    "bench_fused_oneshot",
     "bench_allocate",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]

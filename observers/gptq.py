@@ -296,11 +296,14 @@ def _as_matrices(weight: torch.Tensor, hessian: torch.Tensor | HessianAccumulato
 
 
 def sweep_order(hessian: torch.Tensor, actorder: str) -> torch.Tensor | None:
-    """Columns by decreasing ``H[c, c]`` (the mean squared input they see; stable on ties, where
-    llm-compressor's unstable argsort may differ), or None for positional order."""
+    """Columns by decreasing ``H[c, c]`` (the mean squared input they see), or None for positional
+    order. Ties break as llm-compressor's do: torch's default (unstable) sort, the very call it
+    makes. Ties are real: a massive activation channel planted in the embedding reaches a first
+    block's q/k/v as equal columns, and a stable order there parts GPTQ's codes from
+    llm-compressor's in a quarter of those weights (BENCHMARKS.md, NVFP4 of a decoder)."""
     if actorder == "none":
         return None
-    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+    return torch.argsort(torch.diagonal(hessian), descending=True)
 
 
 def column_groups(in_features: int, spec: QuantSpec, actorder: str, perm: torch.Tensor | None) -> torch.Tensor:

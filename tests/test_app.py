@@ -110,6 +110,25 @@ def test_every_result_page_renders_plots_without_errors(ran, page):
         assert _plotly_count(ran) >= 1
 
 
+def test_error_page_shows_a_fused_tensor_as_served_beside_its_own(ran):
+    """q, k and v read one input, whose static int8 scale a fusing server keeps one of: the table has
+    each layer's own figures beside the served ones, and the picked input its "As served" section."""
+    _page(ran, "error")
+    _ok(ran)
+    table = ran.dataframe[0].value
+    assert {"per-layer:sqnr_db", "fused as", "scale set by"} <= set(table.columns)
+    inputs = table[table["tensor"] == "input"]
+    assert inputs["fused as"].str.startswith("encoder.layer.0.attention.self qkv_proj").all()
+    ran.selectbox(key="w:tensor").set_value((LAYERS[1], "input")).run()
+    _ok(ran)
+    assert any(h.value == "As served" for h in ran.subheader)
+    served = next(frame.value for frame in ran.dataframe if "sqnr_db per layer" in frame.value.columns)
+    assert set(served["scale set by"]) <= set(LAYERS) and len(served) >= 1
+    assert any("A fusing server (vLLM, SGLang) runs query, key, value" in c.value for c in ran.caption)
+    weight = _ws(ran).analysis.entry(LAYERS[1], "weight")
+    assert weight.served is None  # int4 groups: each layer keeps its own scales
+
+
 def test_ranges_options_change_the_plot_not_the_results(ran):
     _page(ran, "ranges")
     cache = _ws(ran).result_cache

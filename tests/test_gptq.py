@@ -131,8 +131,9 @@ def test_activation_order_by_hand():
 def dense_gptq(weight, hessian, spec, qparams_fn, *, dampening, actorder, scales):
     """GPTQ as defined, slowly: fp64, the factor from an explicit inverse, no blocks, no lazy update.
 
-    Sweep order: by decreasing H[c, c] (actorder) or positional. Dead columns (H[c, c] = 0) get weight
-    0 and diagonal 1; H += dampening·mean(diag)·I; U = upper Cholesky of H⁻¹ (in sweep order). Then
+    Sweep order: by decreasing H[c, c] (actorder; ties as torch's default sort breaks them) or
+    positional. Dead columns (H[c, c] = 0) get weight 0 and diagonal 1; H += dampening·mean(diag)·I;
+    U = upper Cholesky of H⁻¹ (in sweep order). Then
     for each swept column c at position k: q = quantize(w_c); e = (w_c − q) / U[k, k]; every later
     swept column m gets w_m −= e·U[k, m]. Groups: c // group_size, or position // group_size for
     actorder "group". Fixed scales: the observer on the original weight (its columns in sweep order
@@ -144,7 +145,7 @@ def dense_gptq(weight, hessian, spec, qparams_fn, *, dampening, actorder, scales
     if actorder == "none":
         order = torch.arange(columns)
     else:
-        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        order = torch.argsort(torch.diagonal(h.float()), descending=True)  # llm-compressor's order, ties included
     position = torch.empty_like(order)
     position[order] = torch.arange(columns)
     dead = torch.diagonal(h) == 0
