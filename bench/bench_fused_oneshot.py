@@ -216,7 +216,37 @@ def cases(device: str) -> list[dict]:
             reference_name = f"{REFERENCE} {modifier.func.__name__}(scheme={json.dumps(modifier.keywords['scheme'])})"
             rows.append(case(f"{label}, {name}", lab_s, theirs_s, reference_name, agreement=text))
         rows.append(_moe_row(Path(scratch), QuantizationModifier))
+    rows.append(_serving_cost())
     return rows
+
+
+def _serving_cost() -> dict:
+    """What serving a run costs: ``analyse`` of tiny-llama's 28 decoder Linears under NVFP4A16 with
+    every default weight observer, as served (fused groups' shared global scales, the searches
+    run again under them, every served figure) against the same run with each layer alone
+    (``lab.analyse.pipeline.serve`` off), in this process, interleaved."""
+    import observers as ob
+    from bench.common import interleaved_medians
+    from lab.analyse import pipeline
+    from lab.analyse.run_config import RunConfig
+    from sample_models import open_model
+
+    model = open_model("tiny-llama")
+    layers = [info.name for info in model.layers() if info.name.startswith("model.layers.")]
+    config = RunConfig({"weight": ob.preset("NVFP4A16")["weight"]}, samples=SAMPLES, seq_len=SEQ_LEN)
+    served = pipeline.serve
+
+    def alone() -> None:
+        pipeline.serve = lambda *args, **kwargs: None
+        try:
+            pipeline.analyse(model, layers, config)
+        finally:
+            pipeline.serve = served
+
+    times = interleaved_medians({"served": lambda: pipeline.analyse(model, layers, config), "alone": alone})
+    label = "serving cost: analyse tiny-llama's 28 decoder Linears, NVFP4A16, every default weight observer"
+    note = "reference: the same run with each layer alone (no shared global scales, no served figures)"
+    return case(label, times["served"], times["alone"], "the lab, each layer alone", agreement=note)
 
 
 def _moe_row(scratch: Path, modifier_class: type) -> dict:
