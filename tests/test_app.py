@@ -127,6 +127,7 @@ def test_error_page_shows_a_fused_tensor_as_served_beside_its_own(ran):
     assert any("A fusing server (vLLM, SGLang) runs query, key, value" in c.value for c in ran.caption)
     weight = _ws(ran).analysis.entry(LAYERS[1], "weight")
     assert weight.served is None  # int4 groups: each layer keeps its own scales
+    ran.selectbox(key="w:tensor").set_value((LAYERS[0], "weight")).run()  # the picker as the next tests expect it
 
 
 def test_ranges_options_change_the_plot_not_the_results(ran):
