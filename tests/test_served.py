@@ -206,3 +206,20 @@ def test_the_cli_shows_each_layers_own_figure_and_who_sets_the_scale(tmp_path):
         f"served as model.layers.0.self_attn qkv_proj, one global scale set by {fused['set_by'].rpartition('.')[2]}; "
         f"per layer sqnr_db={fused['per_layer_metrics']['sqnr_db']:.6g}"
     )
+
+
+def test_the_model_level_effect_runs_the_served_qparams(nvfp4):
+    """Evaluations, sensitivity and the allocation's scores build their choice sets here: a fused
+    member quantized alone runs with its group's shared global scale, a mixed choice with the one
+    its group shares under every member's own choice."""
+    from lab.effect.evaluate import from_analysis
+
+    alone = from_analysis(nvfp4, {(QKV[1], "weight"): "mse_grid"}, "one").tensors[(QKV[1], "weight")]
+    assert alone.qparams is nvfp4.entry(QKV[1], "weight").result("mse_grid").qparams
+    choices = {(QKV[0], "weight"): "memoryless_minmax", (QKV[1], "weight"): "mse_grid"}
+    mixed = from_analysis(nvfp4, choices, "mixed").tensors
+    served = as_chosen(nvfp4, choices)
+    for key in choices:
+        assert torch.equal(mixed[key].qparams.scale, served[key].result.qparams.scale)
+    q, k = (mixed[(layer, "weight")].qparams.global_scale for layer in QKV[:2])
+    assert torch.equal(q, k)
