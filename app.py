@@ -1,24 +1,26 @@
 """Observer Lab: the Streamlit app. Run with ``bash scripts/app.sh`` (``python -m lab.serve``, which
-checks the declared roots and runs ``streamlit run app.py -- <the app's flags>``).
+checks what the server is started with and runs ``streamlit run app_server.py -- <the app's flags>``:
+this app behind the sign-in, ``app_server.py``).
 
 This file sets up the page, the server's declared settings (``lab.ui.served``), the session's one
-``Workspace`` (``lab.ui.workspace``) and the navigation; each page lives in ``pages/`` and reads and
-writes that workspace.
+``Workspace`` (``lab.ui.workspace``), who it is signed in as (``lab.ui.access``) and the navigation;
+each page lives in ``pages/`` and reads and writes that workspace.
 """
 
 import streamlit as st
 
 from lab import ui
 from lab.serve.config import ServeConfigError
-from lab.ui import serving
+from lab.ui import access, serving
 
 st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
 try:
-    serving.served()
+    served = serving.served()
 except ServeConfigError as err:
     st.error(f"This server cannot serve the app: {err}.")
     st.stop()
 ui.workspace()
+access.sidebar(served.auth)
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/grid_view:", default=True),

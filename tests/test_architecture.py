@@ -16,7 +16,7 @@ from lab.cli import main
 from lab.export import lab_json
 
 ROOT = Path(__file__).resolve().parents[1]
-STREAMLIT_ALLOWED = {"app.py", "lab/ui/__init__.py", "lab/ui/serving.py"}
+STREAMLIT_ALLOWED = {"app.py", "app_server.py", "lab/ui/__init__.py", "lab/ui/serving.py", "lab/ui/access.py"}
 FLOORS = ["observers", "sample_models", "lab"]
 MAX_LAB_LINES = 430
 

@@ -25,6 +25,8 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key|value)$"  # one fused unit
 SLOW_MS = 240_000
+TOKEN = "browser-tests-token-0123456789"
+"""The servers' token (a token file), so each tab signs in as a person opening the printed address does."""
 SESSION_TTL_S = 2
 """Streamlit's reconnect window for the test servers: a closed tab's session ends this soon."""
 UNSEEN_RUN_MS = 20_000
@@ -55,17 +57,20 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 @contextmanager
 def _served_app(base: Path, name: str, *flags: str) -> Iterator[str]:
     """``bash scripts/app.sh`` as a team's server runs it (``python -m lab.serve``, loopback by the
-    project config) on a free port, with the test run's temporary folder as data and model root, an
-    output root of its own, a short reconnect window and its own temporary folder (where the
-    sessions' upload folders go); the log goes to ``test-artifacts/<name>.log``."""
+    project config, signed in with a token: ``TOKEN``, from a token file) on a free port, with the
+    test run's temporary folder as data and model root, an output root of its own, a short reconnect
+    window and its own temporary folder (where the sessions' upload folders go); the log goes to
+    ``test-artifacts/<name>.log``."""
     port = free_port()
     outputs, tmp = base / f"{name}-outputs", base / f"{name}-tmp"
     outputs.mkdir(exist_ok=True)
     tmp.mkdir(exist_ok=True)
+    (base / "token").write_text(TOKEN)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
     command = [sys.executable, "-m", "lab.serve", "--server.headless", "true", "--server.port", str(port)]
     command += ["--browser.gatherUsageStats", "false", "--server.disconnectedSessionTTL", str(SESSION_TTL_S)]
     command += ["--data-root", str(base), "--model-root", str(base), "--output-root", str(outputs), *flags]
+    command += ["--token-file", str(base / "token")]
     ARTIFACTS.mkdir(exist_ok=True)
     log = (ARTIFACTS / f"{name}.log").open("w")
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -112,10 +117,15 @@ def page(browser, app_url):
     person opening the app does."""
     tab = browser.new_page(viewport={"width": 1400, "height": 1000})
     tab.add_init_script(RUN_COUNTER)
-    tab.goto(app_url)
-    tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
+    _sign_in(tab, app_url)
     yield tab
     tab.close()
+
+
+def _sign_in(tab, url: str) -> None:
+    """Open the app at ``url`` as a person given the server's printed address does: with its token."""
+    tab.goto(f"{url}/?token={TOKEN}")
+    tab.get_by_text("Observer Lab").first.wait_for(timeout=SLOW_MS)
 
 
 def _go(tab, title: str) -> None:
@@ -573,7 +583,7 @@ def test_a_closed_session_leaves_no_upload_behind(browser, app_url, served_base)
     records.write_text("\n".join(lines) + "\n")
     tab = browser.new_page(viewport={"width": 1400, "height": 1000})
     tab.add_init_script(RUN_COUNTER)
-    tab.goto(app_url)
+    _sign_in(tab, app_url)
     _go(tab, "Model")
     tab.get_by_text("Layers to analyse").wait_for(timeout=SLOW_MS)
     runs = _runs(tab)
@@ -599,7 +609,7 @@ def test_two_sessions_share_one_computation_in_a_browser(browser, served_base):
         for _ in range(2):
             tab = browser.new_page(viewport={"width": 1400, "height": 1000})
             tab.add_init_script(RUN_COUNTER)
-            tab.goto(url)
+            _sign_in(tab, url)
             tab.get_by_role("button", name="Run the demo").wait_for(timeout=SLOW_MS)
             _settle(tab)
             tabs.append(tab)

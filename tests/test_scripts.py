@@ -16,6 +16,8 @@ import pytest
 from helpers import free_port, wait_healthy
 from streamlit import config as st_config
 
+from lab.serve.access import SESSION_COOKIE, session_cookie
+
 ROOT = Path(__file__).resolve().parents[1]
 APP_SECONDS = 20.0
 
@@ -55,13 +57,14 @@ def test_config_names_only_options_this_streamlit_knows():
     assert [name for name in names if name not in known] == []
 
 
-def _open_session(port: int) -> socket.socket:
+def _open_session(port: int, token: str) -> socket.socket:
     """A browser tab as far as the server cares: the websocket handshake on /_stcore/stream.
     Streamlit installs its file watchers per session, so without one no watcher would start."""
     key = base64.b64encode(os.urandom(16)).decode()
     request = (
         f"GET /_stcore/stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n"
+        f"Cookie: {SESSION_COOKIE}={session_cookie(token)}\r\n\r\n"
     )
     connection = socket.create_connection(("127.0.0.1", port), timeout=10)
     connection.sendall(request.encode())
@@ -73,11 +76,15 @@ def _open_session(port: int) -> socket.socket:
 @pytest.mark.slow
 def test_served_app_does_not_flood_the_terminal(tmp_path):
     """``python -m lab.serve`` from the repository root with the project config only (as
-    scripts/app.sh runs it), a session open for about 20 s: not one inotify message, and the one URL
-    it prints is the loopback one (no "Network URL")."""
+    scripts/app.sh runs it, signed in with its token), a session open for about 20 s: not one inotify
+    message, the URL Streamlit prints is the loopback one (no "Network URL"), and the server prints the
+    address to open, with its token."""
     port = free_port()
+    token = "scripts-test-token-0123456789"
+    (tmp_path / "token").write_text(token)
     command = [sys.executable, "-m", "lab.serve", "--server.headless", "true", "--server.port", str(port)]
     command += ["--data-root", str(tmp_path), "--model-root", str(tmp_path), "--output-root", str(tmp_path)]
+    command += ["--token-file", str(tmp_path / "token")]
     log_path = tmp_path / "streamlit.log"
     started = time.monotonic()
     with log_path.open("w") as log:
@@ -86,7 +93,7 @@ def test_served_app_does_not_flood_the_terminal(tmp_path):
         )
         try:
             wait_healthy(f"http://127.0.0.1:{port}", server)
-            with _open_session(port):
+            with _open_session(port, token):
                 time.sleep(max(0.0, APP_SECONDS - (time.monotonic() - started)))
                 assert server.poll() is None, "streamlit exited while a session was open"
         finally:
@@ -94,6 +101,7 @@ def test_served_app_does_not_flood_the_terminal(tmp_path):
             server.wait(timeout=20)
     output = log_path.read_text()
     assert f"URL: http://127.0.0.1:{port}" in output and "Network URL" not in output
+    assert f"Observer Lab: open http://127.0.0.1:{port}/?token={token}\n" in output
     assert [line for line in output.splitlines() if "Inotify" in line] == []
 
 

@@ -72,7 +72,7 @@ def test_a_declared_root_that_does_not_exist_stops_the_launcher(tmp_path, capsys
 
 def test_the_launcher_hands_streamlit_its_flags_and_the_app_its_roots(served, tree):
     line = launcher.command(["--server.address", "0.0.0.0", "--data-root", str(tree["data"]), "--heavy-runs", "2"])
-    assert line[:4] == [sys.executable, "-m", "streamlit", "run"] and line[4].endswith("app.py")
+    assert line[:4] == [sys.executable, "-m", "streamlit", "run"] and line[4].endswith("app_server.py")
     cut = line.index("--")
     assert line[5:cut] == ["--server.address", "0.0.0.0"]
     app_config, rest = ServeConfig.parse(line[cut + 1 :])

@@ -1,5 +1,7 @@
-"""What the person starting the server declares: the roots a browser may read from and write to, how
-many heavy runs compute at once, and how many bytes of results are kept for the next person.
+"""What the person starting the server declares: who may use it (``--auth``: a token, an OpenID
+Connect sign-in with an allow-list, or nobody asked on a loopback address), the roots a browser may
+read from and write to, how many heavy runs compute at once, and how many bytes of results are kept
+for the next person.
 
 ``ServeConfig.parse(argv)`` reads the flags ``python -m lab.serve`` (``scripts/app.sh``) takes beside
 Streamlit's own, and which the launcher hands on to ``app.py`` after ``--``; the same parser runs in
@@ -14,6 +16,7 @@ import argparse
 import os
 import tempfile
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from lab.settings import parse_bytes
@@ -33,6 +36,20 @@ class ServeConfigError(ValueError):
     """A flag the server cannot start with (a declared root that does not exist, a bad size)."""
 
 
+class Auth(StrEnum):
+    """Who may use a served lab (``--auth``): whoever holds the server's token (the default), whoever
+    signs in with the OpenID Connect provider of ``.streamlit/secrets.toml`` and is on the
+    allow-list, or anyone who reaches the port (only on a loopback address, and only when said)."""
+
+    TOKEN = "token"
+    OIDC = "oidc"
+    NONE = "none"
+
+
+MIN_TOKEN_CHARS = 16
+"""The shortest token a ``--token-file`` may hold: a guessable one is no sign-in."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """The server's declared settings (all paths resolved).
@@ -49,6 +66,11 @@ class ServeConfig:
     heavy_runs: int = DEFAULT_HEAVY_RUNS
     shared_cache_bytes: int = field(default_factory=lambda: parse_bytes(DEFAULT_SHARED_CACHE))
     uploads_root: Path = UPLOADS_ROOT
+    auth: Auth = Auth.TOKEN
+    token_file: Path | None = None
+    """``--auth token``: the file holding the token (None: the server makes a random one at start)."""
+    allow: tuple[str, ...] = ()
+    """``--auth oidc``: who may sign in, each an email or ``*@domain`` (case-insensitive)."""
 
     @property
     def hub_allowed(self) -> bool:
@@ -75,14 +97,19 @@ class ServeConfig:
             cache = parse_bytes(args.shared_cache)
         except ValueError as err:
             raise ServeConfigError(f"--shared-cache: {err}") from None
-        return cls(data, models, output_root, args.heavy_runs, cache), rest
+        auth = Auth(args.auth)
+        token_file = _token_file(args.token_file, auth, base)
+        allow = _allow_list(args.allow, auth)
+        return cls(data, models, output_root, args.heavy_runs, cache, UPLOADS_ROOT, auth, token_file, allow), rest
 
     def to_argv(self) -> list[str]:
         """Flags that ``parse`` reads back into this config (what the launcher hands to ``app.py``)."""
         argv = [arg for root in self.data_roots for arg in ("--data-root", str(root))]
         argv += [arg for root in self.model_roots for arg in ("--model-root", str(root))]
         argv += ["--output-root", str(self.output_root), "--heavy-runs", str(self.heavy_runs)]
-        return argv + ["--shared-cache", str(self.shared_cache_bytes)]
+        argv += ["--shared-cache", str(self.shared_cache_bytes), "--auth", self.auth.value]
+        argv += ["--token-file", str(self.token_file)] if self.token_file is not None else []
+        return argv + [arg for pattern in self.allow for arg in ("--allow", pattern)]
 
     def describe(self) -> dict[str, str]:
         """The roots as the pages show them, by what they are for."""
@@ -100,7 +127,44 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-root", default=None, metavar="DIR")
     parser.add_argument("--heavy-runs", type=int, default=DEFAULT_HEAVY_RUNS, metavar="N")
     parser.add_argument("--shared-cache", default=DEFAULT_SHARED_CACHE, metavar="SIZE")
+    parser.add_argument("--auth", choices=[mode.value for mode in Auth], default=Auth.TOKEN.value)
+    parser.add_argument("--token-file", default=None, metavar="FILE")
+    parser.add_argument("--allow", action="append", default=[], metavar="EMAIL")
     return parser
+
+
+def _token_file(text: str | None, auth: Auth, base: Path) -> Path | None:
+    """``--token-file``, resolved: only with ``--auth token``, a readable file holding a token of at
+    least ``MIN_TOKEN_CHARS`` characters."""
+    if text is None:
+        return None
+    if auth != Auth.TOKEN:
+        raise ServeConfigError(f"--token-file goes with --auth token, not --auth {auth.value}")
+    path = (base / Path(text).expanduser()).resolve()
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as err:
+        raise ServeConfigError(f"--token-file {text!r} cannot be read: {err.strerror or err}") from None
+    if len(token) < MIN_TOKEN_CHARS or any(char.isspace() for char in token):
+        raise ServeConfigError(
+            f"--token-file {text!r} must hold one token of at least {MIN_TOKEN_CHARS} characters and no spaces"
+        )
+    return path
+
+
+def _allow_list(patterns: list[str], auth: Auth) -> tuple[str, ...]:
+    """``--allow``, lowercased: only with ``--auth oidc``, each an email or ``*@domain``; oidc needs one."""
+    if patterns and auth != Auth.OIDC:
+        raise ServeConfigError(f"--allow goes with --auth oidc, not --auth {auth.value}")
+    if auth == Auth.OIDC and not patterns:
+        raise ServeConfigError("--auth oidc needs --allow EMAIL or --allow '*@DOMAIN' (repeatable): who may sign in")
+    found = []
+    for pattern in patterns:
+        local, at, domain = pattern.strip().lower().partition("@")
+        if not at or not domain or "@" in domain or "." not in domain or (local != "*" and "*" in local) or not local:
+            raise ServeConfigError(f"--allow {pattern!r} is neither an email nor '*@domain'")
+        found.append(f"{local}@{domain}")
+    return tuple(dict.fromkeys(found))
 
 
 def _declared(paths: list[str], what: str, base: Path) -> tuple[Path, ...]:
