@@ -3,15 +3,16 @@ checks what the server is started with and runs ``streamlit run app_server.py --
 this app behind the sign-in, ``app_server.py``).
 
 This file sets up the page, the server's declared settings (``lab.ui.served``), the session's one
-``Workspace`` (``lab.ui.workspace``), who it is signed in as (``lab.ui.access``) and the navigation;
-each page lives in ``pages/`` and reads and writes that workspace.
+``Workspace`` (``lab.ui.workspace``), who it is signed in as (``lab.ui.access``), the kept run a
+link names (``?run=ID``, ``lab.ui.history``) and the navigation; each page lives in ``pages/`` and
+reads and writes that workspace.
 """
 
 import streamlit as st
 
 from lab import ui
 from lab.serve.config import ServeConfigError
-from lab.ui import access, serving
+from lab.ui import access, history, serving
 
 st.set_page_config(page_title="Observer Lab", page_icon="🔭", layout="wide")
 try:
@@ -19,8 +20,10 @@ try:
 except ServeConfigError as err:
     st.error(f"This server cannot serve the app: {err}.")
     st.stop()
-ui.workspace()
+ws = ui.workspace()
+ws.who = access.who(served.auth)
 access.sidebar(served.auth)
+history.open_link(ws)
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/grid_view:", default=True),
@@ -32,6 +35,7 @@ PAGES = [
     st.Page("pages/export.py", title="Choose & export", icon=":material/download:"),
     st.Page("pages/effect.py", title="Model effect", icon=":material/model_training:"),
     st.Page("pages/allocate.py", title="Allocate", icon=":material/tune:"),
+    st.Page("pages/runs.py", title="Runs", icon=":material/history:"),
 ]
 
 st.navigation(PAGES).run()

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
@@ -28,6 +29,7 @@ import observers as ob
 from lab.allocate import command as allocate_command
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
 from lab.gptq import hessians
+from lab.history import command as history
 from lab.progress_bar import ProgressBar
 from lab.results import first_error, spec_text
 from lab.results.served import record_value, served_text
@@ -74,6 +76,14 @@ def select_layers(model: Any, text: str) -> list[str]:
     return _select(matrix_layers, text, "--layers", f"no layer with a weight matrix (see 'layers {model.name}')")
 
 
+def _open(args: argparse.Namespace) -> Any:
+    """The model ``args.model`` on ``args.device``; imported late, after a command's cheap checks
+    (importing transformers takes seconds)."""
+    from sample_models import open_model
+
+    return open_model(args.model, device=args.device)
+
+
 def _cmd_list(out: IO[str]) -> None:
     out.write("observers:\n")
     for name, description in ob.available().items():
@@ -95,9 +105,7 @@ def _cmd_list(out: IO[str]) -> None:
 
 
 def _cmd_layers(args: argparse.Namespace, out: IO[str]) -> None:
-    from sample_models import open_model
-
-    model = open_model(args.model, device=args.device)
+    model = _open(args)
     infos = model.layers(args.filter)
     if not infos:
         raise CliError(f"--filter {args.filter!r} matches no layer of {args.model}")
@@ -172,17 +180,18 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         raise CliError(
             "no observer produced qparams for these settings: " + (first_error(analysis) or "nothing was analysed")
         )
-    document = lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated)
+    made_by = history.made_by()
+    document = lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated, made_by)
     records = {(record["layer"], record["tensor"]): record for record in document["entries"]}
-    written = [args.out]
+    written = [args.out, str(history.save_beside(analysis, args.out, args.model, args.device))]
     if config.gptq is not None and hessians.save(hessians.directory_for(args.out), analysis.entries):
         written.append(str(hessians.directory_for(args.out)))  # what deploys its GPTQ choices later
     if args.report:
         from lab.results.report import write_report
 
-        written.append(str(write_report(analysis, choices, args.report, metric=args.choose_by)))
+        written.append(str(write_report(analysis, choices, args.report, args.choose_by, provenance=made_by)))
     if args.ct_dir:
-        built = compressed_tensors.save_file(analysis, choices, args.ct_dir, args.allow_uncalibrated)
+        built = compressed_tensors.save_file(analysis, choices, args.ct_dir, args.allow_uncalibrated, made_by)
         written.append(args.ct_dir)
         for note in built.notes:
             err.write(f"note: {note}\n")
@@ -205,6 +214,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
 
 def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], ranks: distributed.Ranks) -> None:
     """``run`` as a sweep of ``plan`` (a ``lab.scale.plan.Plan``); only rank 0 draws progress and reports."""
+    from lab.export import lab_json
     from lab.scale.sweep import run_sweep
 
     note = plan.split_note(ranks.world_size)
@@ -216,7 +226,7 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
     if shortfall and ranks.is_main:
         err.write(f"warning: {shortfall}\n")
     bar = ProgressBar(err, "layers") if ranks.is_main and not args.quiet else None
-    outcome = run_sweep(plan, args.out, resume=args.resume, progress=bar, ranks=ranks)
+    outcome = run_sweep(plan, args.out, resume=args.resume, progress=bar, ranks=ranks, provenance=history.made_by())
     if outcome is None:
         return
     for warning in outcome.warnings:
@@ -225,8 +235,6 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
         err.write(f"note: {outcome.resumed} of {len(plan.units())} layers came from the interrupted sweep\n")
     deployed = []
     if args.checkpoint or args.recipe:
-        from lab.export import lab_json
-
         deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err, args.out)
     for entry in outcome.document["entries"]:
         value = record_value(entry, args.choose_by)
@@ -242,6 +250,7 @@ def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str], p
     where a GPTQ run's Hessians are beside it): what ``run`` and ``export`` write."""
     from lab.export import checkpoint, recipe
     from lab.export.chosen import of_lab_file
+    from lab.provenance import provenance_lines
 
     facts = checkpoint.check_fits(lab_file, model)  # once: it hashes every weight file
     written = []
@@ -254,7 +263,8 @@ def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str], p
         for note in result.notes:
             err.write(f"note: checkpoint: {note}\n")
     if args.recipe:
-        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts, gptq=lab_file.config.get("gptq"))
+        chosen, asked = of_lab_file(lab_file.entries), provenance_lines(lab_file.provenance)
+        built = recipe.of_chosen(chosen, facts, asked, lab_file.config.get("gptq"))
         built.write(args.recipe)
         written.append(args.recipe)
         for note in built.notes:
@@ -269,9 +279,8 @@ def _cmd_export(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     if not (args.checkpoint or args.recipe):
         raise CliError("export writes --checkpoint DIR and/or --recipe FILE: name at least one")
     lab_file = lab_json.load_file(args.choices)
-    from sample_models import open_model
-
-    model = open_model(args.model, device=args.device)
+    lab_file = replace(lab_file, provenance=history.made_by(lab_file.provenance))
+    model = _open(args)
     out.write(f"wrote {', '.join(_deploy(args, lab_file, model, err, args.choices))}\n")
 
 
@@ -304,9 +313,7 @@ def _cmd_evaluate(args: argparse.Namespace, out: IO[str]) -> None:
 
     lab_file = lab_json.load_file(args.choices)
     memory = None if args.max_memory is None else parse_bytes(args.max_memory)
-    from sample_models import open_model
-
-    model = open_model(args.model, device=args.device)
+    model = _open(args)
     kept = hessians.read(hessians.directory_for(args.choices)) if lab_file.config.get("gptq") else None
     choice_set = from_lab_file(lab_file, model, name=args.choices, hessians=kept)
     evaluator = Evaluator(model, sequential=args.sequential, max_memory=memory, **_held_out(args))
@@ -332,9 +339,7 @@ def _cmd_sensitivity(args: argparse.Namespace, out: IO[str], err: IO[str]) -> No
     settings = settings_from_args(args)
     config = settings.config(has_layers=True, has_attention=settings.wants["kv"])
     held_out = _held_out(args)
-    from sample_models import open_model
-
-    model = open_model(args.model, device=args.device)
+    model = _open(args)
     layers = select_layers(model, args.layers)
     attention = select_attention(model, args.attention) if settings.wants["kv"] else []
     evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory, **held_out)
@@ -363,9 +368,7 @@ def _cmd_allocate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     """``allocate MODEL --layers ... --schemes ... --budget B``: see ``lab.allocate.command``."""
     held_out = _held_out(args)
     request = allocate_command.check(args, held_out.get("texts"))
-    from sample_models import open_model
-
-    model = open_model(args.model, device=args.device)
+    model = _open(args)
     layers = select_layers(model, args.layers)
     deploy = lambda lab_file: _deploy(args, lab_file, model, err, args.out)  # noqa: E731
     allocate_command.run(args, request, model, layers, held_out, deploy, out, err)
@@ -392,7 +395,7 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
     err = err or sys.stderr
     args = None
     try:
-        args = build_parser(extra=(allocate_command.add_parser,)).parse_args(argv)
+        args = build_parser(extra=(allocate_command.add_parser, history.add_parser)).parse_args(argv)
         if args.command == "list":
             _cmd_list(out)
         elif args.command == "layers":
@@ -405,6 +408,8 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
             _cmd_export(args, out, err)
         elif args.command == "allocate":
             _cmd_allocate(args, out, err)
+        elif args.command == "history":
+            history.run(args, out)
         else:
             with distributed.ranks_for(args.device) as ranks:
                 ranks.check_same(json.dumps(vars(args), sort_keys=True))

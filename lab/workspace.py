@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,13 @@ import pandas as pd
 from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.result_cache import ResultCache
 from lab.analyse.run_config import RunConfig
+from lab.history.index import RunRecord
+from lab.history.run_file import KeptRun
 from lab.results import Choices, valid_choices
+from lab.results.calibration import calibration_text
 from lab.serve import roots
 from lab.serve.config import ServeConfig
-from lab.serve.session_runs import SessionRun
+from lab.serve.session_runs import ComputedRun, Keep, SessionRun, kept
 from lab.serve.shared_runs import SharedRuns, Waiting, tensor_bytes
 from lab.serve.uploads import SessionUploads, UploadError
 from lab.settings import CalibrationForm, RunSettings, SpecSettings
@@ -78,15 +81,17 @@ class CalibrationCheck:
 
 @dataclass
 class RunOutcome:
-    """What one press of Run produced: the analysis, cache hits/misses of this run, warnings, and
+    """What one press of Run produced: the analysis, cache hits/misses of this run, warnings,
     ``shared``: how the server had it ("computed" here, "joined" another session's computation of
-    the same run, "cached" from an earlier one; ``lab.serve.shared_runs``)."""
+    the same run, "cached" from an earlier one, ``lab.serve.shared_runs``; "kept": opened from the
+    history), and ``kept``: the run's record in the team's history (None: not kept)."""
 
     analysis: Analysis
     hits: int
     misses: int
     warnings: list[str] = field(default_factory=list)
     shared: str = "computed"
+    kept: RunRecord | None = None
 
 
 @dataclass
@@ -131,7 +136,8 @@ class Workspace:
     ``metric``). Caches: ``result_cache`` (per tensor × spec × observer × knobs),
     ``capture_memo`` (the last capture), ``layer_output`` (layer-output error per analysis and
     observer set). ``view`` holds what the result pages show (picked tensor, observers), so a
-    choice made on one page holds on the next.
+    choice made on one page holds on the next. ``who``: who the session is signed in as (the runs
+    and exports it asks for say so).
     """
 
     request: ModelRequest | None = None
@@ -164,6 +170,7 @@ class Workspace:
     view: dict[str, Any] = field(default_factory=dict)
     effect: EffectState = field(default_factory=EffectState)
     allocation: Any = None  # the Allocate page's state (lab.allocate.session.AllocateState), made on its first visit
+    who: str = "none"
 
     # ------------------------------------------------------------ model
 
@@ -231,6 +238,7 @@ class Workspace:
         progress: Callable[[int, int, str], None] | None = None,
         shared: SharedRuns | None = None,
         waiting: Waiting | None = None,
+        keep: Keep | None = None,
     ) -> RunOutcome:
         """``analyse`` ``self.layers`` with this session's result cache and capture memo; the
         outcome replaces the analysis, and choices made on the old one are dropped. Capture
@@ -238,21 +246,33 @@ class Workspace:
 
         With ``shared`` (the server's ``SharedRuns``), a run another session computes or computed
         with the same model, layers and settings is read from there instead of computed again, and
-        a different run waits for a free slot; ``waiting`` is told what this session waits for."""
+        a different run waits for a free slot; ``waiting`` is told what this session waits for.
+        ``keep`` keeps a computed run in the team's history (``lab.history``)."""
         session = SessionRun(model, list(self.layers), config, attention, self.result_cache, self.capture_memo)
+        request = asdict(self.request) if self.request is not None else {}
         if shared is None:
             computed, how = session.compute(progress), "computed"
+            computed = computed if keep is None else kept(computed, keep, request)
         else:
-            computed, how = shared.run(session.key(), session.sharing(progress), tensor_bytes, waiting)
+            computed, how = shared.run(session.key(), session.sharing(progress, keep, request), tensor_bytes, waiting)
         counts = (computed.hits, computed.misses) if how == "computed" else (0, 0)
-        outcome = RunOutcome(computed.analysis, *counts, list(computed.notes), how)
+        return self._show(computed, RunOutcome(computed.analysis, *counts, list(computed.notes), how, computed.kept))
+
+    def open_kept(self, run: KeptRun, record: RunRecord) -> RunOutcome:
+        """Show a run of the team's history (``lab.history``) as if it had just run: its model,
+        layers and analyses become the session's, nothing is recomputed."""
+        self.request = ModelRequest(**record.request)
+        self.layers = list(record.layers)
+        computed = ComputedRun(run.analysis, run.transformed, run.unpropagated, (), 0, 0, record)
+        return self._show(computed, RunOutcome(run.analysis, 0, 0, list(run.analysis.warnings), "kept", record))
+
+    def _show(self, computed: ComputedRun, outcome: RunOutcome) -> RunOutcome:
+        """Make ``computed`` the session's results (choices made on the old ones are dropped)."""
         self.analysis, self.transformed = computed.analysis, computed.transformed
         self.unpropagated = computed.unpropagated
         self.last_run, self.last_request = outcome, self.request
-        self.overrides = {}
-        self.imported = ImportState()
-        self.report_html = None
-        self.layer_output = {}
+        self.overrides, self.imported = {}, ImportState()
+        self.report_html, self.layer_output = None, {}
         return outcome
 
     def release(self) -> None:
@@ -352,30 +372,10 @@ class Workspace:
         return found
 
     def calibration_line(self, analysis: Analysis) -> str | None:
-        """One line on the set an analysis was calibrated on: samples, tokens, where from (an upload
-        by the name the person's file had) and the fingerprint; None when nothing was calibrated."""
-        found = analysis.calibration
-        if not found:
-            return None
-        source = found.get("source") or {}
-        kind, location = source.get("kind"), str(source.get("location", ""))
-        if kind == "builtin":
-            where = "the built-in texts"
-        elif kind == "pasted":
-            where = "the pasted text"
-        elif kind == "hub":
-            where = f"hub dataset {location} (split {source.get('split')})"
-        elif location and location == self.calibration.upload:
-            where = f"the uploaded {self.calibration.upload_name}"
-        else:
-            where = Path(location).name or location
-        if source.get("shuffle_seed") is not None:
-            where += f", shuffled with seed {source['shuffle_seed']}"
-        samples, tokens = found.get("samples", 0), found.get("tokens", 0)
-        return (
-            f"Calibrated on {samples:,} sample{'' if samples == 1 else 's'}, {tokens:,} tokens from {where} "
-            f"(fingerprint {str(found.get('fingerprint', ''))[:8]}…)."
-        )
+        """One line on the set an analysis was calibrated on (``lab.results.calibration``; an upload
+        by the name the person's file had); None when nothing was calibrated."""
+        text = calibration_text(analysis.calibration, {self.calibration.upload: self.calibration.upload_name})
+        return None if text is None else f"Calibrated on {text}."
 
     @staticmethod
     def calibration_shortfall(analysis: Analysis) -> str | None:

@@ -7,7 +7,7 @@ layer, with the fusions it assumed; its exports (Observer Lab JSON, recipe, pack
 import streamlit as st
 
 import observers as ob
-from lab import ui
+from lab import provenance, ui
 from lab.allocate import plots
 from lab.allocate import session as allocating
 from lab.allocate.frontier import scheme_counts, score_name
@@ -269,7 +269,7 @@ st.subheader("Export")
 exports = None
 with ui.guard("Building the exports"):
     owner = ui.open_request(result.request)
-    exports = result.exports_of(point, owner)
+    exports = result.exports_of(point, owner, provenance.made_by(ws.who))  # an allocation is no kept run
 if exports is None:
     st.stop()
 st.caption(

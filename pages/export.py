@@ -11,14 +11,17 @@ from lab import results, ui
 from lab.export import checkpoint, compressed_tensors, lab_apply, lab_json, recipe
 from lab.gptq import hessians
 from lab.results import plots, report
-from lab.ui import serving
+from lab.ui import history, serving
 from lab.workspace import ImportState
 
 st.title("Choose & export")
 ws = ui.workspace()
 analysis = ui.require_analysis(ws)
 metric = ui.metric_select("Default choice: best by", ws)
-st.caption(f"Results of **{analysis.facts.name}**; every export below describes that model.")
+st.caption(
+    f"Results of **{analysis.facts.name}**; every export below describes that model. {ui.plain(history.run_by(ws))} "
+    f"The files below say so, and that {ui.plain(ws.who)} asked for them."
+)
 
 with st.expander("Import a previous export", expanded=bool(ws.imported.digest)):
     upload = st.file_uploader("Observer Lab JSON", type=["json"], key="import_file")
@@ -97,13 +100,13 @@ c1, c2, c3 = st.columns(3)
 with c1, ui.guard("JSON export"):
     st.download_button(
         "Observer Lab JSON",
-        lab_json.save(analysis, choices, metric, allow_uncalibrated),
+        lab_json.save(analysis, choices, metric, allow_uncalibrated, history.made_by(ws)),
         file_name="observer_lab.json",
         mime="application/json",
         icon=":material/download:",
     )
 with c2, ui.guard("compressed-tensors export"):
-    built = compressed_tensors.build(analysis, choices, allow_uncalibrated)
+    built = compressed_tensors.build(analysis, choices, allow_uncalibrated, history.made_by(ws))
     st.download_button(
         "compressed-tensors (zip)",
         built.to_zip(),
@@ -120,7 +123,7 @@ with c3:
             state = ws.effect  # the Model effect page's sensitivity and evaluations, when measured on this analysis
             done = state.analysis is analysis and state.sensitivity is not None and state.evaluations
             effect = (state.sensitivity, state.evaluations) if done else None
-            ws.report_html = report.render(analysis, choices, metric, effect).encode("utf-8")
+            ws.report_html = report.render(analysis, choices, metric, effect, history.made_by(ws)).encode("utf-8")
     if ws.report_html is not None:
         st.download_button(
             "Download HTML report", ws.report_html, file_name="observer_lab_report.html", mime="text/html"
@@ -133,7 +136,7 @@ st.caption(
 )
 d1, d2 = st.columns(2)
 with d1, ui.guard("Recipe"):
-    built_recipe = recipe.build(analysis, choices, allow_uncalibrated)
+    built_recipe = recipe.build(analysis, choices, allow_uncalibrated, history.made_by(ws))
     st.download_button(
         "Recipe (YAML)",
         built_recipe.to_bytes(),
@@ -155,7 +158,7 @@ with d2:
             serving.save_checkpoint(
                 *asked,
                 lambda target, progress: checkpoint.write(
-                    lab_json.as_lab_file(analysis, choices, metric, allow_uncalibrated),
+                    lab_json.as_lab_file(analysis, choices, metric, allow_uncalibrated, history.made_by(ws)),
                     model,
                     target,
                     overwrite=asked[1],

@@ -5,6 +5,7 @@ import streamlit as st
 import observers as ob
 from lab import results, ui
 from lab.settings import check_knobs
+from lab.ui import history
 from observers.gptq import ACTORDER_ALIASES, SCALES
 
 st.title("Run")
@@ -255,6 +256,7 @@ if outcome is not None:
         f"Results for {len(analysis.entries)} tensors × {len(analysis.config.observer_names)} observers "
         f"in {analysis.seconds:.1f} s ({ui.run_summary(outcome)})."
     )
+    st.caption(ui.plain(history.run_by(ws)) + (" The Runs page lists it for the team." if outcome.kept else ""))
     calibrated = ws.calibration_line(analysis)
     if calibrated:
         st.caption(ui.plain(calibrated))

@@ -25,4 +25,5 @@ def served_roots(tmp_path_factory, monkeypatch):
     if serving is not None:
         serving.served.clear()
         serving.shared_runs.clear()
+        serving.history.clear()
     return outputs

@@ -25,7 +25,7 @@ import pytest
 from helpers import free_port, wait_healthy
 
 from lab.serve import __main__ as launcher
-from lab.serve.access import SESSION_COOKIE, Gate, allowed, is_loopback, session_cookie
+from lab.serve.access import NEXT_COOKIE, SESSION_COOKIE, Gate, allowed, is_loopback, session_cookie
 from lab.serve.config import Auth, ServeConfig, ServeConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +63,23 @@ def test_an_oidc_server_lets_in_only_signed_in_people_on_its_list():
     refused = gate.verdict("/", "", {}, {"is_logged_in": True, "email": "bob@team.example"}, False)
     assert refused.status == 403 and "bob@team.example may not use this server" in refused.body
     assert gate.verdict("/", "", {}, {"is_logged_in": False, "email": "alice@team.example"}, False).status == 401
+
+
+def test_an_oidc_sign_in_goes_on_to_the_link_the_person_followed():
+    """Streamlit's sign-in comes back to ``/``: the page asked for before it (a run's link) is
+    remembered in a cookie and the person is sent on to it, once."""
+    gate = Gate(Auth.OIDC, allow=("alice@team.example",))
+    alice = {"is_logged_in": True, "email": "alice@team.example"}
+    asked = gate.verdict("/runs", "run=20261127-070905-a1b2c3", {}, None, False, "/auth/login", page=True)
+    assert asked.status == 401 and asked.cookie.startswith(f"{NEXT_COOKIE}=/runs%3Frun%3D20261127-070905-a1b2c3;")
+    assert "HttpOnly" in asked.cookie and "SameSite=Lax" in asked.cookie
+    assert gate.verdict("/static/app.js", "", {}, None, False).cookie == ""  # a page's parts are not where to go back
+    remembered = {NEXT_COOKIE: asked.cookie.split(";")[0].split("=", 1)[1]}
+    back = gate.verdict("/", "", remembered, alice, False, page=True)
+    assert back.status == 303 and back.location == "/runs?run=20261127-070905-a1b2c3"
+    assert back.cookie == f"{NEXT_COOKIE}=; Path=/; Max-Age=0"
+    assert gate.verdict("/", "", remembered, alice, False, page=False).passes
+    assert gate.verdict("/", "", {NEXT_COOKIE: "%2F%2Fevil.example%2F"}, alice, False, page=True).passes  # not off-site
 
 
 @pytest.mark.parametrize(
@@ -292,7 +309,7 @@ def test_oidc_signs_in_the_people_on_the_list_and_refuses_the_rest(tmp_path, bro
             for person, lets_in in (("alice@team.example", True), ("bob@other.example", False)):
                 context = browser.new_context()
                 tab = context.new_page()
-                tab.goto(f"http://127.0.0.1:{port}/")
+                tab.goto(f"http://127.0.0.1:{port}/?run=20260101-000000-abcdef")  # a run's link, before signing in
                 assert "asks you to sign in" in tab.content()
                 tab.get_by_role("link", name="Sign in").click()
                 tab.locator("input[name=sub]").fill(person)  # the provider's own sign-in form
@@ -300,6 +317,8 @@ def test_oidc_signs_in_the_people_on_the_list_and_refuses_the_rest(tmp_path, bro
                 if lets_in:
                     tab.get_by_text("Run the demo").wait_for(timeout=120_000)
                     tab.get_by_text(f"Signed in as {person}").wait_for(timeout=60_000)
+                    # back from the sign-in, the link's run is asked for (this server keeps none)
+                    tab.get_by_text("Opening run 20260101-000000-abcdef failed: no kept run").wait_for(timeout=60_000)
                 else:
                     tab.get_by_text(f"{person} may not use this server").wait_for(timeout=60_000)
                     assert tab.locator('[data-testid="stApp"]').count() == 0

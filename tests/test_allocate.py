@@ -445,7 +445,11 @@ def test_export_writes_the_same_recipe_from_the_allocation_file_later(allocated)
     where, *_ = allocated
     code, out, err = _cli("export", str(where / "a.json"), "--model", "minilm", "--recipe", str(where / "again.yaml"))
     assert code == 0, err
-    assert (where / "again.yaml").read_text() == (where / "r.yaml").read_text()
+    again, first = ((where / name).read_text().splitlines() for name in ("again.yaml", "r.yaml"))
+    asked = [line for line in first if line.startswith("# note: asked for by cli")]
+    assert len(asked) == 1 and json.loads((where / "a.json").read_text())["provenance"]["asked_by"].startswith("cli")
+    # the same recipe, but for who asked when (the export was asked for later)
+    assert [line for line in again if "asked for by" not in line] == [line for line in first if line not in asked]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,14 @@ from lab.cli import main
 from lab.export import lab_json
 
 ROOT = Path(__file__).resolve().parents[1]
-STREAMLIT_ALLOWED = {"app.py", "app_server.py", "lab/ui/__init__.py", "lab/ui/serving.py", "lab/ui/access.py"}
+STREAMLIT_ALLOWED = {
+    "app.py",
+    "app_server.py",
+    "lab/ui/__init__.py",
+    "lab/ui/serving.py",
+    "lab/ui/access.py",
+    "lab/ui/history.py",
+}
 FLOORS = ["observers", "sample_models", "lab"]
 MAX_LAB_LINES = 430
 
@@ -140,8 +147,8 @@ def test_lab_modules_stay_small():
 
 
 def _comparable(document: dict) -> dict:
-    """A document without what differs between any two runs (creation time, timings)."""
-    document = {k: v for k, v in document.items() if k != "created"}
+    """A document without what differs between any two runs (creation time, timings, who asked)."""
+    document = {k: v for k, v in document.items() if k not in ("created", "provenance")}
     for entry in document["entries"]:
         for record in (entry["chosen"], entry["runner_up"]):
             if record is not None:

@@ -55,12 +55,12 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
 @contextmanager
-def _served_app(base: Path, name: str, *flags: str) -> Iterator[str]:
+def _served_app(base: Path, name: str, *flags: str, started: list | None = None) -> Iterator[str]:
     """``bash scripts/app.sh`` as a team's server runs it (``python -m lab.serve``, loopback by the
     project config, signed in with a token: ``TOKEN``, from a token file) on a free port, with the
     test run's temporary folder as data and model root, an output root of its own, a short reconnect
     window and its own temporary folder (where the sessions' upload folders go); the log goes to
-    ``test-artifacts/<name>.log``."""
+    ``test-artifacts/<name>.log``. ``started`` gets the server's process (to read its CPU time)."""
     port = free_port()
     outputs, tmp = base / f"{name}-outputs", base / f"{name}-tmp"
     outputs.mkdir(exist_ok=True)
@@ -74,6 +74,8 @@ def _served_app(base: Path, name: str, *flags: str) -> Iterator[str]:
     ARTIFACTS.mkdir(exist_ok=True)
     log = (ARTIFACTS / f"{name}.log").open("w")
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if started is not None:
+        started.append(server)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, server)
@@ -570,7 +572,8 @@ def test_checkpoints_are_written_only_under_the_output_root_in_a_browser(page, s
     save("demo-checkpoint", "packed layer(s) to")  # replaced: the lab wrote it
     _no_exception(tab)
     assert (outputs / "demo-checkpoint" / "config.json").is_file()
-    assert sorted(p.name for p in outputs.iterdir() if not p.name.startswith(".")) == ["demo-checkpoint", "team-notes"]
+    kept = sorted(p.name for p in outputs.iterdir() if not p.name.startswith("."))
+    assert kept == ["demo-checkpoint", "runs", "team-notes"]  # runs/: the team's run history
 
 
 def test_a_closed_session_leaves_no_upload_behind(browser, app_url, served_base):

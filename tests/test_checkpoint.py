@@ -23,6 +23,7 @@ import observers as ob
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import checkpoint, lab_json, model_dir
+from lab.provenance import made_by
 from sample_models import open_model
 
 ATTENTION_OUT = "encoder.layer.0.attention.output.dense"  # no server fuses it with another layer
@@ -133,6 +134,8 @@ def test_weights_and_static_inputs_round_trip(minilm, tmp_path, spec, format_nam
 def test_mixed_choice_gets_a_group_per_observer_with_input_scales(minilm, tmp_path):
     spec = ob.QuantSpec("int4", strategy="group", group_size=32)
     lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "mse_grid"}, input_spec=ob.QuantSpec("int8"))
+    run = {"id": "20261127-070905-a1b2c3", "who": "alice@example.com", "when": "2026-11-27T07:09:05+00:00"}
+    lab_file = replace(lab_file, provenance=made_by("bob@example.com", run))  # who asked (issue 40)
     _round_trip(minilm, lab_file, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     groups = {g["weights"]["observer"]: g for g in config["config_groups"].values()}
@@ -145,6 +148,8 @@ def test_mixed_choice_gets_a_group_per_observer_with_input_scales(minilm, tmp_pa
         assert torch.equal(loaded.get_submodule(layer).input_scale.detach().float().reshape(-1), expected)
     notes = (tmp_path / "out" / checkpoint.NOTES_FILE).read_text()
     assert f"{FFN} weight: mse_grid" in notes
+    assert f"\nasked for by bob@example.com at {lab_file.provenance['asked_at']}\n" in notes
+    assert "\nfrom run 20261127-070905-a1b2c3, asked for by alice@example.com at 2026-11-27T07:09:05+00:00\n" in notes
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
 
 

@@ -33,8 +33,8 @@ def _free_port() -> int:
 
 def _without_ranks(document: dict) -> dict:
     """What one process writes for the same run: no ``world_size``, no ``rank``, and none of what
-    differs between any two runs (creation time, timings)."""
-    document = {k: v for k, v in document.items() if k not in ("created", "world_size")}
+    differs between any two runs (creation time, timings, who asked when)."""
+    document = {k: v for k, v in document.items() if k not in ("created", "world_size", "provenance")}
     document["entries"] = [{k: v for k, v in e.items() if k != "rank"} for e in document["entries"]]
     for entry in document["entries"]:
         for key in ("chosen", "runner_up"):
@@ -78,7 +78,8 @@ def _one_and_two_ranks(
         [*command, *args, "--out", str(two)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90
     )
     assert ranks.returncode == 0, ranks.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json", "two.json"]  # rank 1 wrote nothing
+    # rank 1 wrote nothing; one process not sweeping keeps its whole run beside its file, ranks sweep and keep none
+    assert {p.name for p in tmp_path.iterdir()} - {"one.run"} == {"one.json", "two.json"}
     assert ranks.stdout.count("wrote ") == 1
     return json.loads(one_file.read_text()), json.loads(two.read_text()), ranks
 

@@ -175,6 +175,9 @@ def test_checkpoints_go_under_the_output_root_and_replace_only_the_labs_own(serv
         with pytest.raises(OutsideRootsError):
             roots.checkpoint_dir(escape, served, replace=True)
     assert not (tree["out"].parent / "escape").exists()
+    for history in ("runs", "runs/new", str(out / "runs" / "20261127-070905-a1b2c3")):  # the team's run history
+        with pytest.raises(OutsideRootsError, match="holds the team's run history"):
+            roots.checkpoint_dir(history, served, replace=True)
 
 
 def test_lab_written_needs_the_notes_listing_every_plain_file(tmp_path):

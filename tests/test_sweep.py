@@ -37,8 +37,8 @@ def _main(argv):
 
 
 def comparable(document: dict) -> dict:
-    """A document without what differs between any two runs (creation time, timings)."""
-    document = {k: v for k, v in document.items() if k != "created"}
+    """A document without what differs between any two runs (creation time, timings, who asked when)."""
+    document = {k: v for k, v in document.items() if k not in ("created", "provenance")}
     document["entries"] = [dict(e) for e in document["entries"]]
     for entry in document["entries"]:
         for key in ("chosen", "runner_up"):
@@ -261,4 +261,6 @@ def test_ctrl_c_on_the_cli_keeps_finished_layers_and_resume_finishes(tmp_path):
     resumed = subprocess.run([*command, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"note: {kept - 2} of 18 layers came from the interrupted sweep" in resumed.stderr
-    assert comparable(json.loads(out.read_text())) == comparable(_run(tmp_path, "whole.json", argv))
+    swept = json.loads(out.read_text())
+    assert comparable(swept) == comparable(_run(tmp_path, "whole.json", argv))
+    assert swept["provenance"]["asked_by"].startswith("cli") and swept["provenance"]["run"] is None  # who asked

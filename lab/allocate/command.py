@@ -140,6 +140,7 @@ def run(
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
     from lab.export import lab_json
+    from lab.history.command import made_by
     from lab.progress_bar import ProgressBar
     from lab.runtime.fusion import fused_groups
 
@@ -176,7 +177,7 @@ def run(
     if (args.checkpoint or args.recipe) and not export.quantized_layers(chosen):
         raise CliError(f"{chosen.name} keeps every layer dense: there is no checkpoint or recipe to write")
     settings = {"layers": list(layers), "budgets": [b.text for b in request.budgets], "held_out": parts.describe()}
-    document = export.document(chosen, scores, schemes, measured, settings)
+    document = export.document(chosen, scores, schemes, measured, settings) | {"provenance": made_by()}
     Path(args.out).write_text(lab_json.dumps(document), encoding="utf-8")
     written = [args.out]
     if args.checkpoint or args.recipe:

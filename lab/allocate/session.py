@@ -157,20 +157,23 @@ class Allocation:
             )
         return pd.DataFrame(rows)
 
-    def exports_of(self, point: Point, model: Any) -> Exports:
-        """``point``'s files, made once (checking them against the model hashes its weight files)."""
+    def exports_of(self, point: Point, model: Any, provenance: dict[str, Any] | None = None) -> Exports:
+        """``point``'s files, made once (checking them against the model hashes its weight files),
+        said to be asked for as ``provenance`` says (``lab.provenance``) the first time."""
         if point.name not in self.exports:
-            self.exports[point.name] = _exports(self, point, model)
+            self.exports[point.name] = _exports(self, point, model, provenance)
         return self.exports[point.name]
 
 
-def _exports(allocation: Allocation, point: Point, model: Any) -> Exports:
+def _exports(allocation: Allocation, point: Point, model: Any, provenance: dict[str, Any] | None) -> Exports:
     from lab.allocate import export
     from lab.export import checkpoint, lab_json, recipe
     from lab.export.chosen import of_lab_file
+    from lab.provenance import provenance_lines
 
     schemes = list(allocation.asked.schemes)
     document = export.document(point, allocation.scores, schemes, allocation.frontier, allocation.settings)
+    document |= {} if provenance is None else {"provenance": provenance}
     text = lab_json.dumps(document)
     lab_file = lab_json.parse_document(json.loads(text))
     if not export.quantized_layers(point):
@@ -178,7 +181,7 @@ def _exports(allocation: Allocation, point: Point, model: Any) -> Exports:
         return Exports(text.encode("utf-8"), lab_file, refused=refused)
     facts = checkpoint.check_fits(lab_file, model)
     try:
-        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts)
+        built = recipe.of_chosen(of_lab_file(lab_file.entries), facts, provenance_lines(lab_file.provenance))
     except ValueError as err:
         return Exports(text.encode("utf-8"), lab_file, facts, recipe_problem=str(err))
     return Exports(text.encode("utf-8"), lab_file, facts, built)

@@ -130,6 +130,27 @@ class RunConfig:
             "tools": list(self.tools),
         } | ({"gptq": self.gptq.to_dict()} if self.gptq is not None else {})
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """The config ``to_dict`` wrote (a kept run's, ``lab.history``); its observers are the ones
+        it ran, named."""
+        gptq, transform, dataset = data.get("gptq"), data.get("transform"), data.get("dataset")
+        return cls(
+            specs={kind: ob.QuantSpec.from_dict(spec) for kind, spec in data["specs"].items()},
+            observers=tuple(data["observers"]),
+            knobs={name: dict(knobs) for name, knobs in data.get("knobs", {}).items()},
+            samples=data["samples"],
+            seq_len=data["seq_len"],
+            texts=None if data.get("texts") is None else tuple(data["texts"]),
+            actorder=bool(data.get("actorder", False)),
+            dataset=None if dataset is None else CalibrationSource.from_dict(dataset),
+            batch_size=data.get("batch_size", DEFAULT_BATCH_SIZE),
+            propagate=bool(data.get("propagate", False)),
+            transform=None if transform is None else ob.TransformSpec.from_dict(transform),
+            tools=tuple(data.get("tools", ())),
+            gptq=None if gptq is None else ob.GPTQSpec.from_dict(gptq),
+        )
+
     def capture_options(self) -> dict[str, Any]:
         """The keyword arguments of ``capture`` / ``capture_kv`` for this run: the calibration set,
         and how to capture when one was chosen."""

@@ -43,6 +43,7 @@ from lab.export.model_dir import NOTES_FILE, files_section, move_into_place, nam
 from lab.export.recipe import config_groups_of
 from lab.gptq.deploy import GPTQDeploy
 from lab.gptq.hessians import HessianOf
+from lab.provenance import provenance_lines
 from lab.results import unusable_scales
 from lab.runtime.scales import load_problems
 from lab.vocab import KV_TENSORS
@@ -323,6 +324,7 @@ def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str],
         "Observer Lab checkpoint",
         f"choices from an analysis of {lab_file.source.get('name')!r}, made {lab_file.created} "
         f"(observers {lab_file.library_version}, ranked by {lab_file.metric})",
+        *provenance_lines(lab_file.provenance),
         "",
         "chosen:",
         *(f"  {e.layer} {e.tensor}: {e.observer} on {e.spec.dtype} {e.spec.strategy}" for e in lab_file.entries),

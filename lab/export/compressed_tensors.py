@@ -28,6 +28,7 @@ import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.json_values import json_safe
+from lab.provenance import provenance_lines
 from lab.results import export_selection
 from lab.vocab import GLOBAL_SCALE_CONVENTION, KV_TENSORS, LAYER_TENSORS
 
@@ -326,7 +327,10 @@ class CompressedTensorsExport:
 
 
 def build(
-    analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncalibrated: bool = False
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> CompressedTensorsExport:
     """The compressed-tensors export of ``choices`` over ``analysis``.
 
@@ -335,7 +339,8 @@ def build(
     model's attention blocks left without scales.
 
     Activation tensors that saw no calibration tokens make this raise unless
-    ``allow_uncalibrated``; they are then left out and listed in the notes.
+    ``allow_uncalibrated``; they are then left out and listed in the notes, which begin with who
+    asked for the export (``provenance``, ``lab.provenance``).
 
     Layers with identical compressed-tensors args share one config group. Its targets are the
     layer names, or ``["Linear"]`` when the model's layer types show that one group holds every
@@ -343,7 +348,8 @@ def build(
     ``ignore``.
     """
     selected, missing = export_selection(analysis, choices, allow_uncalibrated)
-    notes = [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, no qparams written" for e in missing]
+    notes = provenance_lines(provenance)
+    notes += [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, no qparams written" for e in missing]
     chosen = of_analysis(selected)
     items = ct_layers(chosen, notes)
     kv_scheme, kv_tensors = kv_cache_scheme(chosen, notes, analysis.facts.attention_blocks)
@@ -392,9 +398,13 @@ def save(analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncal
 
 
 def save_file(
-    analysis: Analysis, choices: Mapping[tuple[str, str], str], out_dir: str | Path, allow_uncalibrated: bool = False
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    out_dir: str | Path,
+    allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> CompressedTensorsExport:
     """Write the export into ``out_dir``; returns what was written."""
-    built = build(analysis, choices, allow_uncalibrated)
+    built = build(analysis, choices, allow_uncalibrated, provenance)
     built.write(out_dir)
     return built

@@ -110,12 +110,14 @@ def build_document(
     choices: Mapping[tuple[str, str], str],
     metric: str = DEFAULT_METRIC,
     allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Observer Lab JSON document (a dict) for ``choices`` (``{(layer, tensor): observer}``,
     e.g. from ``lab.results.choose``) over ``analysis``, validated against the schema.
 
     Activation tensors that saw no calibration tokens make this raise, unless
-    ``allow_uncalibrated`` records them in ``uncalibrated`` (without qparams).
+    ``allow_uncalibrated`` records them in ``uncalibrated`` (without qparams). ``provenance``: who
+    asked for the file and when, and the kept run it came from (``lab.provenance``).
     """
     check_metric(metric)
     selected, missing = export_selection(analysis, choices, allow_uncalibrated)
@@ -130,7 +132,7 @@ def build_document(
         **({} if analysis.calibration is None else {"calibration": json_safe(analysis.calibration)}),
         "entries": [_entry_record(entry, served, metric) for entry, served in selected],
         "uncalibrated": [uncalibrated_record(e) for e in missing],
-    }
+    } | ({} if provenance is None else {"provenance": dict(provenance)})
     if any(served.result.qparams.global_scale is not None for _, served in selected):
         document["global_scale_convention"] = GLOBAL_SCALE_CONVENTION
     problems = schema_problems(document)
@@ -150,9 +152,10 @@ def save(
     choices: Mapping[tuple[str, str], str],
     metric: str = DEFAULT_METRIC,
     allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> bytes:
     """The Observer Lab JSON of ``choices`` as UTF-8 bytes (what the app offers for download)."""
-    return dumps(build_document(analysis, choices, metric, allow_uncalibrated)).encode("utf-8")
+    return dumps(build_document(analysis, choices, metric, allow_uncalibrated, provenance)).encode("utf-8")
 
 
 def save_file(
@@ -161,10 +164,11 @@ def save_file(
     path: str | Path,
     metric: str = DEFAULT_METRIC,
     allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write the Observer Lab JSON of ``choices`` to ``path``; returns the written document.
     Nothing is written when the choices cannot be exported."""
-    document = build_document(analysis, choices, metric, allow_uncalibrated)
+    document = build_document(analysis, choices, metric, allow_uncalibrated, provenance)
     Path(path).write_text(dumps(document), encoding="utf-8")
     return document
 
@@ -219,6 +223,8 @@ class LabFile:
     metric: str
     entries: list[LabEntry]
     config: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] | None = None
+    """Who asked for the file and when, and the kept run it came from (``lab.provenance``)."""
 
     @property
     def choices(self) -> Choices:
@@ -295,6 +301,7 @@ def parse_document(document: Any) -> LabFile:
         metric=document["metric"],
         entries=entries,
         config=document.get("config") or {},
+        provenance=document.get("provenance"),
     )
 
 
@@ -303,10 +310,12 @@ def as_lab_file(
     choices: Mapping[tuple[str, str], str],
     metric: str = DEFAULT_METRIC,
     allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> LabFile:
     """The file ``save`` would write, read back: what the deployment exports take, so a choice made
     in the app reaches them exactly as a saved file does."""
-    return parse_document(json.loads(dumps(build_document(analysis, choices, metric, allow_uncalibrated))))
+    document = build_document(analysis, choices, metric, allow_uncalibrated, provenance)
+    return parse_document(json.loads(dumps(document)))
 
 
 def load(data: bytes | str, name: str = "the file") -> LabFile:

@@ -38,6 +38,7 @@ from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
+from lab.provenance import provenance_lines
 from lab.results import export_selection
 from lab.runtime.fusion import Level, fused_groups, linked_by_llm_compressor
 from lab.runtime.scales import Collapse, collapse
@@ -298,15 +299,22 @@ class Recipe:
         return str(out)
 
 
-def build(analysis: Analysis, choices: Mapping[tuple[str, str], str], allow_uncalibrated: bool = False) -> Recipe:
+def build(
+    analysis: Analysis,
+    choices: Mapping[tuple[str, str], str],
+    allow_uncalibrated: bool = False,
+    provenance: Mapping[str, Any] | None = None,
+) -> Recipe:
     """The llm-compressor recipe of ``choices`` over ``analysis``.
 
     Activation tensors that saw no calibration tokens make this raise unless
     ``allow_uncalibrated``; they are then left out and listed in the notes (llm-compressor would
-    calibrate them on its own data, but the lab has no choice for them worth keeping).
+    calibrate them on its own data, but the lab has no choice for them worth keeping). The notes
+    begin with who asked for the recipe (``provenance``, ``lab.provenance``).
     """
     selected, missing = export_selection(analysis, choices, allow_uncalibrated)
-    notes = [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, left out of the recipe" for e in missing]
+    notes = provenance_lines(provenance)
+    notes += [f"{e.layer} {e.tensor}: saw no calibration tokens; uncalibrated, left out of the recipe" for e in missing]
     gptq = None if analysis.config.gptq is None else analysis.config.gptq.to_dict()
     return of_chosen(of_analysis(selected), analysis.facts, notes, gptq)
 

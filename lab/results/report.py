@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 
 import observers as ob
 from lab.analyse.analysis import Analysis
+from lab.provenance import provenance_lines
 from lab.results import check_metric, plots, rank, spec_text
 from lab.vocab import DEFAULT_METRIC
 
@@ -112,9 +113,11 @@ def render(
     choices: Mapping[tuple[str, str], str],
     metric: str = DEFAULT_METRIC,
     effect: tuple[Any, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> str:
     """The report as one HTML document: the choices table and ``report_figures``, and with
-    ``effect`` (a sensitivity table and end-to-end evaluations) the model-level section."""
+    ``effect`` (a sensitivity table and end-to-end evaluations) the model-level section; under
+    the title, who asked for it (``provenance``, ``lab.provenance``)."""
     check_metric(metric)
     figures = report_figures(analysis, metric)
     effect_parts, effect_figures = effect_section(effect) if effect is not None else ([], [])
@@ -129,6 +132,7 @@ def render(
         f"<h1>Observer Lab report: {html.escape(str(source))}</h1>",
         f"<p class='note'>observers {html.escape(ob.__version__)} · {created} · chosen by {html.escape(metric)} · "
         f"{len(analysis.entries)} tensor(s) · {analysis.seconds:.2f} s</p>",
+        *(f"<p class='note'>{html.escape(line[:1].upper() + line[1:])}.</p>" for line in provenance_lines(provenance)),
         f"<ul class='note'>{warnings}</ul>" if warnings else "",
         "<h2>Choices</h2>",
         _choices_table(analysis, choices, metric),
@@ -150,8 +154,9 @@ def write_report(
     path: str | Path,
     metric: str = DEFAULT_METRIC,
     effect: tuple[Any, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``render``'s report to ``path``; returns the path."""
     out = Path(path)
-    out.write_text(render(analysis, choices, metric, effect), encoding="utf-8")
+    out.write_text(render(analysis, choices, metric, effect, provenance), encoding="utf-8")
     return out

@@ -45,6 +45,8 @@ from lab.vocab import KV
 
 ALL_RANKS = "all"
 """The ``rank`` of an entry that every rank computed together (split calibration batches)."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What rank 0 gets back: the written file, analyse's warnings over every unit (those of a
@@ -248,9 +250,11 @@ def run_sweep(
     resume: bool = False,
     progress: ProgressFn | None = None,
     ranks: Ranks = SINGLE,
+    provenance: dict[str, Any] | None = None,
 ) -> Outcome | None:
     """Analyse every unit of ``plan`` chunk by chunk and write the Observer Lab file ``out``
-    (rank 0 only; the other ranks return None). ``progress(done, total, label)`` counts units
+    (rank 0 only; the other ranks return None), said to be asked for as ``provenance`` says
+    (``lab.provenance.made_by``). ``progress(done, total, label)`` counts units
     (layers and attention blocks). Fused group ``i`` (``Plan.group``) goes to rank ``i % world_size``;
     each round every rank analyses one chunk of its own and rank 0 gathers and appends them."""
     out, pending = Path(out), partial_path(out)
@@ -302,7 +306,7 @@ def run_sweep(
 
     def finish() -> Outcome:
         document, entries, warnings = _assemble(pending, ranks.world_size, plan.config)
-        sweep_file.write_final(out, document, entries)
+        sweep_file.write_final(out, document | ({"provenance": provenance} if provenance else {}), entries)
         pending.unlink()
         return Outcome(out, warnings, len(done))
 

@@ -24,12 +24,12 @@ import hmac
 import html
 import ipaddress
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 from lab.serve.config import Auth, ServeConfig
 
@@ -41,6 +41,10 @@ OPEN_PATHS = frozenset({"/_stcore/health", "/healthz"})
 OIDC_PATHS = frozenset({"/auth/login", "/auth/logout", "/oauth2callback"})
 """Streamlit's sign-in routes, which an OIDC sign-in passes through before there is a user."""
 TOKEN_PARAM = "token"
+NEXT_COOKIE = "observer_lab_next"
+"""Under OIDC, the page a person asked for before signing in (a run's link): Streamlit's sign-in
+comes back to ``/``, and the gate sends them on to it."""
+NEXT_SECONDS = 600
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -138,9 +142,11 @@ class Gate:
         user: dict[str, Any] | None,
         secure: bool,
         login_url: str = "",
+        page: bool = False,
     ) -> Verdict:
         """What becomes of a request for ``path`` (and ``query``) with ``cookies``; ``user`` is the
-        person Streamlit's sign-in cookie names (``oidc``), ``secure`` whether it came over TLS."""
+        person Streamlit's sign-in cookie names (``oidc``), ``secure`` whether it came over TLS,
+        ``page`` whether a browser navigates to it (rather than fetching a part of a page)."""
         if self.auth == Auth.NONE or path in OPEN_PATHS:
             return PASS
         if self.auth == Auth.TOKEN:
@@ -148,11 +154,16 @@ class Gate:
         if path in OIDC_PATHS:
             return PASS
         if user is None or not user.get("is_logged_in"):
-            return Verdict(HTTPStatus.UNAUTHORIZED, sign_in_page(self.auth, login_url))
+            asked = local_path(path) + (f"?{query}" if query else "")
+            remember = f"{NEXT_COOKIE}={quote(asked)}; Path=/; Max-Age={NEXT_SECONDS}; HttpOnly; SameSite=Lax"
+            return Verdict(HTTPStatus.UNAUTHORIZED, sign_in_page(self.auth, login_url), cookie=remember if page else "")
         email = user.get("email")
         if not allowed(email, self.allow):
             line = f"{email or 'This account'} may not use this server: it is not on its list."
             return Verdict(HTTPStatus.FORBIDDEN, _page("Not on this server's list", f"<p>{html.escape(line)}</p>"))
+        asked = local_path(unquote(cookies.get(NEXT_COOKIE, "")))
+        if page and path == "/" and not query and asked != "/":  # back from the sign-in: on to the link
+            return Verdict(HTTPStatus.SEE_OTHER, location=asked, cookie=f"{NEXT_COOKIE}=; Path=/; Max-Age=0")
         return PASS
 
     def _by_token(self, path: str, query: str, cookies: Mapping[str, str], secure: bool) -> Verdict:
@@ -161,27 +172,38 @@ class Gate:
             return PASS
         params = parse_qsl(query, keep_blank_values=True)
         given = next((value for name, value in params if name == TOKEN_PARAM), None)
-        if given is None:
-            return Verdict(HTTPStatus.UNAUTHORIZED, sign_in_page(self.auth))
-        if not same(given, self.token):
-            return Verdict(HTTPStatus.UNAUTHORIZED, sign_in_page(self.auth, wrong=True))
-        rest = urlencode([(name, value) for name, value in params if name != TOKEN_PARAM])
+        rest = [(name, value) for name, value in params if name != TOKEN_PARAM]
+        if given is None or not same(given, self.token):
+            page = sign_in_page(self.auth, wrong=given is not None, path=path, params=rest)
+            return Verdict(HTTPStatus.UNAUTHORIZED, page)
         cookie = f"{SESSION_COOKIE}={expected}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Lax"
         cookie += "; Secure" if secure else ""
-        return Verdict(HTTPStatus.SEE_OTHER, location=path + (f"?{rest}" if rest else ""), cookie=cookie)
+        query = urlencode(rest)
+        return Verdict(HTTPStatus.SEE_OTHER, location=local_path(path) + (f"?{query}" if query else ""), cookie=cookie)
 
 
-def sign_in_page(auth: Auth, login_url: str = "", wrong: bool = False) -> str:
-    """The one page a person who has not signed in gets, whatever they asked for."""
+def local_path(path: str) -> str:
+    """``path`` when it names a page of this server; ``/`` otherwise (``//host/...`` would leave it)."""
+    return path if path.startswith("/") and not path.startswith("//") and "\\" not in path else "/"
+
+
+def sign_in_page(
+    auth: Auth, login_url: str = "", wrong: bool = False, path: str = "/", params: Sequence[tuple[str, str]] = ()
+) -> str:
+    """The one page a person who has not signed in gets, whatever they asked for. The token form
+    goes on to what they asked for (``path`` and its query ``params``, a run's link among them)."""
     if auth == Auth.OIDC:
         body = f'<p>This Observer Lab asks you to sign in.</p><p><a href="{html.escape(login_url)}">Sign in</a></p>'
         return _page("Sign in", body)
     warning = "<p><strong>That token is not this server's.</strong></p>" if wrong else ""
+    kept = "".join(
+        f'<input type="hidden" name="{html.escape(name)}" value="{html.escape(value)}">' for name, value in params
+    )
     body = (
         f"{warning}<p>This Observer Lab asks for its token: open the address it printed when it started "
         "(it ends in <code>?token=…</code>), or paste the token here.</p>"
-        f'<form method="get" action="/"><input name="{TOKEN_PARAM}" type="password" autocomplete="off" '
-        'aria-label="Token" size="48"> <button type="submit">Sign in</button></form>'
+        f'<form method="get" action="{html.escape(local_path(path))}">{kept}<input name="{TOKEN_PARAM}" '
+        'type="password" autocomplete="off" aria-label="Token" size="48"> <button type="submit">Sign in</button></form>'
     )
     return _page("Sign in", body)
 
@@ -220,6 +242,7 @@ class AccessMiddleware:
             user,
             scope.get("scheme") in ("https", "wss"),
             self.login_url() if oidc and self.login_url else "",
+            page="text/html" in connection.headers.get("accept", ""),
         )
         if verdict.passes:
             await self.app(scope, receive, send)
@@ -235,7 +258,8 @@ async def _answer(verdict: Verdict, scope: Scope, receive: Receive, send: Send) 
 
     if verdict.location:
         response = RedirectResponse(verdict.location, status_code=verdict.status)
-        response.headers.append("set-cookie", verdict.cookie)
     else:
         response = HTMLResponse(verdict.body, status_code=verdict.status, headers={"cache-control": "no-store"})
+    if verdict.cookie:
+        response.headers.append("set-cookie", verdict.cookie)
     await response(scope, receive, send)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from lab.history.store import DEFAULT_HISTORY_SIZE
 from lab.settings import parse_bytes
 
 DEFAULT_DATA_ROOT = "lab-data"
@@ -71,6 +72,8 @@ class ServeConfig:
     """``--auth token``: the file holding the token (None: the server makes a random one at start)."""
     allow: tuple[str, ...] = ()
     """``--auth oidc``: who may sign in, each an email or ``*@domain`` (case-insensitive)."""
+    history_size: int = DEFAULT_HISTORY_SIZE
+    """Runs kept in the team's history (``<output root>/runs``)."""
 
     @property
     def hub_allowed(self) -> bool:
@@ -100,7 +103,10 @@ class ServeConfig:
         auth = Auth(args.auth)
         token_file = _token_file(args.token_file, auth, base)
         allow = _allow_list(args.allow, auth)
-        return cls(data, models, output_root, args.heavy_runs, cache, UPLOADS_ROOT, auth, token_file, allow), rest
+        if args.history_size < 1:
+            raise ServeConfigError(f"--history-size must be at least 1, got {args.history_size}")
+        found = (data, models, output_root, args.heavy_runs, cache, UPLOADS_ROOT, auth, token_file, allow)
+        return cls(*found, args.history_size), rest
 
     def to_argv(self) -> list[str]:
         """Flags that ``parse`` reads back into this config (what the launcher hands to ``app.py``)."""
@@ -109,7 +115,8 @@ class ServeConfig:
         argv += ["--output-root", str(self.output_root), "--heavy-runs", str(self.heavy_runs)]
         argv += ["--shared-cache", str(self.shared_cache_bytes), "--auth", self.auth.value]
         argv += ["--token-file", str(self.token_file)] if self.token_file is not None else []
-        return argv + [arg for pattern in self.allow for arg in ("--allow", pattern)]
+        argv += [arg for pattern in self.allow for arg in ("--allow", pattern)]
+        return argv + ["--history-size", str(self.history_size)]
 
     def describe(self) -> dict[str, str]:
         """The roots as the pages show them, by what they are for."""
@@ -130,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth", choices=[mode.value for mode in Auth], default=Auth.TOKEN.value)
     parser.add_argument("--token-file", default=None, metavar="FILE")
     parser.add_argument("--allow", action="append", default=[], metavar="EMAIL")
+    parser.add_argument("--history-size", type=int, default=DEFAULT_HISTORY_SIZE, metavar="N")
     return parser
 
 

@@ -33,15 +33,31 @@ def model_path(text: str, config: ServeConfig) -> Path:
     return _inside(text, config.model_roots, "model", "--model-root")
 
 
+def model_source(source: str, config: ServeConfig) -> str:
+    """A model source the server did not take from a browser's form (a kept run's, which the CLI
+    may have added), held to the same rules: a built-in sample, a hub id, or a path in a model root."""
+    from sample_models import BUILTIN_NAMES
+
+    if source in BUILTIN_NAMES:
+        return source
+    if HUB_ID.fullmatch(source) and not Path(source).expanduser().exists():
+        return hub_id(source, config)
+    return str(model_path(source, config))
+
+
 def checkpoint_dir(text: str, config: ServeConfig, replace: bool) -> Path:
-    """Where "Save checkpoint" may write ``text``: a new or empty directory under the output root,
-    or, with ``replace``, a directory the lab wrote there before. Anything else is refused."""
+    """Where "Save checkpoint" may write ``text``: a new or empty directory under the output root
+    (outside the team's run history there), or, with ``replace``, a directory the lab wrote there
+    before. Anything else is refused."""
     from lab.export.model_dir import lab_written
+    from lab.history.store import HISTORY_DIR
 
     root = config.output_root
     path = _inside(text, (root,), "output", "--output-root")
     if path == root:
         raise OutsideRootsError(f"name a directory inside the output root {root}, not the root itself")
+    if path.is_relative_to(root.resolve() / HISTORY_DIR):
+        raise OutsideRootsError(f"{root / HISTORY_DIR} holds the team's run history: choose a name outside it")
     if path.exists() and not path.is_dir():
         raise OutsideRootsError(f"{path} is a file, not a checkpoint directory: choose another name")
     if path.is_dir() and any(path.iterdir()):

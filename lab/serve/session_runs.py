@@ -18,15 +18,20 @@ from lab.analyse.pipeline import analyse
 from lab.analyse.result_cache import ResultCache
 from lab.analyse.run_config import RunConfig
 from lab.calibrate.capture_memo import CapturingModel
+from lab.history.index import RunRecord
+from lab.history.run_file import KeptRun
 
 ProgressFn = Callable[[int, int, str], None]
+Keep = Callable[[KeptRun], RunRecord]
+"""Keeps a computed run in the team's history (``lab.history.store.History.record``, bound to who asked)."""
 
 
 @dataclass(frozen=True)
 class ComputedRun:
     """A run's analyses (read-only once made, as sessions share them): as asked, through the
-    transform, calibrated on the float model when propagation was asked; the run's notes, and the
-    result-cache hits and misses of the session that computed it."""
+    transform, calibrated on the float model when propagation was asked; the run's notes, the
+    result-cache hits and misses of the session that computed it, and the run as its history keeps
+    it (``kept``; None when it was not kept)."""
 
     analysis: Analysis
     transformed: Analysis | None
@@ -34,6 +39,7 @@ class ComputedRun:
     notes: tuple[str, ...]
     hits: int
     misses: int
+    kept: RunRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,12 @@ class SessionRun:
         counts = (cache.hits - hits, cache.misses - misses)
         return ComputedRun(analysis, transformed, unpropagated, tuple(dict.fromkeys(notes)), *counts)
 
-    def sharing(self, progress: ProgressFn | None) -> Callable[[Callable[[str], None]], ComputedRun]:
-        """``compute`` as ``SharedRuns.run`` calls it: its progress also told to the waiting sessions."""
+    def sharing(
+        self, progress: ProgressFn | None, keep: Keep | None = None, request: dict[str, Any] | None = None
+    ) -> Callable[[Callable[[str], None]], ComputedRun]:
+        """``compute`` as ``SharedRuns.run`` calls it: its progress also told to the waiting sessions,
+        and the result kept by ``keep`` (with ``request``, how to open the model again), so every
+        session that reads it reads the one record of who asked first."""
 
         def compute(tell: Callable[[str], None]) -> ComputedRun:
             def told(done: int, total: int, label: str) -> None:
@@ -93,9 +103,20 @@ class SessionRun:
                 if progress is not None:
                     progress(done, total, label)
 
-            return self.compute(told)
+            computed = self.compute(told)
+            return computed if keep is None else kept(computed, keep, request or {})
 
         return compute
+
+
+def kept(computed: ComputedRun, keep: Keep, request: dict[str, Any]) -> ComputedRun:
+    """``computed`` with its history record; a run the history cannot take (a full disk, an output
+    root it may not write) is still shown, with a note saying it was not kept."""
+    run = KeptRun(computed.analysis, computed.transformed, computed.unpropagated, request)
+    try:
+        return replace(computed, kept=keep(run))
+    except (OSError, ValueError) as err:
+        return replace(computed, notes=(*computed.notes, f"This run was not kept in the team's history: {err}"))
 
 
 def how_had(shared: str, hits: int, misses: int) -> str:
@@ -104,4 +125,6 @@ def how_had(shared: str, hits: int, misses: int) -> str:
         return "shared the run another session was computing"
     if shared == "cached":
         return "read from the server's recent results: the same run was computed before"
+    if shared == "kept":
+        return "opened from the team's run history: nothing recomputed"
     return f"{misses} computed, {hits} reused from cache"

@@ -276,7 +276,7 @@ def knob_editor(observer: str, values: dict[str, Any]) -> dict[str, Any]:
 
 def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence[str] = ()) -> RunOutcome:
     """``Workspace.run`` inside an ``st.status`` box with a progress bar (steps done, elapsed
-    seconds, current layer · tensor · observer)."""
+    seconds, current layer · tensor · observer); a computed run is kept in the team's history."""
     with st.status("Capturing activations and running observers…", expanded=True) as status:
         bar = st.progress(0.0, text="starting")
         timer = Timer()
@@ -290,7 +290,8 @@ def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence
             bar.progress(0.0, text=f"{timer.elapsed:.1f} s · {line}")
 
         try:
-            outcome = ws.run(model, config, attention, progress, shared=serving.shared_runs(), waiting=waiting)
+            shared, keep = serving.shared_runs(), serving.keeper(ws)
+            outcome = ws.run(model, config, attention, progress, shared=shared, waiting=waiting, keep=keep)
         except Exception:
             status.update(label="Run failed", state="error")
             raise

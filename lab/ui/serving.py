@@ -1,7 +1,8 @@
-"""Serving a team, as the app draws it: the server's declared settings and shared runs (one per
-process), the heavy-run slot, the roots a page names, and the end of a session (its workspace
-released once the browser is gone past Streamlit's reconnect window). The rules live in
-``lab.serve``; this module binds them to Streamlit's process and sessions."""
+"""Serving a team, as the app draws it: the server's declared settings, shared runs and run
+history (one per process), the heavy-run slot, the roots a page names, and the end of a session
+(its workspace released once the browser is gone past Streamlit's reconnect window). The rules
+live in ``lab.serve`` and ``lab.history``; this module binds them to Streamlit's process and
+sessions."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from typing import Any
 import streamlit as st
 from streamlit import runtime
 
+from lab.history.store import HISTORY_DIR, History
 from lab.serve import roots
 from lab.serve.config import ServeConfig
+from lab.serve.session_runs import Keep
 from lab.serve.shared_runs import SharedRuns
 from lab.workspace import Workspace
 
@@ -34,6 +37,22 @@ def shared_runs() -> SharedRuns:
     """The server's one queue and cache of runs, shared by every session (``lab.serve.shared_runs``)."""
     config = served()
     return SharedRuns(config.shared_cache_bytes, config.heavy_runs)
+
+
+@st.cache_resource(show_spinner=False)
+def history() -> History:
+    """The server's run history: ``<output root>/runs``, the newest ``--history-size`` runs."""
+    config = served()
+    return History(config.output_root / HISTORY_DIR, config.history_size)
+
+
+def keeper(ws: Workspace) -> Keep | None:
+    """How a run the session computes is kept in the history: as asked for by ``ws.who``. None for
+    a model opened from the session's own upload: that upload is the session's alone, and so are
+    its results."""
+    if ws.request is None or ws.uploads.owns(ws.request.source):
+        return None
+    return partial(history().record, who=ws.who)
 
 
 @contextmanager

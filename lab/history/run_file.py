@@ -1,0 +1,289 @@
+"""A whole run on disk, so that a kept run opens as if it had just run, without recomputing.
+
+A run directory holds ``run.json`` (how to open the model again, and per analysis of the run: the
+model's facts, the run's config, and per analysed tensor its spec and every observer's result:
+metrics, knobs, errors, as served and each layer's own, the GPTQ rows and each tool's default) and
+``tensors.safetensors`` (every tensor those name: qparams, an activation's kept sample of tokens,
+activation order's group index, GPTQ's Hessian, the tensors a weight observer took as knobs).
+Nothing is pickled: a run directory is read as data.
+
+A run is up to three analyses (``KeptRun``): as asked, through the transform, and calibrated on
+the float model (with propagation). A weight of the first and third is not kept (it is in the
+model's files): ``load(directory, weight_of)`` reads it with ``weight_of(layer)`` when a page asks,
+as an analysis's own entries do. The transformed weights exist in no file, so they are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import observers as ob
+from lab.analyse.analysis import Analysis, Served, TensorAnalysis, ToolResult
+from lab.analyse.model_facts import ModelFacts
+from lab.analyse.run_config import RunConfig
+from lab.analyse.tools import ToolProfile
+from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
+from lab.gptq.layer import GPTQRow
+from observers.suite import SuiteResult
+
+FORMAT = "observer-lab-run"
+VERSION = 1
+DOCUMENT, TENSORS = "run.json", "tensors.safetensors"
+SUFFIX = ".run"
+_QPARAM_FIELDS = ("scale", "zero_point", "min_val", "max_val", "global_scale")
+_PARTS = ("analysis", "transformed", "unpropagated")
+
+WeightOf = Callable[[str], torch.Tensor]
+"""Reads a layer's weight from the model the run was made on (when a page asks for it)."""
+
+
+class RunFileError(ValueError):
+    """A run directory that cannot be read (missing, another format or version, broken)."""
+
+
+@dataclass(frozen=True)
+class KeptRun:
+    """A run as kept: its ``analysis``, the same run through the settings' transform
+    (``transformed``) and, with propagation, calibrated on the float model (``unpropagated``);
+    ``request`` is how to open its model again (the app's ``ModelRequest`` fields)."""
+
+    analysis: Analysis
+    transformed: Analysis | None = None
+    unpropagated: Analysis | None = None
+    request: dict[str, Any] = field(default_factory=dict)
+
+
+def directory_for(lab_path: str | os.PathLike) -> Path:
+    """Where the CLI keeps the run it saved as ``lab_path``: ``x.json`` → ``x.run``."""
+    path = Path(lab_path)
+    return path.with_name(path.stem + SUFFIX)
+
+
+class _Tensors:
+    """The tensors of one run file, each under a key the document names: a tensor whose contents
+    were put before (a knob every observer of a layer took, the one input q, k and v read) is
+    stored once, and each is stored in its own memory (safetensors stores no shared memory)."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, torch.Tensor] = {}
+        self.keys: dict[tuple, str] = {}
+
+    def put(self, key: str, tensor: torch.Tensor | None) -> str | None:
+        if tensor is None:
+            return None
+        stored = tensor.detach().cpu().contiguous()
+        raw = stored.reshape(-1).view(torch.uint8).numpy()
+        content = (str(stored.dtype), tuple(stored.shape), hashlib.sha256(raw).hexdigest())
+        if content not in self.keys:
+            self.found[key], self.keys[content] = stored.clone(), key
+        return self.keys[content]
+
+
+def save(run: KeptRun, directory: Path, beside: Mapping[str, bytes] | None = None) -> None:
+    """Write ``run`` as a run directory at ``directory``, with the files ``beside`` (name: bytes; the
+    run's lab JSON). Staged beside it and moved into place, so a crash leaves no half-written run;
+    a directory already there is replaced only when it is a run this lab wrote."""
+    from safetensors.torch import save_file
+
+    from lab.export.model_dir import move_into_place
+
+    if directory.exists() and not is_run(directory):
+        raise RunFileError(f"{directory} exists and is not a run this lab wrote: it is left alone")
+    tensors = _Tensors()
+    analyses = {
+        part: None if analysis is None else _analysis(analysis, part[0], tensors, keep_weights=part == "transformed")
+        for part, analysis in zip(_PARTS, (run.analysis, run.transformed, run.unpropagated), strict=True)
+    }
+    document = {"format": FORMAT, "version": VERSION, "request": json_safe(run.request), **analyses}
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        (staging / DOCUMENT).write_text(json.dumps(document, allow_nan=False), encoding="utf-8")
+        save_file(tensors.found, str(staging / TENSORS))
+        for name, data in (beside or {}).items():
+            (staging / name).write_bytes(data)
+        move_into_place(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def is_run(directory: Path) -> bool:
+    """Whether ``directory`` holds a run this lab wrote (its document says so)."""
+    try:
+        return json.loads((directory / DOCUMENT).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _analysis(analysis: Analysis, key: str, tensors: _Tensors, keep_weights: bool) -> dict[str, Any]:
+    return {
+        "facts": json_safe(asdict(analysis.facts)),
+        "config": json_safe(analysis.config.to_dict()),
+        "seconds": analysis.seconds,
+        "warnings": list(analysis.warnings),
+        "calibration": json_safe(analysis.calibration),
+        "entries": [_entry(entry, f"{key}{i}", tensors, keep_weights) for i, entry in enumerate(analysis.entries)],
+    }
+
+
+def _entry(entry: TensorAnalysis, key: str, tensors: _Tensors, keep_weights: bool) -> dict[str, Any]:
+    kept = not callable(entry.source) or keep_weights
+    sample = tensors.put(f"{key}.sample", entry.data) if kept else None
+    return {
+        "layer": entry.layer,
+        "tensor": entry.tensor,
+        "spec": entry.spec.to_dict(),
+        "total_shape": None if entry.total_shape is None else list(entry.total_shape),
+        "rank": entry.rank,
+        "metrics_tokens": entry.metrics_tokens,
+        "sample": sample,
+        "g_idx": tensors.put(f"{key}.g_idx", entry.g_idx),
+        "hessian": tensors.put(f"{key}.hessian", entry.hessian),
+        "results": [_result(r, f"{key}.r{j}", tensors) for j, r in enumerate(entry.results)],
+        "per_layer": [_result(r, f"{key}.own{j}", tensors) for j, r in enumerate(entry.per_layer)],
+        "served": None if entry.served is None else asdict(entry.served),
+        "gptq": [json_safe(asdict(row)) for row in entry.gptq],
+        "tools": [_tool(run, f"{key}.t{j}", tensors) for j, run in enumerate(entry.tool_results)],
+    }
+
+
+def _result(result: SuiteResult, key: str, tensors: _Tensors) -> dict[str, Any]:
+    knobs = {
+        name: {"tensor": tensors.put(f"{key}.knob.{name}", value)}
+        if isinstance(value, torch.Tensor)
+        else json_safe(value)
+        for name, value in result.knobs.items()
+    }
+    record: dict[str, Any] = {
+        "name": result.name,
+        "metrics": metrics_to_json(result.metrics),
+        "seconds": result.seconds,
+        "knobs": knobs,
+        "tokens": result.num_observed_tokens,
+        "error": result.error,
+        "qparams": None,
+    }
+    qp = result.qparams
+    if qp is not None:
+        fields = {name: tensors.put(f"{key}.{name}", getattr(qp, name)) for name in _QPARAM_FIELDS}
+        extras = {name: tensors.put(f"{key}.extra.{name}", value) for name, value in qp.extras.items()}
+        record["qparams"] = {**fields, "extras": extras, "kind": qp.kind}
+    return record
+
+
+def _tool(run: ToolResult, key: str, tensors: _Tensors) -> dict[str, Any]:
+    profile = run.profile
+    found = None
+    if profile is not None:
+        found = {"observer": profile.observer, "knobs": json_safe(profile.knobs), "spec": profile.spec.to_dict()}
+        found["notes"] = list(profile.notes)
+    return {"tool": run.tool, "profile": found, "result": _result(run.result, key, tensors)}
+
+
+def load(directory: Path, weight_of: WeightOf) -> KeptRun:
+    """The run a run directory holds; a weight not kept is read by ``weight_of`` when asked for.
+    One ``RunFileError`` when the directory is not a run this lab wrote in a version it reads."""
+    from safetensors.torch import load_file
+
+    try:
+        document = json.loads((directory / DOCUMENT).read_text(encoding="utf-8"))
+        tensors = load_file(str(directory / TENSORS))
+    except (OSError, ValueError) as err:
+        raise RunFileError(f"{directory} is not a readable run: {err}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
+        raise RunFileError(f"{directory} is not an Observer Lab run of version {VERSION}")
+    try:
+        found = [None if document[part] is None else _read(document[part], tensors, weight_of) for part in _PARTS]
+        request = dict(document["request"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise RunFileError(f"{directory} holds a broken run: {type(err).__name__}: {err}") from None
+    if found[0] is None:
+        raise RunFileError(f"{directory} holds no analysis")
+    return KeptRun(*found, request=request)
+
+
+def read_request(directory: Path) -> dict[str, Any]:
+    """How to open the model of the run at ``directory`` again (without reading its tensors)."""
+    try:
+        return dict(json.loads((directory / DOCUMENT).read_text(encoding="utf-8"))["request"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RunFileError(f"{directory} is not a readable run: {err}") from None
+
+
+def _read(document: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf) -> Analysis:
+    facts = document["facts"]
+    shapes = {name: tuple(shape) for name, shape in facts["layer_shapes"].items()}
+    blocks = facts.get("attention_blocks")
+    kv = {name: tuple(shape) for name, shape in facts.get("kv_shapes", {}).items()}
+    model_facts = ModelFacts(facts["source"], facts["layer_types"], shapes, tuple(blocks) if blocks else None, kv)
+    entries = [_read_entry(record, tensors, weight_of) for record in document["entries"]]
+    config = RunConfig.from_dict(document["config"])
+    warnings, calibration = list(document["warnings"]), document["calibration"]
+    return Analysis(model_facts, config, entries, document["seconds"], warnings, calibration)
+
+
+def _read_entry(record: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf) -> TensorAnalysis:
+    sample = record["sample"]
+    source = tensors[sample] if sample is not None else partial(weight_of, record["layer"])
+    shape = record["total_shape"]
+    entry = TensorAnalysis(
+        layer=record["layer"],
+        tensor=record["tensor"],
+        spec=ob.QuantSpec.from_dict(record["spec"]),
+        source=source,
+        results=[_read_result(r, tensors) for r in record["results"]],
+        g_idx=_get(tensors, record["g_idx"]),
+        total_shape=None if shape is None else tuple(shape),
+        rank=record["rank"],
+    )
+    entry.tool_results = [_read_tool(t, tensors) for t in record["tools"]]
+    entry.gptq = [GPTQRow(**{**row, "notes": tuple(row["notes"])}) for row in record["gptq"]]
+    entry.hessian = _get(tensors, record["hessian"])
+    entry.metrics_tokens = record["metrics_tokens"]
+    entry.served = (
+        None
+        if record["served"] is None
+        else Served(**{**record["served"], "members": tuple(record["served"]["members"])})
+    )
+    entry.per_layer = [_read_result(r, tensors) for r in record["per_layer"]]
+    return entry
+
+
+def _read_result(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> SuiteResult:
+    knobs = {
+        name: tensors[value["tensor"]] if isinstance(value, dict) and set(value) == {"tensor"} else value
+        for name, value in record["knobs"].items()
+    }
+    qp = None
+    found = record["qparams"]
+    if found is not None:
+        fields = {name: _get(tensors, found[name]) for name in _QPARAM_FIELDS}
+        extras = {name: tensors[key] for name, key in found["extras"].items()}
+        qp = ob.QParams(**fields, extras=extras, kind=found["kind"])
+    metrics = metrics_from_json(record["metrics"])
+    return SuiteResult(record["name"], qp, metrics, record["seconds"], knobs, record["tokens"], record["error"])
+
+
+def _read_tool(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ToolResult:
+    found = record["profile"]
+    profile = None
+    if found is not None:
+        spec = ob.QuantSpec.from_dict(found["spec"])
+        profile = ToolProfile(record["tool"], found["observer"], dict(found["knobs"]), spec, tuple(found["notes"]))
+    return ToolResult(record["tool"], profile, _read_result(record["result"], tensors))
+
+
+def _get(tensors: dict[str, torch.Tensor], key: str | None) -> torch.Tensor | None:
+    return None if key is None else tensors[key]
