@@ -43,6 +43,7 @@ MODULES = [
     "bench_gptq_oneshot",
     "bench_fused_oneshot",
     "bench_allocate",
+    "bench_history",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

@@ -13,6 +13,7 @@ import getpass
 from pathlib import Path
 from typing import IO, Any
 
+from lab import provenance
 from lab.analyse.analysis import Analysis
 from lab.history import run_file
 from lab.history.store import DEFAULT_HISTORY_SIZE, HISTORY_DIR, History
@@ -29,9 +30,7 @@ def who() -> str:
 def made_by(earlier: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``provenance`` of a file the command line writes now: who asks and when, and the kept
     run that ``earlier`` (the provenance of the file it started from) named."""
-    from lab.provenance import made_by as provenance
-
-    return provenance(who(), (earlier or {}).get("run"))
+    return provenance.made_by(who(), (earlier or {}).get("run"))
 
 
 def save_beside(analysis: Analysis, lab_path: str, model: str, device: str) -> Path:
