@@ -160,3 +160,32 @@ def test_a_run_on_a_models_upload_stays_the_sessions_own(history_root):
     ws.request = ModelRequest("minilm")
     assert serving.keeper(ws) is not None
     ws.uploads.remove()
+
+
+def test_two_runs_on_two_models_compare_a_layer_picked_in_each(history_root):
+    """No layer in common (MiniLM against tiny-llama): the page asks for one layer of each and
+    compares them as it compares one layer of two runs."""
+    from lab.analyse.result_cache import ResultCache
+    from lab.serve.session_runs import SessionRun
+    from lab.settings import RunSettings
+
+    llama = ui.open_shared_model("tiny-llama", "auto", "fp32")
+    settings = RunSettings(weight=SpecSettings(dtype="int8"), wants={"weight": True, "input": False})
+    config = settings.config(has_layers=True, has_attention=False)
+    layer = "model.layers.0.self_attn.o_proj"
+    computed = SessionRun(llama, [layer], config, [], ResultCache(), {}).compute()
+    at = _demo()
+    serving.history().record(KeptRun(computed.analysis, request={"source": "tiny-llama"}), "alice@example.com")
+    at.switch_page("pages/runs.py").run()
+    _ok(at)
+    assert "They differ in model, formats" in _captions(at), _captions(at)
+    assert "The two runs analysed no layer in common: pick one of each." in _captions(at)
+    assert at.selectbox(key="compare_tb").value == (layer, "weight")
+    side = at.dataframe[1].value
+    assert (
+        side.set_index("observer").loc["minmax", "sqnr_db · B"]
+        == computed.analysis.entry(layer, "weight").result("minmax").metrics["sqnr_db"]
+    )
+    at.selectbox(key="compare_ta").set_value(("encoder.layer.0.intermediate.dense", "weight")).run()
+    _ok(at)
+    assert len(at.get("plotly_chart")) == 3
