@@ -34,6 +34,8 @@ from observers.base import (
     observer_class,
     register,
 )
+from observers import awq  # noqa: F401  (AWQ's scale and clip candidates, issue 41)
+from observers.awq import AWQ_KNOBS, AWQSpec
 from observers.dynamic import dynamic_error_metrics, dynamic_fake_quantize, dynamic_qparams, dynamic_view_spec
 from observers.formats import FORMATS, ElementFormat, get_format
 from observers.granularity import Flat, flatten
@@ -60,6 +62,8 @@ from observers.vocab import STRATEGIES_BY_KIND, ObserverKind, ScaleRounding, Sca
 __version__ = "0.1.0"
 
 __all__ = [
+    "AWQ_KNOBS",
+    "AWQSpec",
     "FORMATS",
     "HIGHER_IS_BETTER",
     "METRIC_KEYS",

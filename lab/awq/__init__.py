@@ -1,0 +1,7 @@
+"""AWQ as a stage (issue 41): each weight observer under llm-compressor's activation-aware scale
+search, four ways side by side (``search.Variant``). ``mappings`` finds where a decoder smooths,
+``parent`` judges candidates on the parent module's output (many in one replay), ``search`` runs
+one mapping's four ways for every observer, ``run`` walks the blocks as llm-compressor's
+sequential pipeline does. What leaves the stage: per mapping and observer small rows (errors,
+clipped shares, the winning strength) and the scales and qparams each way smooths with.
+"""

@@ -1,0 +1,117 @@
+"""A parent module's calls replayed with its balance layers' weights replaced, many replacements in
+one pass: the judge of AWQ's candidates.
+
+llm-compressor runs the parent (the attention for q/k/v, the MLP for gate/up, the linear itself for
+o and down) once per candidate. Here each batch's arguments are repeated once per replacement along
+the batch and each balance layer computes every replacement's share with its own weight (one
+batched matrix product), so the Python around the parent runs once for many candidates and
+observers. A replacement's loss is llm-compressor's: the squared difference to the float output
+summed over the real tokens of every batch, divided by the element count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+STACKED_BYTES = 256 << 20
+"""Bytes of a parent's widest activation one stacked call may hold across its replacements."""
+
+
+class ParentCalls:
+    """What a parent module received for each calibration batch (``args``, ``kwargs``) and which
+    tokens of the batch are real (``valid``, ``(batch, seq)``; padding is left out of every loss)."""
+
+    def __init__(self, module: nn.Module, calls: list[tuple[tuple, dict]], valid: list[torch.Tensor]) -> None:
+        if not calls:
+            raise ValueError("the parent module was never called: no calibration token reached it")
+        self.module, self.calls, self.valid = module, calls, valid
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The parent's outputs with its current weights (the first output of a tuple)."""
+        with torch.no_grad():
+            return [_first(self.module(*args, **kwargs)) for args, kwargs in self.calls]
+
+    def losses(
+        self,
+        balance: dict[str, nn.Linear],
+        replacements: Sequence[dict[str, torch.Tensor]],
+        reference: list[torch.Tensor],
+        width: int,
+    ) -> tuple[torch.Tensor, float]:
+        """Each replacement's loss (float64, ``(len(replacements),)``) and the reference's energy
+        per element (``Σ ref² / n``, for relative errors). ``replacements`` give every balance
+        layer's weight ``(out, in)``; ``width`` is the parent's widest activation per token."""
+        tokens = max(int(v.numel()) for v in self.valid)
+        per_replacement = max(1, tokens * width * 4)
+        step = max(1, STACKED_BYTES // per_replacement)
+        sums = torch.zeros(len(replacements), dtype=torch.float64)
+        elements, energy = 0, 0.0
+        for start in range(0, len(replacements), step):
+            chunk = replacements[start : start + step]
+            stacked = {name: torch.stack([r[name] for r in chunk]) for name in balance}
+            with _stacked(balance, stacked), torch.no_grad():
+                for (args, kwargs), valid, ref in zip(self.calls, self.valid, reference, strict=True):
+                    n = len(chunk)
+                    out = _first(self.module(*_repeat(args, ref.shape[0], n), **_repeat(kwargs, ref.shape[0], n)))
+                    diff = out.reshape(n, *ref.shape) - ref
+                    mask = _token_mask(valid, ref)
+                    sums[start : start + n] += diff.square().mul(mask).flatten(1).sum(1, dtype=torch.float64).cpu()
+                    if start == 0:
+                        count = int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
+                        elements += count
+                        energy += float(ref.double().square().mul(mask).sum())
+        return sums / max(elements, 1), energy / max(elements, 1)
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _token_mask(valid: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``valid`` (batch, seq) as a mask broadcasting over ``ref`` (batch, seq, hidden), or over
+    ``ref`` (tokens, hidden) when the parent sees the real tokens only (an expert)."""
+    if ref.dim() == 3 and tuple(ref.shape[:2]) == tuple(valid.shape):
+        return valid.to(ref.device, ref.dtype).unsqueeze(-1)
+    return torch.ones((), dtype=ref.dtype, device=ref.device)
+
+
+def _repeat(value, batch: int, n: int):
+    """``value`` with every tensor whose first dimension is the batch repeated ``n`` times along it
+    (hidden states, masks, rotary tables of a batch of one too)."""
+    if isinstance(value, torch.Tensor):
+        return value.repeat(n, *([1] * (value.dim() - 1))) if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, dict):
+        return {k: _repeat(v, batch, n) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_repeat(v, batch, n) for v in value)
+    return value
+
+
+@contextmanager
+def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
+    """Forward hooks that give each balance layer's input share its own weight: the input
+    ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, ``weights[name]`` ``(n, out, in)``."""
+
+    def hook_for(name: str):
+        def hook(module, args, output):
+            x = args[0]
+            w = weights[name].to(x.dtype)
+            n = w.shape[0]
+            shares = x.reshape(n, -1, x.shape[-1])
+            y = torch.bmm(shares, w.transpose(1, 2))
+            if module.bias is not None:
+                y = y + module.bias
+            return y.reshape(*x.shape[:-1], w.shape[1])
+
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(name)) for name, module in balance.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

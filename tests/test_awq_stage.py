@@ -1,0 +1,297 @@
+"""AWQ as a stage (``lab.awq``, issue 41): where a decoder smooths, llm-compressor 0.14's search against
+a plain-torch reimplementation of its ``_compute_best_scale`` / ``_apply_smoothing`` on the same
+blocks, the four variants' guarantees, the folded weights and the one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import observers as ob
+from lab.awq.fold import folded
+from lab.awq.mappings import NOT_A_DECODER, resolve
+from lab.awq.run import run_awq
+from lab.awq.search import SEARCH_OBSERVER, Variant
+from sample_models import open_model
+
+INT4_G16 = ob.QuantSpec(dtype="int4", strategy="group", group_size=16, symmetric=True)
+SAMPLES, SEQ_LEN = 4, 32
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return open_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def minmax_run(tiny_llama):
+    return run_awq(tiny_llama, INT4_G16, {SEARCH_OBSERVER: {}}, samples=SAMPLES, seq_len=SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def suite_run(tiny_llama):
+    observers = {name: {} for name in ("memoryless_minmax", "mse_grid", "imatrix_mse")}
+    return run_awq(tiny_llama, INT4_G16, observers, ob.AWQSpec(n_grid=6), samples=SAMPLES, seq_len=SEQ_LEN)
+
+
+# ------------------------------------------------------------------------------------------ mappings
+
+
+def test_tiny_llama_smooths_as_llm_compressor_maps_it(tiny_llama) -> None:
+    mappings = resolve(tiny_llama.module(), "model.layers", "tiny-llama")
+    block = [m for m in mappings.found if m.block == 1]
+    prefix = "model.layers.1"
+    assert [(m.smooth, m.balance, m.parent) for m in block] == [
+        (f"{prefix}.input_layernorm", tuple(f"{prefix}.self_attn.{p}_proj" for p in "qkv"), f"{prefix}.self_attn"),
+        (f"{prefix}.post_attention_layernorm", (f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"), f"{prefix}.mlp"),
+        (f"{prefix}.mlp.up_proj", (f"{prefix}.mlp.down_proj",), f"{prefix}.mlp.down_proj"),
+    ]
+    # grouped-query attention: v_proj (64 wide) does not feed o_proj's 256 columns one to one
+    assert not any(m.smooth.endswith("v_proj") for m in mappings.found)
+    assert len(mappings.found) == 12 and mappings.left_out == ()
+
+
+def test_full_attention_gets_the_v_to_o_mapping() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    mappings = resolve(LlamaForCausalLM(config), "model.layers", "mha")
+    v_to_o = [m for m in mappings.found if m.smooth.endswith("v_proj")]
+    assert [(m.balance, m.parent) for m in v_to_o] == [
+        (("model.layers.0.self_attn.o_proj",), "model.layers.0.self_attn.o_proj")
+    ]
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.self_attn, name, nn.Linear(8, 8))
+        self.mlp = nn.Module()
+        self.mlp.gate = nn.Linear(8, 2)
+        self.mlp.experts = nn.ModuleList([_Expert(), _Expert()])
+
+
+def test_linear_experts_balance_with_their_router_scaled_along() -> None:
+    root = nn.Module()
+    root.layers = nn.ModuleList([_MoEBlock()])
+    mappings = resolve(root, "layers", "moe")
+    gate_up = next(m for m in mappings.found if m.smooth.endswith("post_attention_layernorm"))
+    assert gate_up.parent == "layers.0.mlp" and gate_up.scaled == ("layers.0.mlp.gate",)
+    assert gate_up.balance == tuple(f"layers.0.mlp.experts.{e}.{p}_proj" for e in (0, 1) for p in ("gate", "up"))
+    downs = [m for m in mappings.found if m.smooth.endswith("up_proj")]
+    assert [m.parent for m in downs] == ["layers.0.mlp.experts.0.down_proj", "layers.0.mlp.experts.1.down_proj"]
+
+
+def test_fused_experts_are_left_out_with_a_line() -> None:
+    model = open_model("tiny-moe")
+    mappings = resolve(model.module(), "model.layers", "tiny-moe")
+    assert all(m.smooth.endswith("input_layernorm") for m in mappings.found) and len(mappings.found) == 2
+    assert len(mappings.left_out) == 2 and "not linear layers" in mappings.left_out[0]
+
+
+def test_an_encoder_is_one_line() -> None:
+    model = open_model("minilm")
+    with pytest.raises(ValueError) as raised:
+        run_awq(model, INT4_G16, {SEARCH_OBSERVER: {}}, samples=2, seq_len=16)
+    assert str(raised.value) == NOT_A_DECODER.format(model=model.name)
+
+
+def test_a_group_size_that_does_not_divide_is_refused_before_any_search(tiny_llama) -> None:
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=32, symmetric=True)
+    with pytest.raises(ValueError) as raised:
+        run_awq(tiny_llama, spec, {SEARCH_OBSERVER: {}}, samples=2, seq_len=16)
+    message = str(raised.value)
+    assert "down_proj has 688 input columns" in message and "\n" not in message
+
+
+# ----------------------------------------------------- llm-compressor's search, reimplemented in plain torch
+
+
+def _abs_sum(into: list):
+    """A forward hook adding |x| of a layer's input over its tokens (float32) and their count."""
+
+    def hook(module, args, output):
+        x = args[0].abs().detach().flatten(0, -2)
+        into[0] = into[0] + x.float().sum(0)
+        into[1] += x.shape[0]
+
+    return hook
+
+
+def _calls(into: list):
+    """A forward pre-hook keeping a module's every call."""
+
+    def hook(module, args, kwargs):
+        into.append((args, kwargs))
+
+    return hook
+
+
+def _reference_awq(model: nn.Module, batches: list[torch.Tensor], spec: ob.QuantSpec, n_grid: int = 20):
+    """llm-compressor 0.14's AWQ (duo scaling, memoryless min-max during the search) typed out on a
+    Llama: per block, every batch through the block with hooks (|x| sums on the first balance
+    layer, the parent's calls), then per mapping the grid loop one candidate at a time with
+    ``F.linear`` weights swapped in, the winner folded in; the next block fed by the smoothed one.
+    Returns each mapping's winning grid index and the smoothed state dict."""
+    model = copy.deepcopy(model)
+    layers = model.model.layers
+    inputs: list[tuple] = []
+
+    def record(module, args, kwargs):
+        inputs.append((args, kwargs))
+
+    handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+    handle.remove()
+    hidden = [kwargs.get("hidden_states", args[0] if args else None) for args, kwargs in inputs]
+    rest = [{k: v for k, v in kwargs.items() if k != "hidden_states"} for _, kwargs in inputs]
+    picks = []
+    grid = [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
+    for block in layers:
+        maps = [
+            (
+                block.input_layernorm,
+                [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj],
+                block.self_attn,
+            ),
+            (block.post_attention_layernorm, [block.mlp.gate_proj, block.mlp.up_proj], block.mlp),
+            (block.mlp.up_proj, [block.mlp.down_proj], block.mlp.down_proj),
+        ]
+        sums = {id(m[0]): [0, 0] for m in maps}
+        calls = {id(m[2]): [] for m in maps}
+        handles = []
+        for smooth, balance, parent in maps:
+            handles.append(balance[0].register_forward_hook(_abs_sum(sums[id(smooth)])))
+            handles.append(parent.register_forward_pre_hook(_calls(calls[id(parent)]), with_kwargs=True))
+        with torch.no_grad():
+            for h, kwargs in zip(hidden, rest, strict=True):
+                block(h, **kwargs)
+        for handle in handles:
+            handle.remove()
+        for smooth, balance, parent in maps:
+            with torch.no_grad():
+                run = [parent(*a, **k) for a, k in calls[id(parent)]]
+                reference = [r[0] if isinstance(r, tuple) else r for r in run]
+                x_mean = sums[id(smooth)][0] / torch.tensor(sums[id(smooth)][1])
+                total, rows = 0, 0
+                for layer in balance:
+                    w = layer.weight.clone().reshape(-1, spec.group_size).abs()
+                    w = (w / (w.amax(dim=1, keepdim=True) + 1e-6)).reshape(layer.weight.shape)
+                    total, rows = total + w.sum(0, dtype=torch.float64), rows + w.shape[0]
+                w_mean = total / rows
+                originals = {layer: layer.weight.clone() for layer in balance}
+                best, best_error, best_scales = -1, float("inf"), None
+                for index, (ratio, duo) in enumerate(grid):
+                    if duo:
+                        scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+                    else:
+                        scales = x_mean.pow(ratio).clamp(min=1e-4).view(-1)
+                    scales = scales / (scales.max() * scales.min()).sqrt()
+                    for layer in balance:
+                        smoothed = (originals[layer] * scales.view(1, -1)).to(layer.weight.dtype)
+                        groups = smoothed.reshape(-1, spec.group_size)
+                        step = groups.abs().amax(dim=1, keepdim=True) / 7.5
+                        step = torch.where(step == 0, torch.ones_like(step), step)
+                        q = (torch.clamp(torch.round(groups / step), -8, 7) * step).reshape(smoothed.shape)
+                        layer.weight.data = (q / scales.view(1, -1)).to(layer.weight.dtype)
+                    out = [parent(*a, **k) for a, k in calls[id(parent)]]
+                    out = [o[0] if isinstance(o, tuple) else o for o in out]
+                    loss = sum(F.mse_loss(r, o, reduction="sum") for r, o in zip(reference, out, strict=True))
+                    loss = (loss / sum(r.numel() for r in reference)).item()
+                    if loss < best_error:
+                        best, best_error, best_scales = index, loss, scales.clone()
+                for layer in balance:
+                    layer.weight.data = (originals[layer] * best_scales.view(1, -1)).to(layer.weight.dtype)
+                if smooth.weight.dim() == 1:
+                    smooth.weight.div_(best_scales)
+                else:
+                    smooth.weight[-best_scales.numel() :].div_(best_scales.view(-1, 1))
+                picks.append(best)
+        with torch.no_grad():
+            hidden = [block(h, **kwargs) for h, kwargs in zip(hidden, rest, strict=True)]
+            hidden = [h[0] if isinstance(h, tuple) else h for h in hidden]
+    return picks, model.state_dict()
+
+
+def test_the_llm_compressor_variant_is_llm_compressors_search(tiny_llama, minmax_run) -> None:
+    windows = tiny_llama.calibration_set(None, SAMPLES, SEQ_LEN).windows
+    batches = [torch.tensor([list(w)]) for w in windows]
+    picks, smoothed = _reference_awq(tiny_llama.module(), batches, INT4_G16)
+    grid = ob.AWQSpec().grid()
+    ours = [
+        grid.index(
+            (r.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).ratio, r.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).duo)
+        )
+        for r in minmax_run.results
+    ]
+    assert ours == picks
+    changed = folded(tiny_llama, minmax_run.results, Variant.LLM_COMPRESSOR, SEARCH_OBSERVER)
+    assert len(changed) == 4 * (2 + 3 + 2 + 1)  # per block: 2 norms, q/k/v, gate/up (up twice), down
+    for key, tensor in changed.items():
+        assert torch.allclose(tensor, smoothed[key], rtol=1e-6, atol=1e-7), key
+
+
+# --------------------------------------------------------------------------------- the four variants
+
+
+def test_every_observer_has_four_rows_per_mapping(suite_run) -> None:
+    for result in suite_run.results:
+        assert {(r.observer, r.variant) for r in result.rows} == {(o, v) for o in suite_run.observers for v in Variant}
+        for row in result.rows:
+            assert row.error is None and row.mapping_error is not None and row.mapping_error >= 0
+            assert set(row.layer_errors) == set(result.mapping.balance) == set(row.clipped)
+            assert (row.ratio is None) == (row.variant == Variant.RTN)
+
+
+def test_the_observer_inside_the_search_is_never_worse_than_rtn_or_llm_compressor(suite_run) -> None:
+    # its grid holds the identity (round-to-nearest) and llm-compressor's winner
+    for result in suite_run.results:
+        for observer in suite_run.observers:
+            inside = result.row(Variant.OBSERVER_IN_SEARCH, observer).mapping_loss
+            assert inside <= result.row(Variant.RTN, observer).mapping_loss * (1 + 1e-9)
+            assert inside <= result.row(Variant.LLM_COMPRESSOR, observer).mapping_loss * (1 + 1e-9)
+
+
+def test_llm_compressor_scales_do_not_depend_on_the_observer_and_minmax_inside_agrees(suite_run) -> None:
+    for result in suite_run.results:
+        scales = [result.scales[(Variant.LLM_COMPRESSOR, o)] for o in suite_run.observers]
+        assert all(torch.equal(scales[0], s) for s in scales)
+        same = (
+            result.row(Variant.OBSERVER_IN_SEARCH, SEARCH_OBSERVER),
+            result.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER),
+        )
+        assert (same[0].ratio, same[0].duo) == (same[1].ratio, same[1].duo)
+
+
+def test_the_clip_search_clips_and_the_others_do_not_with_min_max(suite_run) -> None:
+    for result in suite_run.results:
+        assert all(v == 0.0 for v in result.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).clipped.values())
+        assert any(v > 0.0 for v in result.row(Variant.CLIP_SEARCH, SEARCH_OBSERVER).clipped.values())
+
+
+def test_folded_weights_keep_the_float_model(tiny_llama, suite_run) -> None:
+    for variant in (Variant.LLM_COMPRESSOR, Variant.OBSERVER_IN_SEARCH, Variant.CLIP_SEARCH):
+        model = copy.deepcopy(tiny_llama.module())
+        model.load_state_dict(folded(tiny_llama, suite_run.results, variant, "mse_grid"), strict=False)
+        ids = torch.tensor([list(tiny_llama.calibration_set(None, 1, SEQ_LEN).windows[0])])
+        with torch.no_grad():
+            ours, theirs = model(input_ids=ids).logits, tiny_llama.module()(input_ids=ids).logits
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+    assert folded(tiny_llama, suite_run.results, Variant.RTN, "mse_grid") == {}
