@@ -183,11 +183,22 @@ def shrunk(qp: QParams, spec: QuantSpec, ratios: Sequence[float]) -> list[QParam
 
 
 def group_output_errors(difference: torch.Tensor, block_moment: torch.Tensor) -> torch.Tensor:
-    """Each group's part of a layer's output error, ``(rows, groups)``: ``dᵀ H_g d`` for the
-    difference ``d`` of a row's group of weights and ``H_g`` the group's ``(g, g)`` block of the
-    mean ``x xᵀ`` of the layer's inputs (``block_moment``, ``(groups, g, g)``), so the sum over a
-    row's groups is the row's output error without the terms across groups. Several differences
-    stacked in leading dims give each its own errors."""
-    groups, size, _ = block_moment.shape
-    d = difference.float().reshape(*difference.shape[:-1], groups, size)
-    return torch.einsum("...gi,gij,...gj->...g", d, block_moment.float(), d)
+    """Each group's part of a layer's output error: ``dᵀ H_g d`` for the difference ``d`` of a
+    row's group of weights and ``H_g`` the group's ``(g, g)`` block of the mean ``x xᵀ`` of the
+    layer's inputs, so the sum over a row's groups is the row's output error without the terms
+    across groups.
+
+    ``difference`` is ``(k, n, rows, in)``: ``k`` differences (a clip search's ratios) of ``n``
+    weights, each weight with its own inputs' blocks in ``block_moment`` ``(n, groups, g, g)``;
+    the result is ``(k, n, rows, groups)``, from one batched matrix product per weight and group."""
+    k, n, rows, columns = difference.shape
+    groups, size = block_moment.shape[1], block_moment.shape[2]
+    if block_moment.shape != (n, groups, size, size) or groups * size != columns:
+        raise ValueError(
+            f"group_output_errors needs differences (k, n, rows, groups·g) and blocks (n, groups, g, g), got "
+            f"{tuple(difference.shape)} and {tuple(block_moment.shape)}"
+        )
+    d = difference.float().reshape(k, n, rows, groups, size).permute(1, 3, 0, 2, 4).reshape(n * groups, k * rows, size)
+    h = block_moment.float().reshape(n * groups, size, size).to(d.device)
+    errors = (torch.bmm(d, h) * d).sum(-1)
+    return errors.reshape(n, groups, k, rows).permute(2, 0, 3, 1)

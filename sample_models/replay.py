@@ -15,7 +15,7 @@ from torch import nn
 from .calibration import Batch, make_batches
 from .effect import _Resident
 from .model import Model
-from .sequential import _Call
+from .sequential import _Call, _find_blocks
 
 
 @dataclass
@@ -47,3 +47,8 @@ def record_blocks(model: Model, batches: list[Batch]) -> BlockReplay:
     resident = _Resident(model)
     calls, first, _ = resident.record(batches, threading.get_ident())
     return BlockReplay(resident.blocks_name, resident.blocks, calls, first)
+
+
+def blocks_name(model: Model) -> str:
+    """Where the model's blocks live (``model.layers``), found without running anything."""
+    return _find_blocks(model.module(), model.source, model.config.num_hidden_layers)[0]

@@ -126,23 +126,35 @@ def test_first_minimum_keeps_the_first_of_ties_and_skips_nan() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(
+    ratios=st.integers(1, 3),
+    weights=st.integers(1, 3),
     rows=st.integers(1, 4),
     groups=st.integers(1, 3),
     tokens=st.integers(1, 12),
     seed=st.integers(0, 2**16),
 )
-def test_group_output_errors_are_each_groups_part_of_the_output_error(rows, groups, tokens, seed) -> None:
+def test_group_output_errors_are_each_groups_part_of_the_output_error(
+    ratios, weights, rows, groups, tokens, seed
+) -> None:
     size = 4
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, groups * size, generator=generator, dtype=torch.float64)
-    d = torch.randn(rows, groups * size, generator=generator, dtype=torch.float64)
-    moment = (x.T @ x) / tokens
-    blocks = torch.stack([moment[g * size : (g + 1) * size, g * size : (g + 1) * size] for g in range(groups)])
+    x = torch.randn(weights, tokens, groups * size, generator=generator, dtype=torch.float64)
+    d = torch.randn(ratios, weights, rows, groups * size, generator=generator, dtype=torch.float64)
+    moments = x.transpose(1, 2) @ x / tokens
+    blocks = torch.stack(
+        [torch.stack([m[g * size : (g + 1) * size, g * size : (g + 1) * size] for g in range(groups)]) for m in moments]
+    )
     found = ob.awq.group_output_errors(d, blocks)
-    # by tokens: the mean over tokens of (Σ_{j in g} x_j d_j)², what ModelOpt's awq_clip sums per block
-    per_group = (x.reshape(tokens, 1, groups, size) * d.reshape(1, rows, groups, size)).sum(-1).square().mean(0)
-    assert found.shape == (rows, groups)
+    # by tokens: the mean over each weight's tokens of (Σ_{j in g} x_j d_j)², what ModelOpt's awq_clip sums per block
+    products = x.reshape(1, weights, tokens, 1, groups, size) * d.reshape(ratios, weights, 1, rows, groups, size)
+    per_group = products.sum(-1).square().mean(2)
+    assert found.shape == (ratios, weights, rows, groups)
     assert torch.allclose(found.double(), per_group, rtol=1e-4, atol=1e-6)
+
+
+def test_group_output_errors_refuse_blocks_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="group_output_errors needs differences"):
+        ob.awq.group_output_errors(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 4, 4))
 
 
 def test_shrunk_ranges_and_the_formats_the_clip_search_takes() -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import observers as ob
+from lab.awq import candidates
 from lab.awq.fold import folded
 from lab.awq.mappings import NOT_A_DECODER, resolve
 from lab.awq.run import run_awq
@@ -19,7 +20,7 @@ from lab.awq.search import SEARCH_OBSERVER, Variant
 from sample_models import open_model
 
 INT4_G16 = ob.QuantSpec(dtype="int4", strategy="group", group_size=16, symmetric=True)
-SAMPLES, SEQ_LEN = 4, 32
+SAMPLES, SEQ_LEN = 8, 96  # 768 tokens: more than down_proj's 688 columns, so its loss takes the linear form
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +266,8 @@ def test_the_observer_inside_the_search_is_never_worse_than_rtn_or_llm_compresso
     for result in suite_run.results:
         for observer in suite_run.observers:
             inside = result.row(Variant.OBSERVER_IN_SEARCH, observer).mapping_loss
-            assert inside <= result.row(Variant.RTN, observer).mapping_loss * (1 + 1e-9)
-            assert inside <= result.row(Variant.LLM_COMPRESSOR, observer).mapping_loss * (1 + 1e-9)
+            assert inside <= result.row(Variant.RTN, observer).mapping_loss
+            assert inside <= result.row(Variant.LLM_COMPRESSOR, observer).mapping_loss
 
 
 def test_llm_compressor_scales_do_not_depend_on_the_observer_and_minmax_inside_agrees(suite_run) -> None:
@@ -295,3 +296,73 @@ def test_folded_weights_keep_the_float_model(tiny_llama, suite_run) -> None:
             ours, theirs = model(input_ids=ids).logits, tiny_llama.module()(input_ids=ids).logits
         assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
     assert folded(tiny_llama, suite_run.results, Variant.RTN, "mse_grid") == {}
+
+
+# ------------------------------------------------------------------------------ how candidates are made
+
+
+@pytest.mark.parametrize("observer", ["memoryless_minmax", "mse_grid", "modelopt_mse", "imatrix_mse"])
+@pytest.mark.parametrize("clip", [None, [0.5, 0.75, 1.0]])
+def test_stacked_candidates_are_the_candidates_made_one_at_a_time(observer: str, clip) -> None:
+    torch.manual_seed(1)
+    weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4, "b": torch.randn(8, 32)}
+    x = torch.randn(64, 32) * torch.rand(32) * 3
+    moment = (x.T.double() @ x.double()) / x.shape[0]
+    scales = ob.awq.candidate_scales(
+        x.abs().mean(0), ob.awq.weight_means(list(weights.values()), INT4_G16), ob.AWQSpec(n_grid=4).grid()
+    )
+    together = candidates.make(weights, scales, observer, INT4_G16, {}, moment, clip)
+    for row, made in zip(scales, together, strict=True):
+        alone = candidates.make(weights, row.unsqueeze(0), observer, INT4_G16, {}, moment, clip)[0]
+        for name in weights:
+            assert torch.equal(made.effective[name], alone.effective[name])
+            assert torch.equal(made.qparams[name].scale, alone.qparams[name].scale)
+
+
+def test_a_clip_search_keeps_the_ratio_whose_output_error_is_least() -> None:
+    # one group with an outlier column the inputs never use: shrinking below it costs nothing, and
+    # the finer grid on the other columns gains; a group the inputs use evenly keeps its range
+    weight = torch.tensor([[8.0, 1.0, -1.2, 0.7] + [1.0, -0.9, 0.8, -1.0]])
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=4, symmetric=True)
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 0.0
+    moment = x.T.double() @ x.double() / x.shape[0]
+    found = candidates.make({"w": weight}, None, "memoryless_minmax", spec, {}, moment, [0.25, 0.5, 1.0])[0]
+    plain = ob.run_one("memoryless_minmax", weight, spec, "weight").qparams
+    ratio = (found.qparams["w"].max_val / plain.max_val).reshape(-1)
+    assert ratio[0] < 1.0 and ratio[1] == 1.0
+
+
+def test_a_linear_parents_loss_is_its_mean_squared_output_difference() -> None:
+    from lab.awq.parent import ParentCalls
+
+    torch.manual_seed(2)
+    layer = nn.Linear(16, 8, bias=False)
+    x = torch.randn(1, 40, 16)
+    parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, 40, dtype=torch.bool)])
+    replaced = [layer.weight.detach() + 0.01 * torch.randn(8, 16) for _ in range(3)]
+    moment = (x[0].T.double() @ x[0].double()) / 40
+    reference = parent.outputs()
+    linear = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
+    forward = torch.tensor([F.mse_loss(F.linear(x, w), reference[0]).item() for w in replaced], dtype=torch.float64)
+    assert torch.allclose(linear, forward, rtol=1e-5)
+
+
+def test_the_picks_are_measured_on_held_out_text(suite_run) -> None:
+    assert suite_run.held_out_tokens > 0
+    for result in suite_run.results:
+        for row in result.rows:
+            assert row.held_out_error is not None and row.held_out_error >= 0
+            assert set(row.held_out_layer_errors) == set(result.mapping.balance)
+        # held-out is not calibration: the observer inside the search is not always the best there
+        assert any(r.held_out_error != r.mapping_error for r in result.rows)
+
+
+def test_only_mappings_of_the_chosen_layers_are_searched(tiny_llama) -> None:
+    chosen = ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.k_proj"]
+    run = run_awq(
+        tiny_llama, INT4_G16, {SEARCH_OBSERVER: {}}, ob.AWQSpec(n_grid=3), layers=chosen, samples=2, seq_len=16
+    )
+    assert [r.mapping.smooth for r in run.results] == ["model.layers.0.input_layernorm", "model.layers.1.mlp.up_proj"]
+    with pytest.raises(ValueError, match="none of the chosen layers is a balance layer"):
+        run_awq(tiny_llama, INT4_G16, {SEARCH_OBSERVER: {}}, layers=["lm_head"], samples=2, seq_len=16)

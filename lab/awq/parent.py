@@ -35,21 +35,38 @@ class ParentCalls:
         with torch.no_grad():
             return [_first(self.module(*args, **kwargs)) for args, kwargs in self.calls]
 
+    def energy(self, reference: list[torch.Tensor]) -> float:
+        """``Σ ref² / n`` over the real tokens: the reference for relative errors."""
+        total, elements = 0.0, 0
+        for valid, ref in zip(self.valid, reference, strict=True):
+            mask = _token_mask(valid, ref)
+            total += float(ref.double().square().mul(mask).sum())
+            elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
+        return total / max(elements, 1)
+
     def losses(
         self,
         balance: dict[str, nn.Linear],
         replacements: Sequence[dict[str, torch.Tensor]],
         reference: list[torch.Tensor],
         width: int,
-    ) -> tuple[torch.Tensor, float]:
-        """Each replacement's loss (float64, ``(len(replacements),)``) and the reference's energy
-        per element (``Σ ref² / n``, for relative errors). ``replacements`` give every balance
-        layer's weight ``(out, in)``; ``width`` is the parent's widest activation per token."""
-        tokens = max(int(v.numel()) for v in self.valid)
-        per_replacement = max(1, tokens * width * 4)
+        moment: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each replacement's loss (float64, ``(len(replacements),)``): ``replacements`` give every
+        balance layer's weight ``(out, in)``; ``width`` is the parent's widest activation per token.
+
+        A parent that is its one balance layer (``o_proj``, ``down_proj``) has the loss of a
+        linear map: ``tr(Δ M Δᵀ) / out`` with ``M`` the mean ``x xᵀ`` of its inputs (``moment``),
+        the same mean squared difference without running the tokens, taken when the tokens
+        outnumber the input columns (each replacement then costs ``out·in²`` instead of
+        ``tokens·in·out``)."""
+        tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
+        if list(balance.values()) == [self.module] and tokens > moment.shape[0]:
+            return _linear_losses(self.module.weight, [next(iter(r.values())) for r in replacements], moment)
+        per_replacement = max(1, max(int(v.numel()) for v in self.valid) * width * 4)
         step = max(1, STACKED_BYTES // per_replacement)
         sums = torch.zeros(len(replacements), dtype=torch.float64)
-        elements, energy = 0, 0.0
+        elements = 0
         for start in range(0, len(replacements), step):
             chunk = replacements[start : start + step]
             stacked = {name: torch.stack([r[name] for r in chunk]) for name in balance}
@@ -61,10 +78,20 @@ class ParentCalls:
                     mask = _token_mask(valid, ref)
                     sums[start : start + n] += diff.square().mul(mask).flatten(1).sum(1, dtype=torch.float64).cpu()
                     if start == 0:
-                        count = int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
-                        elements += count
-                        energy += float(ref.double().square().mul(mask).sum())
-        return sums / max(elements, 1), energy / max(elements, 1)
+                        elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
+        return sums / max(elements, 1)
+
+
+def _linear_losses(weight: torch.Tensor, replaced: list[torch.Tensor], moment: torch.Tensor) -> torch.Tensor:
+    """``tr(Δ M Δᵀ) / out`` per replaced weight, in float64, a few weights at a time."""
+    out, columns = weight.shape
+    step = max(1, STACKED_BYTES // (8 * out * columns * 2))
+    m = moment.to(weight.device, torch.float64)
+    found = []
+    for start in range(0, len(replaced), step):
+        delta = weight.double().unsqueeze(0) - torch.stack(replaced[start : start + step]).double()
+        found.append(((delta @ m) * delta).flatten(1).sum(1) / out)
+    return torch.cat(found).cpu()
 
 
 def _first(output):

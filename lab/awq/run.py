@@ -11,7 +11,7 @@ quantization disabled), so every block sees what llm-compressor's sees.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +20,12 @@ from torch import nn
 
 import observers as ob
 from lab.awq.fold import fold_mapping
-from lab.awq.mappings import Mapping, Mappings, resolve
+from lab.awq.mappings import Mapping, resolve
 from lab.awq.parent import ParentCalls
-from lab.awq.search import SEARCH_OBSERVER, MappingInputs, MappingResult, Variant, search
+from lab.awq.search import SEARCH_OBSERVER, MappingInputs, MappingResult, measure_held_out, search
 from sample_models import Model
-from sample_models.replay import calibration_batches, record_blocks
+from sample_models.effect import held_out_texts
+from sample_models.replay import blocks_name, calibration_batches, record_blocks
 
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, what)``: called after each mapping."""
@@ -32,15 +33,16 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass
 class AWQRun:
-    """What AWQ made of a model: its mappings (and those left out), each mapping's rows and scales,
-    and the calibration it saw."""
+    """What AWQ made of a model: its mappings, each mapping's rows and scales (held-out figures in
+    the rows), what was left out (one line each), and the tokens it saw."""
 
     spec: ob.QuantSpec
     awq: ob.AWQSpec
     observers: dict[str, dict[str, Any]]
-    mappings: Mappings
     results: list[MappingResult]
+    left_out: tuple[str, ...]
     tokens: int
+    held_out_tokens: int
 
     def result(self, mapping: str) -> MappingResult:
         """A mapping's result by its smooth layer's name."""
@@ -53,58 +55,82 @@ def run_awq(
     observers: dict[str, dict[str, Any]],
     awq: ob.AWQSpec | None = None,
     *,
+    layers: Collection[str] | None = None,
     texts=None,
     samples: int = 32,
     seq_len: int = 128,
     batch_size: int = 1,
+    held_out: Sequence[str] | None = None,
     progress: Progress | None = None,
 ) -> AWQRun:
-    """Every mapping of ``model`` searched for every weight observer (``{name: knobs}``) under every
-    ``Variant``, on the calibration set (``texts``, ``samples``, ``seq_len`` as a run's)."""
+    """Every mapping of ``model`` with a balance layer among ``layers`` (None: every mapping)
+    searched for every weight observer (``{name: knobs}``) under every ``Variant``, on the
+    calibration set (``texts``, ``samples``, ``seq_len`` as a run's), and the picks measured on
+    ``held_out`` text (default: the built-in held-out paragraphs, windowed the same way)."""
     awq = awq or ob.AWQSpec()
     if not model.supports_activations:
         raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
     if not observers:
         raise ValueError("AWQ needs at least one weight observer")
-    batches = calibration_batches(model, texts, samples, seq_len, batch_size)
-    replay = record_blocks(model, batches)
-    mappings = resolve(model.module(), replay.blocks_name, model.name)
-    _check_shapes(model.module(), mappings, spec)
-    valid = [b.valid for b in batches]
+    found = resolve(model.module(), blocks_name(model), model.name)
+    wanted = [m for m in found.found if layers is None or set(m.balance) & set(layers)]
+    if not wanted:
+        raise ValueError(
+            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
+        )
+    _check_shapes(model.module(), wanted, spec)
+    calibration = _Pass(model, calibration_batches(model, texts, samples, seq_len, batch_size))
+    held_texts = list(held_out_texts() if held_out is None else held_out)
+    checking = _Pass(model, calibration_batches(model, held_texts, samples, seq_len, batch_size))
     results: list[MappingResult] = []
-    hidden = replay.first
-    total = len(mappings.found)
-    for index, original in enumerate(replay.blocks):
+    left_out = list(found.left_out)
+    last = max(m.block for m in wanted)
+    for index, original in enumerate(calibration.replay.blocks[: last + 1]):
         block = copy.deepcopy(original)
-        prefix = f"{replay.blocks_name}.{index}."
-        own = mappings.of_block(index)
-        if own:
-            seen = _observe_block(block, own, prefix, replay, index, hidden, valid)
-            for mapping in own:
-                result = search(mapping, seen[mapping.smooth], spec, awq, observers)
-                results.append(result)
-                _smooth(block, mapping, prefix, result.scales[(Variant.LLM_COMPRESSOR, _any(result))])
-                if progress is not None:
-                    progress(len(results), total, mapping.name)
-        hidden = replay.run(index, block, hidden)
-    tokens = int(sum(int(v.sum()) for v in valid))
-    return AWQRun(spec, awq, dict(observers), mappings, results, tokens)
+        prefix = f"{calibration.replay.blocks_name}.{index}."
+        own = [m for m in wanted if m.block == index]
+        seen = calibration.observe(block, own, prefix, index)
+        checked = checking.observe(block, own, prefix, index)
+        for mapping in own:
+            if mapping.smooth not in seen:
+                left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
+                continue
+            result = search(mapping, seen[mapping.smooth], spec, awq, observers)
+            if mapping.smooth in checked:
+                result = measure_held_out(result, checked[mapping.smooth], spec)
+            results.append(result)
+            _smooth(block, mapping, prefix, result.searched)
+            if progress is not None:
+                progress(len(results), len(wanted), mapping.name)
+        calibration.advance(index, block)
+        checking.advance(index, block)
+    return AWQRun(spec, awq, dict(observers), results, tuple(left_out), calibration.tokens, checking.tokens)
 
 
-def _any(result: MappingResult) -> str:
-    """An observer with llm-compressor's scales (they do not depend on the observer)."""
-    found = [observer for variant, observer in result.scales if variant == Variant.LLM_COMPRESSOR]
-    if not found:
-        reasons = {r.error for r in result.rows if r.error}
-        raise ValueError(f"{result.mapping.name}: no observer gave qparams: {'; '.join(sorted(reasons))}")
-    return found[0]
+class _Pass:
+    """One set of batches walked through the blocks: the float model's block calls, each block's
+    hidden states as the smoothed blocks before it hand them on."""
+
+    def __init__(self, model: Model, batches: list) -> None:
+        self.replay = record_blocks(model, batches)
+        self.valid = [b.valid for b in batches]
+        self.hidden = self.replay.first
+        self.tokens = int(sum(int(v.sum()) for v in self.valid))
+
+    def observe(self, block: nn.Module, own: list[Mapping], prefix: str, index: int) -> dict[str, MappingInputs]:
+        if not own:
+            return {}
+        return _observe_block(block, own, prefix, self.replay, index, self.hidden, self.valid)
+
+    def advance(self, index: int, block: nn.Module) -> None:
+        self.hidden = self.replay.run(index, block, self.hidden)
 
 
-def _check_shapes(root: nn.Module, mappings: Mappings, spec: ob.QuantSpec) -> None:
+def _check_shapes(root: nn.Module, mappings: list[Mapping], spec: ob.QuantSpec) -> None:
     """Refuse, in one line before any search, a group size that does not divide a balance layer."""
     if spec.strategy != "group":
         return
-    for mapping in mappings.found:
+    for mapping in mappings:
         for name in mapping.balance:
             columns = root.get_submodule(name).in_features
             if columns % spec.group_size:

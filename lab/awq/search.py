@@ -18,7 +18,9 @@ inputs) and its clipped share say where the error comes from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 import observers as ob
+from lab.awq import candidates
+from lab.awq.candidates import Candidate
 from lab.awq.mappings import Mapping
 from lab.awq.parent import ParentCalls
 
@@ -74,6 +78,9 @@ class VariantRow:
     ratio: float | None = None
     duo: bool | None = None
     error: str | None = None
+    held_out_error: float | None = None
+    """``mapping_error`` on held-out tokens (``measure_held_out``): what the pick carries over."""
+    held_out_layer_errors: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,119 +92,53 @@ class MappingResult:
     rows: list[VariantRow]
     scales: dict[tuple[Variant, str], torch.Tensor]
     qparams: dict[tuple[Variant, str], dict[str, ob.QParams]]
+    searched: torch.Tensor
+    """The scales llm-compressor's search picks (memoryless min-max), whatever the observers."""
 
     def row(self, variant: Variant, observer: str) -> VariantRow:
         return next(r for r in self.rows if r.variant == variant and r.observer == observer)
 
 
-@dataclass
-class _Candidate:
-    """One way to quantize the balance layers: scales (None: unsmoothed), each layer's qparams on
-    its smoothed weight and the effective weight ``Q(W·s)/s`` the parent runs with."""
-
-    scales: torch.Tensor | None
-    qparams: dict[str, ob.QParams]
-    effective: dict[str, torch.Tensor]
-    clipped: dict[str, float]
+CANDIDATE_BYTES = 512 << 20
+"""Bytes of effective weights made and judged at once: candidates stream through the judge, and
+only each key's winner is kept."""
 
 
-def _smoothed(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``W·s`` in the weight's dtype, as llm-compressor writes it (float64 product, then cast)."""
-    return weight if scales is None else (weight.double() * scales.view(1, -1)).to(weight.dtype)
+class _Judge:
+    """A mapping's candidates judged on its parent's output, made and judged a few grid points at a
+    time: the float output computed once, each candidate's llm-compressor loss (the mean squared
+    difference), the float output's energy per element (the relative errors' reference). A
+    candidate whose qparams another already had at the same grid point (the min-max family agree on
+    every weight) is not judged again: its loss is looked up by the qparams' digest."""
+
+    def __init__(self, inputs: MappingInputs, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> None:
+        self.inputs, self.weights, self.spec = inputs, weights, spec
+        self.reference = inputs.parent.outputs()
+        self.energy = inputs.parent.energy(self.reference)
+        self._seen: dict[str, float] = {}
+        self._clipped: dict[str, ob.QParams] = {}
+        size = sum(w.numel() * w.element_size() for w in weights.values())
+        self.step = max(1, CANDIDATE_BYTES // max(size, 1))
+
+    def judged(self, scales, indices: list, observer: str, knobs: dict, clip) -> Iterator[tuple[Any, Candidate, float]]:
+        """``(grid index, candidate, loss)`` for each of ``indices`` (None: unsmoothed)."""
+        inputs = self.inputs
+        for start in range(0, len(indices), self.step):
+            part = indices[start : start + self.step]
+            rows = None if part == [None] else scales[part]
+            made = candidates.make(self.weights, rows, observer, self.spec, knobs, inputs.moment, clip, self._clipped)
+            keys = [candidates.digest(c) for c in made]
+            fresh = [i for i, key in enumerate(keys) if key not in self._seen]
+            if fresh:
+                effective = [made[i].effective for i in fresh]
+                losses = inputs.parent.losses(inputs.balance, effective, self.reference, inputs.width, inputs.moment)
+                self._seen.update({keys[i]: float(loss) for i, loss in zip(fresh, losses, strict=True)})
+            yield from ((index, c, self._seen[key]) for index, c, key in zip(part, made, keys, strict=True))
 
 
-def _effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``Q(W·s)/s`` in the weight's dtype, as llm-compressor runs the parent with it."""
-    return quantized if scales is None else (quantized.double() / scales.view(1, -1)).to(quantized.dtype)
-
-
-def _statistic_knobs(observer: str, knobs: dict[str, Any], moment: torch.Tensor, scales, spec) -> dict[str, Any]:
-    """The observer's knobs with the input statistics it takes filled for the smoothed inputs
-    ``x/s``: the mean square per column (``importance``) and the per-block second moment
-    (``hessian``)."""
-    taken = ob.knobs(observer)
-    filled = dict(knobs)
-    inverse = 1.0 if scales is None else 1.0 / scales
-    if "importance" in taken and filled.get("importance") is None:
-        filled["importance"] = (moment.diagonal() * inverse**2).float()
-    if "hessian" in taken and filled.get("hessian") is None:
-        size = int(filled.get("block_size", ob.knobs(observer).get("block_size", 16)))
-        blocks = _diagonal_blocks(moment, size)
-        if scales is not None:
-            s = (1.0 / scales).reshape(-1, size)
-            blocks = blocks * s.unsqueeze(2) * s.unsqueeze(1)
-        filled["hessian"] = blocks.float()
-    return filled
-
-
-def _diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``(in/size, size, size)`` diagonal blocks of an ``(in, in)`` second moment."""
-    groups = moment.shape[0] // size
-    return moment.reshape(groups, size, groups, size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-
-
-def _observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
-    found = ob.run_one(observer, weight, spec, "weight", **knobs)
-    if found.qparams is None:
-        raise ValueError(found.error or f"{observer} gave no qparams")
-    return found.qparams
-
-
-def _candidate(
-    weights: dict[str, torch.Tensor], scales, observer: str, spec, knobs, moment, clip: list[float] | None
-) -> _Candidate:
-    """Every balance layer smoothed by ``scales``, observed, optionally clip-searched, quantized."""
-    observer_knobs = _statistic_knobs(observer, knobs, moment, scales, spec)
-    qparams, effective, clipped = {}, {}, {}
-    block_moment = None
-    if clip is not None:
-        size = spec.group_size if spec.strategy == "group" else next(iter(weights.values())).shape[1]
-        block_moment = _diagonal_blocks(moment, size)
-        if scales is not None:
-            s = (1.0 / scales).reshape(-1, size)
-            block_moment = block_moment * s.unsqueeze(2) * s.unsqueeze(1)
-    for name, weight in weights.items():
-        smoothed = _smoothed(weight, scales)
-        qp = _observe(observer, smoothed, spec, observer_knobs)
-        if clip is not None:
-            qp = _clip_search(smoothed, qp, spec, clip, block_moment)
-        quantized = ob.fake_quantize(smoothed, qp, spec)
-        qparams[name] = qp
-        effective[name] = _effective(quantized, scales)
-        clipped[name] = float(ob.quantization_metrics(smoothed, qp, spec).get("clip_ratio", 0.0))
-    return _Candidate(scales, qparams, effective, clipped)
-
-
-def _clip_search(weight: torch.Tensor, qp: ob.QParams, spec, ratios: list[float], block_moment) -> ob.QParams:
-    """Per group, the share of ``qp``'s range (among ``ratios``) whose part of the layer's output
-    error on the smoothed inputs is least (the first least, in the ratios' order)."""
-    candidates = ob.awq.shrunk(qp, spec, ratios)
-    differences = torch.stack([weight.float() - ob.fake_quantize(weight, c, spec).float() for c in candidates])
-    errors = ob.awq.group_output_errors(differences, block_moment.to(differences.device))
-    best = torch.argmin(errors, dim=0)
-    chosen = torch.tensor(ratios, dtype=torch.float32, device=weight.device)[best].reshape(qp.min_val.shape)
-    return ob.qparams.range_rule(qp.min_val * chosen, qp.max_val * chosen, spec)
-
-
-class _Plan:
-    """The distinct candidates of a mapping, each judged once: ``key`` (variant, observer, grid
-    index) → its candidate's position. Observers whose qparams agree on a weight (the min-max
-    family on any weight) share a candidate."""
-
-    def __init__(self) -> None:
-        self.candidates: list[_Candidate] = []
-        self.at: dict[tuple, int] = {}
-        self._slots: dict[tuple, list[int]] = {}
-
-    def add(self, key: tuple, slot: tuple, candidate: _Candidate) -> None:
-        for position in self._slots.get(slot, []):
-            same = self.candidates[position].effective
-            if all(torch.equal(same[name], weight) for name, weight in candidate.effective.items()):
-                self.at[key] = position
-                return
-        self._slots.setdefault(slot, []).append(len(self.candidates))
-        self.at[key] = len(self.candidates)
-        self.candidates.append(candidate)
+def _better(loss: float, kept: tuple | None) -> bool:
+    """A search keeps a candidate only when strictly better (the first minimum), never a NaN."""
+    return math.isfinite(loss) and (kept is None or loss < kept[2])
 
 
 def search(
@@ -212,81 +153,90 @@ def search(
     grid = awq.grid()
     w_mean = ob.awq.weight_means(list(weights.values()), spec) if any(duo for _, duo in grid) else None
     scales = ob.awq.candidate_scales(inputs.x_mean, w_mean, grid)
-    reference = inputs.parent.outputs()
-    errors: dict[tuple[Variant, str], str] = {}
+    judge = _Judge(inputs, weights, spec)
+    everywhere = list(range(len(grid)))
+    searched = torch.tensor([loss for _, _, loss in judge.judged(scales, everywhere, SEARCH_OBSERVER, {}, None)])
+    best = ob.awq.first_minimum(searched)
 
-    def make(scale_index: int | None, observer: str, knobs: dict, clip: list[float] | None) -> _Candidate:
-        chosen = None if scale_index is None else scales[scale_index]
-        return _candidate(weights, chosen, observer, spec, knobs, inputs.moment, clip)
-
-    plan = _Plan()
-    for index in range(len(grid)):
-        plan.add(("search", SEARCH_OBSERVER, index), (index, False), make(index, SEARCH_OBSERVER, {}, None))
-    ways = ((Variant.RTN, None), (Variant.OBSERVER_IN_SEARCH, None), (Variant.CLIP_SEARCH, awq.clip_ratios()))
+    result = MappingResult(mapping, [], {}, {}, scales[best])
     for observer, knobs in observers.items():
-        for variant, clip in ways:
-            indices = [None] if variant == Variant.RTN else range(len(grid))
-            try:
-                found = [(index, make(index, observer, knobs, clip)) for index in indices]
-            except ValueError as err:
-                errors[(variant, observer)] = str(err)
-                continue
-            for index, candidate in found:
-                plan.add((variant, observer, index), (index, clip is not None), candidate)
-    losses, energy = inputs.parent.losses(
-        inputs.balance, [c.effective for c in plan.candidates], reference, inputs.width
-    )
-
-    best = ob.awq.first_minimum(
-        torch.stack([losses[plan.at[("search", SEARCH_OBSERVER, i)]] for i in range(len(grid))])
-    )
-    second = _Plan()
-    for observer, knobs in observers.items():
+        kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         try:
-            second.add((Variant.LLM_COMPRESSOR, observer, best), (best,), make(best, observer, knobs, None))
+            kept[Variant.RTN] = next(judge.judged(scales, [None], observer, knobs, None))
+            for found in judge.judged(scales, everywhere, observer, knobs, None):
+                if found[0] == best:
+                    kept[Variant.LLM_COMPRESSOR] = found
+                if _better(found[2], kept[Variant.OBSERVER_IN_SEARCH]):
+                    kept[Variant.OBSERVER_IN_SEARCH] = found
+            for found in judge.judged(scales, everywhere, observer, knobs, awq.clip_ratios()):
+                if _better(found[2], kept[Variant.CLIP_SEARCH]):
+                    kept[Variant.CLIP_SEARCH] = found
         except ValueError as err:
-            errors[(Variant.LLM_COMPRESSOR, observer)] = str(err)
-    second_losses, _ = inputs.parent.losses(
-        inputs.balance, [c.effective for c in second.candidates], reference, inputs.width
-    )
-
-    result = MappingResult(mapping, [], {}, {})
-    for observer in observers:
+            result.rows += [VariantRow(observer, variant, error=str(err)) for variant in Variant]
+            continue
         for variant in Variant:
-            key = (variant, observer)
-            if key in errors:
-                result.rows.append(VariantRow(observer, variant, error=errors[key]))
+            if kept[variant] is None:
+                result.rows.append(VariantRow(observer, variant, error="no candidate gave a finite loss"))
                 continue
-            if variant == Variant.LLM_COMPRESSOR:
-                position = second.at[(variant, observer, best)]
-                candidate, loss, index = second.candidates[position], float(second_losses[position]), best
-            else:
-                indices = [None] if variant == Variant.RTN else list(range(len(grid)))
-                positions = [plan.at[(variant, observer, i)] for i in indices]
-                pick = ob.awq.first_minimum(torch.stack([losses[p] for p in positions]))
-                index, position = indices[pick], positions[pick]
-                candidate, loss = plan.candidates[position], float(losses[position])
-            result.rows.append(_row(observer, variant, candidate, loss, energy, weights, inputs.moment, grid, index))
+            index, candidate, loss = kept[variant]
+            ratio, duo = (None, None) if index is None else grid[index]
+            row = _row(observer, variant, candidate, loss, judge.energy, weights, inputs.moment, spec, ratio, duo)
+            result.rows.append(row)
             if candidate.scales is not None:
-                result.scales[key] = candidate.scales
-            result.qparams[key] = candidate.qparams
+                result.scales[(variant, observer)] = candidate.scales
+            result.qparams[(variant, observer)] = candidate.qparams
     return result
 
 
-def _row(observer, variant, candidate: _Candidate, loss, energy, weights, moment, grid, index) -> VariantRow:
+def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment, spec, ratio, duo) -> VariantRow:
     hessian = moment.float()
     layer_errors = {
         name: ob.layer_output_error(weights[name].float(), candidate.effective[name].float(), hessian)
         for name in weights
     }
-    ratio, duo = (None, None) if index is None else grid[index]
     return VariantRow(
         observer,
         variant,
         mapping_error=loss / energy if energy > 0 else 0.0,
         mapping_loss=loss,
         layer_errors=layer_errors,
-        clipped=dict(candidate.clipped),
+        clipped=candidate.clipped(weights, spec),
         ratio=ratio,
         duo=duo,
     )
+
+
+def measure_held_out(result: MappingResult, inputs: MappingInputs, spec: ob.QuantSpec) -> MappingResult:
+    """``result`` with each row's picks measured on held-out inputs (``inputs``: the same mapping's
+    statistics and parent calls on held-out text): the mapping's and each layer's error there."""
+    weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
+    reference = inputs.parent.outputs()
+    energy = inputs.parent.energy(reference)
+    picked = {}
+    for row in result.rows:
+        if row.error is None:
+            key = (row.variant, row.observer)
+            qparams, scales = result.qparams[key], result.scales.get(key)
+            made = {
+                n: candidates.effective(ob.fake_quantize(candidates.smoothed(w, scales), qparams[n], spec), scales)
+                for n, w in weights.items()
+            }
+            picked[key] = Candidate(scales, qparams, made)
+    distinct = {candidates.digest(c): c for c in picked.values()}
+    losses = inputs.parent.losses(
+        inputs.balance, [c.effective for c in distinct.values()], reference, inputs.width, inputs.moment
+    )
+    loss_of = dict(zip(distinct, (float(v) for v in losses), strict=True))
+    hessian = inputs.moment.float()
+    rows = []
+    for row in result.rows:
+        candidate = picked.get((row.variant, row.observer))
+        if candidate is None:
+            rows.append(row)
+            continue
+        loss = loss_of[candidates.digest(candidate)]
+        layers = {
+            n: ob.layer_output_error(w.float(), candidate.effective[n].float(), hessian) for n, w in weights.items()
+        }
+        rows.append(replace(row, held_out_error=loss / energy if energy > 0 else 0.0, held_out_layer_errors=layers))
+    return replace(result, rows=rows)

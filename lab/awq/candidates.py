@@ -1,0 +1,218 @@
+"""AWQ's candidates for one mapping: the balance layers smoothed by each candidate's scales, an observer's
+qparams on each smoothed weight (optionally clip-searched per group), and the effective weight
+``Q(W·s)/s`` the parent is judged with.
+
+A candidate's arithmetic is llm-compressor's (``W·s`` as a float64 product cast back, ``Q(W·s)/s``
+likewise). Many candidates are made at once where it changes no number: an observer whose qparams
+are per row or per group of a row (integer and float grids with group or channel scales, no
+global scale) and whose knobs take nothing from the inputs sees every candidate's smoothed weight
+stacked as rows of one weight, so it runs once, not once per candidate; the clip search judges
+every candidate's shrunk ranges in one tensor expression too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import observers as ob
+
+STACKED_ELEMENTS = 48 << 20
+"""Weight elements (candidates × clip ratios × the weight) one stacked step holds."""
+
+INPUT_STATISTICS = ("importance", "hessian")
+"""Observer knobs filled from the smoothed inputs, which differ per candidate."""
+
+
+@dataclass
+class Candidate:
+    """One way to quantize a mapping's balance layers: its scales (None: unsmoothed), each layer's
+    qparams on its smoothed weight, and the effective weight ``Q(W·s)/s`` the parent runs with."""
+
+    scales: torch.Tensor | None
+    qparams: dict[str, ob.QParams]
+    effective: dict[str, torch.Tensor]
+
+    def clipped(self, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> dict[str, float]:
+        """Per layer, the share of its smoothed weight outside the range its qparams represent."""
+        return {
+            name: float(ob.quantization_metrics(smoothed(weights[name], self.scales), qp, spec).get("clip_ratio", 0.0))
+            for name, qp in self.qparams.items()
+        }
+
+
+def digest(candidate: Candidate) -> str:
+    """A candidate's scales and qparams in a few bytes: two candidates with the same digest quantize
+    to the same weights (unit scales are no smoothing: ``W·1`` is ``W``)."""
+    found = hashlib.sha1()
+    scales = candidate.scales
+    if scales is not None and not bool((scales == 1).all()):
+        found.update(scales.detach().double().cpu().contiguous().numpy().tobytes())
+    for name in sorted(candidate.qparams):
+        qp = candidate.qparams[name]
+        for part in (qp.scale, qp.zero_point, qp.global_scale):
+            if part is not None:
+                found.update(part.detach().float().cpu().contiguous().numpy().tobytes())
+    return found.hexdigest()
+
+
+def smoothed(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """``W·s`` in the weight's dtype, as llm-compressor writes it (float64 product, then cast)."""
+    return weight if scales is None else (weight.double() * scales.view(1, -1)).to(weight.dtype)
+
+
+def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """``Q(W·s)/s`` in the weight's dtype, as llm-compressor runs the parent with it."""
+    return quantized if scales is None else (quantized.double() / scales.view(1, -1)).to(quantized.dtype)
+
+
+def diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``(in/size, size, size)`` diagonal blocks of an ``(in, in)`` second moment."""
+    groups = moment.shape[0] // size
+    return moment.reshape(groups, size, groups, size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+
+def _scaled_blocks(moment: torch.Tensor, size: int, scales: torch.Tensor | None) -> torch.Tensor:
+    """The diagonal blocks of the second moment of the smoothed inputs ``x/s``."""
+    blocks = diagonal_blocks(moment, size)
+    if scales is None:
+        return blocks
+    inverse = (1.0 / scales).reshape(-1, size)
+    return blocks * inverse.unsqueeze(2) * inverse.unsqueeze(1)
+
+
+def statistic_knobs(observer: str, knobs: dict[str, Any], moment: torch.Tensor, scales) -> dict[str, Any]:
+    """The observer's knobs with the input statistics it takes filled for the smoothed inputs
+    ``x/s``: the mean square per column (``importance``) and the per-block second moment
+    (``hessian``), unless the person gave them."""
+    taken = ob.knobs(observer)
+    filled = dict(knobs)
+    if "importance" in taken and filled.get("importance") is None:
+        inverse = 1.0 if scales is None else 1.0 / scales
+        filled["importance"] = (moment.diagonal() * inverse**2).float()
+    if "hessian" in taken and filled.get("hessian") is None:
+        size = int(filled.get("block_size", taken.get("block_size", 16)))
+        filled["hessian"] = _scaled_blocks(moment, size, scales).float()
+    return filled
+
+
+def _observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
+    found = ob.run_one(observer, weight, spec, "weight", **knobs)
+    if found.qparams is None:
+        raise ValueError(found.error or f"{observer} gave no qparams")
+    return found.qparams
+
+
+def stackable(observer: str, spec: ob.QuantSpec) -> bool:
+    """Whether the observer's qparams of a weight are its rows' own, so that candidates stacked as
+    rows get each their own qparams: group or channel scales without a global scale, and no knob
+    filled from the inputs (those differ per candidate)."""
+    rowwise = spec.strategy in ("group", "channel") and spec.format.scale_kind != "e4m3"
+    return rowwise and not any(knob in ob.knobs(observer) for knob in INPUT_STATISTICS)
+
+
+def _rows(qp: ob.QParams, count: int, rows: int) -> list[ob.QParams]:
+    """Stacked qparams (``count`` weights of ``rows`` rows each) cut into each weight's."""
+    total = count * rows
+
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == total:
+            return list(value.split(rows))
+        return [value] * count
+
+    fields = {name: cut(getattr(qp, name)) for name in ("scale", "zero_point", "min_val", "max_val")}
+    return [
+        ob.QParams(**{name: parts[i] for name, parts in fields.items()}, global_scale=qp.global_scale, kind=qp.kind)
+        for i in range(count)
+    ]
+
+
+def make(
+    weights: dict[str, torch.Tensor],
+    scales: torch.Tensor | None,
+    observer: str,
+    spec: ob.QuantSpec,
+    knobs: dict[str, Any],
+    moment: torch.Tensor,
+    clip: list[float] | None = None,
+    clipped: dict[str, ob.QParams] | None = None,
+) -> list[Candidate]:
+    """One candidate per row of ``scales`` (``(n, in)``; None: one, unsmoothed), ``observer``'s
+    qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
+    ratios when given. ``clipped`` remembers clip searches across calls (by the layer, the scales
+    and the qparams searched from), so observers that agree search once."""
+    clipped = {} if clipped is None else clipped
+    rows = [None] if scales is None else list(scales)
+    made = [Candidate(s, {}, {}) for s in rows]
+    together = stackable(observer, spec)
+    for name, weight in weights.items():
+        step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            found = _chunk(name, weight, chunk, observer, spec, knobs, moment, clip, clipped)
+            for candidate, (qp, eff) in zip(made[start : start + step], found, strict=True):
+                candidate.qparams[name], candidate.effective[name] = qp, eff
+    return made
+
+
+def _chunk(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) -> list[tuple[ob.QParams, torch.Tensor]]:
+    """A chunk of candidates of one layer: one stacked observer call (and clip search) where
+    ``stackable``, else one each."""
+    weights = torch.stack([smoothed(weight, s) for s in chunk])
+    if len(chunk) > 1 and stackable(observer, spec):
+        qps = _rows(_observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
+    else:
+        qps = [
+            _observe(observer, w, spec, statistic_knobs(observer, knobs, moment, s))
+            for w, s in zip(weights, chunk, strict=True)
+        ]
+    if clip is not None:
+        qps = _clipped(name, weights, qps, spec, clip, chunk, moment, clipped)
+    quantized = ob.fake_quantize(weights.flatten(0, 1), _joined(qps), spec).reshape(weights.shape)
+    return [(qp, effective(q, s)) for qp, q, s in zip(qps, quantized, chunk, strict=True)]
+
+
+def _clipped(name, weights, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:
+    """``_clip_search`` of the candidates ``memo`` has not seen (by layer, scales and qparams)."""
+    keys = [f"{name}:{digest(Candidate(s, {name: qp}, {}))}" for s, qp in zip(scales, qps, strict=True)]
+    missing = [i for i, key in enumerate(keys) if key not in memo]
+    if missing:
+        found = _clip_search(
+            weights[missing], [qps[i] for i in missing], spec, ratios, [scales[i] for i in missing], moment
+        )
+        memo.update({keys[i]: qp for i, qp in zip(missing, found, strict=True)})
+    return [memo[key] for key in keys]
+
+
+def _joined(qps: list[ob.QParams]) -> ob.QParams:
+    """Per-weight qparams stacked back along the rows (the inverse of ``_rows``)."""
+    first = qps[0]
+    fields = {
+        name: torch.cat([getattr(q, name) for q in qps]) for name in ("scale", "zero_point", "min_val", "max_val")
+    }
+    return ob.QParams(**fields, global_scale=first.global_scale, kind=first.kind)
+
+
+def _clip_search(
+    weights: torch.Tensor, qps: list[ob.QParams], spec, ratios: list[float], scales: list, moment: torch.Tensor
+) -> list[ob.QParams]:
+    """Per candidate and group, the share of the observer's range (among ``ratios``) whose part of
+    the layer's output error on the smoothed inputs ``x/s`` is least (the first least, in the
+    ratios' order, as ModelOpt's ``awq_clip`` keeps a ratio only when strictly better).
+    ``weights`` are the candidates' smoothed weights ``(n, out, in)``."""
+    n, rows, columns = weights.shape
+    size = spec.group_size if spec.strategy == "group" else columns
+    joined = _joined(qps)
+    flat = weights.reshape(n * rows, columns)
+    shrunk = ob.awq.shrunk(joined, spec, ratios)
+    differences = torch.stack([flat.float() - ob.fake_quantize(flat, c, spec).float() for c in shrunk])
+    differences = differences.reshape(len(ratios), n, rows, columns)
+    blocks = torch.stack([_scaled_blocks(moment, size, s) for s in scales])
+    errors = ob.awq.group_output_errors(differences, blocks)
+    best = torch.argmin(errors, dim=0).reshape(n * rows, -1)
+    chosen = torch.tensor(ratios, dtype=torch.float32, device=weights.device)[best].reshape(joined.min_val.shape)
+    found = ob.qparams.range_rule(joined.min_val * chosen, joined.max_val * chosen, spec)
+    return _rows(found, n, rows)
