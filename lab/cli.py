@@ -1,17 +1,16 @@
 """``python -m observers``: the lab without a browser.
 
-Subcommands: ``list`` (observers, formats, presets), ``layers MODEL``, ``run MODEL ...``, and the
-model-level ones: ``evaluate MODEL --choices FILE`` and ``sensitivity MODEL ...`` (``lab.effect.evaluate``,
-``lab.effect.sensitivity``: what a choice does to the model's output on held-out text).
-``run`` fills the same ``lab.settings.RunSettings`` the app's Run page fills (formats, presets,
-knobs, activation order, calibration), then calls ``lab.analyse.pipeline.analyse`` and
-``lab.results.choose`` as the app does, and writes the Observer Lab JSON, optionally an HTML
-report and a compressed-tensors export: the same settings give the same file. Bad input ends
-with exit code 2 and one line on stderr, never a traceback.
+Subcommands: ``list`` (observers, formats, presets), ``layers MODEL``, ``run MODEL ...``, and the model-level ones:
+``evaluate MODEL --choices FILE`` and ``sensitivity MODEL ...`` (``lab.effect.evaluate``, ``lab.effect.sensitivity``:
+what a choice does to the model's output on held-out text). ``run`` fills the same ``lab.settings.RunSettings`` the
+app's Run page fills (formats, presets, knobs, activation order, calibration), then calls
+``lab.analyse.pipeline.analyse`` and ``lab.results.choose`` as the app does, and writes the Observer Lab JSON,
+optionally an HTML report and a compressed-tensors export: the same settings give the same file. Bad input ends
+with exit code 2 and one line on stderr, never a traceback; ``run --awq`` adds AWQ's table (``lab.awq.command``).
 
-``run --layers all`` (or ``--chunk N``, ``--resume``, or several torchrun ranks) is a sweep
-(``lab.scale.sweep``): layers are streamed in chunks, written as they finish and resumable; under
-``torchrun`` the ranks split the layers (``lab.scale.distributed``) and rank 0 writes the file.
+``run --layers all`` (or ``--chunk N``, ``--resume``, or several torchrun ranks) is a sweep (``lab.scale.sweep``):
+layers are streamed in chunks, written as they finish and resumable; under ``torchrun`` the ranks split the layers
+(``lab.scale.distributed``) and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from typing import IO, Any
 
 import observers as ob
 from lab.allocate import command as allocate_command
+from lab.awq import command as awq_command
 from lab.cli_args import ALL_LAYERS, CliError, build_parser, settings_from_args, split_csv
 from lab.gptq import hessians
 from lab.history import command as history
@@ -77,8 +77,7 @@ def select_layers(model: Any, text: str) -> list[str]:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    """The model ``args.model`` on ``args.device``; imported late, after a command's cheap checks
-    (importing transformers takes seconds)."""
+    """The model ``args.model`` on ``args.device``; imported late, after cheap checks (transformers takes seconds)."""
     from sample_models import open_model
 
     return open_model(args.model, device=args.device)
@@ -94,10 +93,8 @@ def _cmd_list(out: IO[str]) -> None:
     out.write("formats:\n")
     for row in formats_table():
         block = f"block {row['block_size']}" if row["block_size"] else "no block"
-        out.write(
-            f"  {row['name']:<28} {row['family']:<7} {row['element']:<10} {block:<10} scale {row['scale']:<24} "
-            f"max {row['max_value']:g}\n"
-        )
+        out.write(f"  {row['name']:<28} {row['family']:<7} {row['element']:<10} {block:<10} ")
+        out.write(f"scale {row['scale']:<24} max {row['max_value']:g}\n")
     out.write("presets:\n")
     for name in ob.PRESET_NAMES:
         parts = [f"{kind}: {'-' if spec is None else spec_text(spec)}" for kind, spec in ob.preset(name).items()]
@@ -137,6 +134,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     settings = settings_from_args(args)
     config = settings.config(has_layers=True, has_attention=settings.wants["kv"])
     sweep = _is_sweep(args)
+    awq = awq_command.check(args, config, sweep)
     if args.transform and args.ct_dir:
         raise CliError(
             "--compressed-tensors writes qparams for the model as it is; with --transform they are the qparams of the "
@@ -170,6 +168,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         return override(part, choose(part, args.choose_by), args.choose, part=True)
 
     bar = None if args.quiet else ProgressBar(err)
+    awq_written = [] if awq is None else [awq_command.run(awq, model, layers, config, args, out, err)]
     analysis = analyse(model, layers, config, progress=bar, attention=attention, choices=chosen)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
@@ -183,7 +182,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     made_by = history.made_by()
     document = lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated, made_by)
     records = {(record["layer"], record["tensor"]): record for record in document["entries"]}
-    written = [args.out, str(history.save_beside(analysis, args.out, args.model, args.device))]
+    written = [args.out, str(history.save_beside(analysis, args.out, args.model, args.device)), *awq_written]
     if config.gptq is not None and hessians.save(hessians.directory_for(args.out), analysis.entries):
         written.append(str(hessians.directory_for(args.out)))  # what deploys its GPTQ choices later
     if args.report:

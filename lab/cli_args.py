@@ -11,6 +11,7 @@ from typing import Any
 
 import observers as ob
 from lab.analyse.tools import Tool
+from lab.awq import options as awq_options
 from lab.scale.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
 from lab.vocab import (
@@ -225,6 +226,7 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
         help="fixed: the observer's scales from the original weight before the sweep (llm-compressor 0.14); refit: "
         "from the updated weights as the sweep reaches each group (the GPTQ paper, GPTQModel)",
     )
+    awq_options.add_arguments(parser)
     parser.add_argument(
         "--transform",
         choices=[kind.value for kind in ob.TransformKind],

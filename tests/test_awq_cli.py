@@ -1,0 +1,68 @@
+"""``python -m observers run ... --awq`` (issue 41): the AWQ table printed and written beside the run's
+JSON, and every bad input one line with nothing written."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from lab.awq.mappings import NOT_A_DECODER
+from lab.cli import main
+
+BASE = ("--format", "int4", "--strategy", "group", "--group-size", "16", "--samples", "4", "--seq-len", "32")
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) -> None:
+    target = tmp_path / "run.json"
+    flags = ("--observers", "minmax,mse_grid", "--awq", "--awq-n-grid", "4", "--awq-clip-min", "0.8")
+    code, out, err = _cli(
+        "run", "tiny-llama", "--layers", r"re:model\.layers\.0\..*", *BASE, *flags, "--out", str(target), "--quiet"
+    )
+    assert code == 0, err
+    assert "# AWQ (n_grid 4, duo scaling on, clip ratios 0.8..1.0 by 0.05" in out
+    rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
+    assert len(rows) == 3 * 2  # three mappings (q/k/v, gate/up, up -> down) x two observers
+    for cells in rows:
+        assert [c.split(" ")[0] for c in cells[2:]] == ["rtn", "llm-compressor", "observer-in-search", "clip-search"]
+    assert sum(line.startswith("best\t") for line in out.splitlines()) == 3
+    written = json.loads((tmp_path / "run.awq.json").read_text())
+    assert written["awq"] == {"n_grid": 4, "duo_scaling": "on", "clip_min": 0.8, "clip_step": 0.05}
+    assert written["observers"] == ["minmax", "mse_grid"] and len(written["mappings"]) == 3
+    assert len(written["rows"]) == 3 * 2 * 4
+    assert all(r["mapping_error"] >= 0 and r["held_out_error"] >= 0 and r["rank"] >= 1 for r in written["rows"])
+    assert target.exists() and f"{tmp_path / 'run.awq.json'}" in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("tiny-llama", ["--awq-n-grid", "5"], "--awq-n-grid need --awq"),
+        ("tiny-llama", ["--awq", "--awq-n-grid", "2"], "n_grid must be an integer in [3, 1000], got 2"),
+        ("tiny-llama", ["--awq", "--awq-clip-step", "0.9"], "clip_step must be a number in [0.01, 0.5]"),
+        ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
+        ("tiny-llama", ["--awq", "--gptq"], "AWQ then GPTQ is not built yet"),
+        ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
+        ("tiny-llama", ["--awq", "--transform", "hadamard"], "--awq with --transform"),
+        ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
+        ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
+    ],
+)
+def test_bad_awq_input_is_one_line_and_writes_nothing(tmp_path, model, flags, message) -> None:
+    layers = r"re:model\.layers\.0\.mlp\..*" if model == "tiny-llama" else "encoder.layer.0.intermediate.dense"
+    target = tmp_path / "x.json"
+    code, _, err = _cli("run", model, "--layers", layers, *BASE, *flags, "--out", str(target), "--quiet")
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_with_awq_is_refused(tmp_path) -> None:
+    code, _, err = _cli("run", "tiny-llama", "--layers", "all", *BASE, "--awq", "--out", str(tmp_path / "x.json"))
+    assert code == 2 and "not a sweep" in err
