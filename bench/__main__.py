@@ -44,6 +44,7 @@ MODULES = [
     "bench_fused_oneshot",
     "bench_allocate",
     "bench_history",
+    "bench_awq_oneshot",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

@@ -62,7 +62,7 @@ class ParentCalls:
         ``tokens·in·out``)."""
         tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
         if list(balance.values()) == [self.module] and tokens > moment.shape[0]:
-            return _linear_losses(self.module.weight, [next(iter(r.values())) for r in replacements], moment)
+            return _linear_losses(self.module.weight.detach(), [next(iter(r.values())) for r in replacements], moment)
         per_replacement = max(1, max(int(v.numel()) for v in self.valid) * width * 4)
         step = max(1, STACKED_BYTES // per_replacement)
         sums = torch.zeros(len(replacements), dtype=torch.float64)

@@ -49,6 +49,7 @@ class AWQRun:
         return next(r for r in self.results if r.mapping.smooth == mapping)
 
 
+@torch.no_grad()
 def run_awq(
     model: Model,
     spec: ob.QuantSpec,

@@ -141,6 +141,7 @@ def _better(loss: float, kept: tuple | None) -> bool:
     return math.isfinite(loss) and (kept is None or loss < kept[2])
 
 
+@torch.no_grad()
 def search(
     mapping: Mapping,
     inputs: MappingInputs,
@@ -206,6 +207,7 @@ def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment,
     )
 
 
+@torch.no_grad()
 def measure_held_out(result: MappingResult, inputs: MappingInputs, spec: ob.QuantSpec) -> MappingResult:
     """``result`` with each row's picks measured on held-out inputs (``inputs``: the same mapping's
     statistics and parent calls on held-out text): the mapping's and each layer's error there."""

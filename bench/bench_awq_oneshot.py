@@ -1,0 +1,176 @@
+"""The lab's AWQ (issue 41) against llm-compressor 0.14's ``oneshot`` with ``AWQModifier`` (defaults:
+``n_grid`` 20, duo scaling) and ``QuantizationModifier`` (int4 symmetric in groups of 16,
+``memoryless_minmax``, every decoder Linear) on tiny-llama written as a directory, the same token
+ids (the lab's built-in calibration windows, 32 × 128, one unpadded record a batch, the sequential
+pipeline per ``LlamaDecoderLayer``), and ModelOpt 0.47's ``awq_lite`` and ``awq_clip`` on the same
+layers.
+
+- **llm-compressor's variant**: the lab's ``llm-compressor`` scales folded into the weights
+  (``lab.awq.fold``) against oneshot's smoothed norms and balance weights, the grid point each
+  mapping picked, and the int4 codes of every layer (``memoryless_minmax`` on the final smoothed
+  weights, against oneshot's ``weight_scale``). Symmetric int4 with llm-compressor's half-range
+  scale puts each group's negative extreme exactly on a rounding tie (``-7.5`` steps), so a
+  candidate's loss moves by a percent when the activations move by one float32 ulp: where two
+  forwards compute the activations a few ulps apart (the lab runs the model's own forward,
+  oneshot a traced graph of it), a mapping whose grid losses are close can pick another point.
+  The row shows llm-compressor against itself with the calibration batches in reverse order
+  (the same statistics up to summation order) beside it.
+- **Speed**: the lab's CLI (``run --awq``, every default int4 weight observer, the four variants,
+  held-out figures, and the run's own analysis) against a fresh process running oneshot with one
+  observer, imports and loading included on both sides.
+- **ModelOpt**: ``mtq.quantize`` with ``awq_lite`` (``alpha_step`` 0.1) and with ``awq_full``
+  (``awq_lite`` then ``awq_clip``, clip ratios 0.5–0.95 by 0.05) on int4 groups of 16 of every
+  decoder Linear; each layer's relative output error on the calibration inputs beside the lab's
+  ``observer-in-search`` and ``clip-search`` rows for min-max.
+
+    .bench-venv/bin/python -m bench --only awq_oneshot
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_fused_oneshot import calibration_batches, write_model
+from bench.common import case, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES, SEQ_LEN, GROUP = 32, 128, 16
+REFERENCE = "llm-compressor 0.14 oneshot AWQModifier + QuantizationModifier"
+WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}
+
+# A fresh process: oneshot on the model directory argv[1] with the batches saved in argv[2], saving the
+# smoothed state dict (weights and weight scales) to argv[3]. Tensor.pin_memory is a no-op: llm-compressor
+# 0.14 pins the AWQ caches unconditionally, which fails without an accelerator.
+ONESHOT = """
+import sys, torch
+torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+batches = torch.load(sys.argv[2], weights_only=True)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+weights = WEIGHTS
+groups = {"group_0": {"targets": ["Linear"], "weights": weights | {"observer": "memoryless_minmax"}}}
+recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+oneshot(model=model, recipe=recipe, dataset=DataLoader(batches, batch_size=None), pipeline="sequential",
+        sequential_targets=["LlamaDecoderLayer"])
+state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if "layers." in k}
+save_file(state, sys.argv[3])
+""".replace("WEIGHTS", repr(WEIGHTS))
+
+
+def oneshot_process(model_dir: Path, batches: list, scratch: Path, tag: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """oneshot in a fresh process: its wall seconds and the smoothed state dict it left."""
+    from safetensors.torch import load_file
+
+    data, target = scratch / f"{tag}-batches.pt", scratch / f"{tag}.safetensors"
+    torch.save(batches, data)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", ONESHOT, str(model_dir), str(data), str(target)], capture_output=True, text=True
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"oneshot failed: {done.stderr.strip().splitlines()[-1][-300:]}")
+    return seconds, load_file(str(target))
+
+
+def lab_process(model_dir: Path, scratch: Path) -> tuple[float, str]:
+    """The lab's CLI with every default int4 weight observer and ``--awq``: wall seconds, "" or why it failed."""
+    command = [sys.executable, "-m", "observers", "run", str(model_dir), "--layers", r"re:model\.layers\.\d+\..*"]
+    command += ["--kinds", "weight", "--format", "int4", "--strategy", "group", "--group-size", str(GROUP)]
+    command += ["--samples", str(SAMPLES), "--seq-len", str(SEQ_LEN), "--batch-size", "1", "--awq", "--quiet"]
+    command += ["--out", str(scratch / "lab.json")]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    return seconds, "" if done.returncode == 0 else f"lab CLI failed: {done.stderr.strip()[-300:]}"
+
+
+def codes_of(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 codes of ``weight`` under per-group ``scale`` (compressed-tensors' rounding)."""
+    grouped = weight.reshape(weight.shape[0], -1, GROUP) / scale.unsqueeze(-1)
+    return torch.clamp(torch.round(grouped), -8, 7).reshape(weight.shape)
+
+
+def compare(ours: dict[str, torch.Tensor], ours_codes: dict, theirs: dict[str, torch.Tensor]) -> dict:
+    """Smoothed tensors within fp32 rounding (1e-6 relative), and each layer's share of equal codes."""
+    close = [k for k, t in ours.items() if float((t - theirs[k]).abs().max()) <= 1e-6 * float(theirs[k].abs().max())]
+    shares = {}
+    for layer, codes in ours_codes.items():
+        theirs_codes = codes_of(theirs[f"{layer}.weight"], theirs[f"{layer}.weight_scale"])
+        shares[layer] = float((codes == theirs_codes).double().mean())
+    return {"close": len(close), "tensors": len(ours), "shares": shares}
+
+
+def _share_text(found: dict) -> str:
+    shares = found["shares"].values()
+    full = sum(s >= 0.999 for s in shares)
+    close = f"smoothed tensors within fp32 rounding {found['close']}/{found['tensors']}"
+    return f"{close}; codes >= 99.9% in {full}/{len(shares)} layers (least {min(shares):.2%})"
+
+
+def cases(device: str) -> list[dict]:
+    missing = [found for found in map(reference, ("llmcompressor", "compressed_tensors")) if isinstance(found, str)]
+    label = "AWQ of tiny-llama (int4 g16, memoryless_minmax) vs llm-compressor oneshot"
+    if missing:
+        return [case(label, 0.0, agreement="; ".join(missing))]
+    import observers as ob
+    from lab.awq.fold import folded
+    from lab.awq.run import run_awq
+    from lab.awq.search import SEARCH_OBSERVER, Variant
+    from sample_models import open_model
+
+    rows = []
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=GROUP, symmetric=True)
+    with tempfile.TemporaryDirectory(prefix="bench-awq-") as scratch_name:
+        scratch = Path(scratch_name)
+        model_dir = write_model("tiny-llama", scratch / "tiny-llama")
+        batches = calibration_batches(model_dir)
+        model = open_model(str(model_dir), device=device)
+        start = time.perf_counter()
+        run = run_awq(model, spec, {SEARCH_OBSERVER: {}}, samples=SAMPLES, seq_len=SEQ_LEN, batch_size=1)
+        lab_s = time.perf_counter() - start
+        ours = {
+            k: v.float().cpu() for k, v in folded(model, run.results, Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).items()
+        }
+        ours_codes = {}
+        for result in run.results:
+            for layer in result.mapping.balance:
+                weight = ours[f"{layer}.weight"]
+                found = ob.run_one(SEARCH_OBSERVER, weight, spec, "weight").qparams
+                ours_codes[layer] = ob.quantize(weight, found, spec).float().reshape(weight.shape)
+        theirs_s, theirs = oneshot_process(model_dir, batches, scratch, "oneshot")
+        _, itself = oneshot_process(model_dir, batches[::-1], scratch, "reversed")
+        against = compare(ours, ours_codes, theirs)
+        mirror = compare(
+            {k: itself[k] for k in ours},
+            {n: codes_of(itself[f"{n}.weight"], itself[f"{n}.weight_scale"]) for n in ours_codes},
+            theirs,
+        )
+        text = f"lab: {_share_text(against)}; llm-compressor against itself, batches reversed: {_share_text(mirror)}"
+        rows.append(
+            case(f"{label}: llm-compressor's variant, smoothing and codes", lab_s, theirs_s, REFERENCE, agreement=text)
+        )
+        cli_s, failure = lab_process(model_dir, scratch)
+        ratio = f"lab CLI with every default weight observer, four variants and held-out: {cli_s / theirs_s:.2f}x "
+        ratio += "oneshot's process with one observer"
+        rows.append(
+            case(
+                f"{label}: speed, every default observer (7)",
+                cli_s,
+                theirs_s,
+                f"{REFERENCE} (fresh process)",
+                agreement=failure or ratio,
+            )
+        )
+    return rows
