@@ -28,6 +28,7 @@ layers.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import tempfile
@@ -174,3 +175,85 @@ def cases(device: str) -> list[dict]:
             )
         )
     return rows
+
+
+MODELOPT = "ModelOpt 0.47 mtq.quantize, INT4_AWQ_CFG with blocks of 16"
+
+
+def _modelopt_row(model_dir: Path, batches: list, run) -> dict:
+    """ModelOpt's ``awq_lite`` and ``awq_full`` (lite, then ``awq_clip``) on tiny-llama's decoder
+    Linears in int4 blocks of 16: each layer's relative output error on the calibration inputs,
+    averaged, beside the lab's min-max ``observer-in-search`` and ``clip-search`` (a single-observer
+    run of the lab has only ``memoryless_minmax``: its rows are min-max's)."""
+    found = reference("modelopt.torch.quantization")
+    label = "AWQ of tiny-llama: ModelOpt awq_lite / awq_full against the lab's observer-in-search / clip-search"
+    if isinstance(found, str):
+        return case(label, 0.0, agreement=found)
+    from lab.awq.search import SEARCH_OBSERVER, Variant
+
+    lab = {variant: [] for variant in (Variant.OBSERVER_IN_SEARCH, Variant.CLIP_SEARCH)}
+    for result in run.results:
+        for variant, errors in lab.items():
+            errors += list(result.row(variant, SEARCH_OBSERVER).layer_errors.values())
+    theirs, seconds = {}, {}
+    for method in ("awq_lite", "awq_full"):
+        start = time.perf_counter()
+        theirs[method] = _modelopt_errors(found, model_dir, batches, method)
+        seconds[method] = time.perf_counter() - start
+    mean = {k: sum(v) / len(v) for k, v in (lab | theirs).items()}
+    text = (
+        "mean relative layer-output error over the balanced layers: lab observer-in-search "
+        f"{mean[Variant.OBSERVER_IN_SEARCH]:.4g}, ModelOpt awq_lite {mean['awq_lite']:.4g}; "
+        f"lab clip-search {mean[Variant.CLIP_SEARCH]:.4g}, "
+        f"ModelOpt awq_full (lite + clip) {mean['awq_full']:.4g}; ModelOpt judges each Linear's own output "
+        "with alpha steps of 0.1 and its int4 step is amax/7 (llm-compressor's amax/7.5)"
+    )
+    return case(label, seconds["awq_full"], reference=MODELOPT, agreement=text)
+
+
+def _modelopt_errors(mtq, model_dir: Path, batches: list, method: str) -> list[float]:
+    """Each balanced decoder Linear's ``Σ‖ŷ − y‖² / Σ‖y‖²`` on its float calibration inputs after
+    ModelOpt's ``method``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    names = [n for n in names if not n.endswith("o_proj")]  # tiny-llama's v -> o is no mapping (GQA widths)
+    inputs: dict[str, list] = {n: [] for n in names}
+    hooks = [model.get_submodule(n).register_forward_hook(_keep(inputs[n])) for n in names]
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    for hook in hooks:
+        hook.remove()
+    floats = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    config = copy.deepcopy(mtq.INT4_AWQ_CFG)
+    for entry in config["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer":
+            entry["cfg"]["block_sizes"] = {-1: GROUP, "type": "static"}
+    config["algorithm"] = {"method": method, "alpha_step": 0.1} if method == "awq_lite" else {"method": method}
+
+    def forward_loop(m) -> None:
+        with torch.no_grad():
+            for batch in batches:
+                m(**batch)
+
+    mtq.quantize(model, config, forward_loop)
+    errors = []
+    with torch.no_grad():
+        for name in names:
+            module = model.get_submodule(name)
+            error = energy = 0.0
+            for x in inputs[name]:
+                y = torch.nn.functional.linear(x, floats[name])
+                error += float((module(x) - y).double().square().sum())
+                energy += float(y.double().square().sum())
+            errors.append(error / energy)
+    return errors
+
+
+def _keep(into: list):
+    def hook(module, args, output):
+        into.append(args[0].detach().clone())
+
+    return hook
