@@ -174,6 +174,7 @@ def cases(device: str) -> list[dict]:
                 agreement=failure or ratio,
             )
         )
+        rows.append(_modelopt_row(model_dir, batches, run))
     return rows
 
 
