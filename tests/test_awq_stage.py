@@ -366,3 +366,43 @@ def test_only_mappings_of_the_chosen_layers_are_searched(tiny_llama) -> None:
     assert [r.mapping.smooth for r in run.results] == ["model.layers.0.input_layernorm", "model.layers.1.mlp.up_proj"]
     with pytest.raises(ValueError, match="none of the chosen layers is a balance layer"):
         run_awq(tiny_llama, INT4_G16, {SEARCH_OBSERVER: {}}, layers=["lm_head"], samples=2, seq_len=16)
+
+
+def test_fused_layers_share_the_scale_a_server_keeps_in_every_candidate(tiny_llama) -> None:
+    # NVFP4: q/k/v are one linear to vLLM, which keeps one global scale (the max); llm-compressor
+    # links their observers during its search; so does every candidate here
+    spec = ob.preset("NVFP4A16")["weight"]
+    prefix = "model.layers.0.self_attn"
+    weights = {f"{prefix}.{p}_proj": tiny_llama.weight(f"{prefix}.{p}_proj").float() for p in "qkv"}
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    moment = x.T.double() @ x.double() / 64
+    scales = ob.awq.candidate_scales(
+        x.abs().mean(0), ob.awq.weight_means(list(weights.values()), spec), ob.AWQSpec(n_grid=3).grid()
+    )
+    made = candidates.make(weights, scales, "memoryless_minmax", spec, {}, moment)
+    for candidate in made:
+        globals_ = [candidate.qparams[name].global_scale for name in weights]
+        assert all(torch.equal(g, globals_[0]) for g in globals_)
+        alone = [
+            ob.run_one(
+                "memoryless_minmax", candidates.smoothed(w, candidate.scales), spec, "weight"
+            ).qparams.global_scale
+            for w in weights.values()
+        ]
+        assert torch.equal(globals_[0], torch.stack(alone).min().reshape(globals_[0].shape))  # the widest member's
+
+
+def test_nvfp4_runs_and_the_clip_search_says_why_it_does_not(tiny_llama) -> None:
+    spec = ob.preset("NVFP4A16")["weight"]
+    run = run_awq(
+        tiny_llama,
+        spec,
+        {SEARCH_OBSERVER: {}},
+        ob.AWQSpec(n_grid=3),
+        layers=["model.layers.0.self_attn.q_proj"],
+        samples=2,
+        seq_len=16,
+    )
+    (result,) = run.results
+    assert result.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).error is None
+    assert "integer grid" in result.row(Variant.CLIP_SEARCH, SEARCH_OBSERVER).error

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.runtime import fusion
+from lab.runtime import scales as scales_rule
 
 STACKED_ELEMENTS = 48 << 20
 """Weight elements (candidates × clip ratios × the weight) one stacked step holds."""
@@ -151,16 +153,42 @@ def make(
     for name, weight in weights.items():
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
-            chunk = rows[start : start + step]
-            found = _chunk(name, weight, chunk, observer, spec, knobs, moment, clip, clipped)
-            for candidate, (qp, eff) in zip(made[start : start + step], found, strict=True):
-                candidate.qparams[name], candidate.effective[name] = qp, eff
+            found = _qparams(name, weight, rows[start : start + step], observer, spec, knobs, moment, clip, clipped)
+            for candidate, qp in zip(made[start : start + step], found, strict=True):
+                candidate.qparams[name] = qp
+    _share_fused(made, list(weights), spec)
+    for name, weight in weights.items():
+        step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
+        for start in range(0, len(made), step):
+            part = made[start : start + step]
+            stacked = torch.stack([smoothed(weight, c.scales) for c in part])
+            joined = _joined([c.qparams[name] for c in part])
+            quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
+            for candidate, q in zip(part, quantized, strict=True):
+                candidate.effective[name] = effective(q, candidate.scales)
     return made
 
 
-def _chunk(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) -> list[tuple[ob.QParams, torch.Tensor]]:
-    """A chunk of candidates of one layer: one stacked observer call (and clip search) where
-    ``stackable``, else one each."""
+def _share_fused(made: list[Candidate], names: list[str], spec: ob.QuantSpec) -> None:
+    """Each candidate's qparams of the balance layers a server fuses into one linear (q/k/v,
+    gate/up) under the one scale the server keeps for them (``lab.runtime.scales``: NVFP4's global
+    scale, an FP8 per-tensor scale), as llm-compressor links its observers during the search
+    (``fuse_weight_observers``)."""
+    how = scales_rule.collapse(spec, "weight")
+    if how is None:
+        return
+    share = ob.fused.share_global_scale if how == scales_rule.Collapse.GLOBAL_SCALE else ob.fused.share_tensor_range
+    for _, members in fusion.fused_groups(names, scales_rule.level("weight")):
+        if len(members) < 2:
+            continue
+        for candidate in made:
+            shared = share([candidate.qparams[m] for m in members], spec)
+            candidate.qparams.update(zip(members, shared, strict=True))
+
+
+def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) -> list[ob.QParams]:
+    """A chunk of candidates' qparams of one layer: one stacked observer call (and clip search)
+    where ``stackable``, else one each."""
     weights = torch.stack([smoothed(weight, s) for s in chunk])
     if len(chunk) > 1 and stackable(observer, spec):
         qps = _rows(_observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
@@ -171,8 +199,7 @@ def _chunk(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) ->
         ]
     if clip is not None:
         qps = _clipped(name, weights, qps, spec, clip, chunk, moment, clipped)
-    quantized = ob.fake_quantize(weights.flatten(0, 1), _joined(qps), spec).reshape(weights.shape)
-    return [(qp, effective(q, s)) for qp, q, s in zip(qps, quantized, chunk, strict=True)]
+    return qps
 
 
 def _clipped(name, weights, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:

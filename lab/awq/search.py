@@ -162,22 +162,29 @@ def search(
     result = MappingResult(mapping, [], {}, {}, scales[best])
     for observer, knobs in observers.items():
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
+        failed: dict[Variant, str] = {}
         try:
             kept[Variant.RTN] = next(judge.judged(scales, [None], observer, knobs, None))
+        except ValueError as err:
+            failed[Variant.RTN] = str(err)
+        try:
             for found in judge.judged(scales, everywhere, observer, knobs, None):
                 if found[0] == best:
                     kept[Variant.LLM_COMPRESSOR] = found
                 if _better(found[2], kept[Variant.OBSERVER_IN_SEARCH]):
                     kept[Variant.OBSERVER_IN_SEARCH] = found
+        except ValueError as err:
+            failed[Variant.LLM_COMPRESSOR] = failed[Variant.OBSERVER_IN_SEARCH] = str(err)
+        try:
             for found in judge.judged(scales, everywhere, observer, knobs, awq.clip_ratios()):
                 if _better(found[2], kept[Variant.CLIP_SEARCH]):
                     kept[Variant.CLIP_SEARCH] = found
         except ValueError as err:
-            result.rows += [VariantRow(observer, variant, error=str(err)) for variant in Variant]
-            continue
+            failed[Variant.CLIP_SEARCH] = str(err)
         for variant in Variant:
             if kept[variant] is None:
-                result.rows.append(VariantRow(observer, variant, error="no candidate gave a finite loss"))
+                why = failed.get(variant, "no candidate gave a finite loss")
+                result.rows.append(VariantRow(observer, variant, error=why))
                 continue
             index, candidate, loss = kept[variant]
             ratio, duo = (None, None) if index is None else grid[index]
