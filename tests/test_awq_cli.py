@@ -51,6 +51,7 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
         ("tiny-llama", ["--awq", "--gptq"], "AWQ then GPTQ is not built yet"),
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
         ("tiny-llama", ["--awq", "--transform", "hadamard"], "--awq with --transform"),
+        ("tiny-llama", ["--awq", "--sequential"], "--awq loads the model whole"),
         ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
         ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
     ],

@@ -36,6 +36,8 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
         raise ValueError("--awq walks the model's blocks in one process: run it on a --layers list, not a sweep")
     if config.transform is not None:
         raise ValueError("--awq with --transform: AWQ's scales are searched on the model as it is; leave out one")
+    if config.sequential:
+        raise ValueError("--awq loads the model whole (it smooths each block in a copy): leave out --sequential")
     if config.gptq is not None:
         raise ValueError("--awq with --gptq: AWQ then GPTQ is not built yet; run them one at a time")
     return awq

@@ -181,7 +181,7 @@ def _observe_block(
 
         return hook
 
-    handles = [block.get_submodule(m.balance[0][len(prefix) :]).register_forward_hook(on_input(m.smooth)) for m in own]
+    handles = [block.get_submodule(_hooked(m)[len(prefix) :]).register_forward_hook(on_input(m.smooth)) for m in own]
     handles += [
         block.get_submodule(name[len(prefix) :]).register_forward_pre_hook(on_parent(name), with_kwargs=True)
         for name in parents
@@ -209,6 +209,13 @@ def _observe_block(
             _widest(parent),
         )
     return seen
+
+
+def _hooked(mapping: Mapping) -> str:
+    """Where a mapping's input statistics are taken: its first balance layer, or an MoE's router,
+    which sees every token (an expert sees only those routed to it), as llm-compressor hooks the
+    first of its MoE balance layers, the router."""
+    return (mapping.scaled or mapping.balance)[0]
 
 
 def _widest(module: nn.Module) -> int:
