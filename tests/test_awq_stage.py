@@ -407,3 +407,50 @@ def test_nvfp4_runs_and_the_clip_search_says_why_it_does_not(tiny_llama) -> None
     (result,) = run.results
     assert result.row(Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).error is None
     assert "integer grid" in result.row(Variant.CLIP_SEARCH, SEARCH_OBSERVER).error
+
+
+# ------------------------------------------------------------------------------------ model-level effect
+
+
+@pytest.fixture(scope="module")
+def evaluator(tiny_llama):
+    from lab.effect.evaluate import Evaluator
+
+    return Evaluator(tiny_llama, samples=4)
+
+
+@pytest.mark.parametrize("observer", ["memoryless_minmax", "mse_grid"])
+@pytest.mark.parametrize("variant", [Variant.LLM_COMPRESSOR, Variant.OBSERVER_IN_SEARCH])
+def test_a_variants_effect_is_the_folded_and_quantized_models(tiny_llama, suite_run, evaluator, observer, variant):
+    # the lab runs the model as loaded with effective weights Q(W·s)/s; the deployed model is the
+    # folded one with every balance layer quantized by the observer on its folded weight
+    from lab.awq.effect import variant_weights
+    from sample_models.effect import TensorQuant
+
+    weights = variant_weights(tiny_llama, suite_run, variant, observer)
+    ours = evaluator.runner.run({(n, "weight"): TensorQuant(INT4_G16, None, w) for n, w in weights.items()}).outputs
+    model = copy.deepcopy(tiny_llama.module())
+    model.load_state_dict(folded(tiny_llama, suite_run.results, variant, observer), strict=False)
+    with torch.no_grad():
+        for name in weights:
+            layer = model.get_submodule(name)
+            found = ob.run_one(observer, layer.weight.detach(), INT4_G16, "weight").qparams
+            layer.weight.copy_(ob.fake_quantize(layer.weight.detach(), found, INT4_G16))
+        deployed = [
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits for b in evaluator.runner.batches
+        ]
+    apart = max(float((a - b).abs().max()) for a, b in zip(ours, deployed, strict=True))
+    effect = max(float((a - b).abs().max()) for a, b in zip(evaluator.runner.float_outputs, deployed, strict=True))
+    # the same quantized model in two coordinate systems: apart by float rounding only
+    assert apart <= 1e-4 * effect
+
+
+def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suite_run, evaluator) -> None:
+    from lab.awq.effect import model_effect
+
+    effect = model_effect(tiny_llama, suite_run, evaluator)
+    assert len(effect) == len(suite_run.observers) * len(Variant)
+    assert (effect["kl"] > 0).all() and (effect["top1_agreement"] <= 1).all()
+    # the same quantization gives the same figures: min-max inside the search is llm-compressor's pick
+    minmax = effect[effect["observer"] == SEARCH_OBSERVER].set_index("variant")
+    assert minmax.loc["llm-compressor", "kl"] == pytest.approx(minmax.loc["observer-in-search", "kl"], rel=1e-6)

@@ -49,9 +49,13 @@ def run(
     """Search every mapping of the chosen layers for the run's weight observers (a progress bar on
     ``err`` unless ``--quiet``); print the table and write the rows beside ``--out``; returns the
     file written."""
+    from lab.awq.effect import model_effect
     from lab.awq.run import run_awq
-    from lab.awq.table import awq_frame, awq_lines
+    from lab.awq.table import awq_frame, awq_lines, effect_lines
+    from lab.effect.evaluate import Evaluator
     from lab.progress_bar import ProgressBar
+    from lab.results import higher_is_better
+    from lab.vocab import MODEL_METRIC_PREFIX
 
     progress = None if args.quiet else ProgressBar(err)
     observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
@@ -69,6 +73,10 @@ def run(
         progress=progress,
     )
     out.writelines(awq_lines(found))
+    evaluator = Evaluator(model)
+    effect = model_effect(model, found, evaluator)
+    metric = evaluator.default_metric
+    out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
     document = {
         "awq": awq.to_dict(),
         "weight": config.specs["weight"].to_dict(),
@@ -81,6 +89,8 @@ def run(
             for r in found.results
         ],
         "rows": _records(awq_frame(found)),
+        "model": _records(effect),
+        "held_out": evaluator.held_out,
     }
     target = path_for(args.out)
     staging = target.with_name(f".{target.name}.{os.getpid()}")

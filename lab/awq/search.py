@@ -94,6 +94,9 @@ class MappingResult:
     qparams: dict[tuple[Variant, str], dict[str, ob.QParams]]
     searched: torch.Tensor
     """The scales llm-compressor's search picks (memoryless min-max), whatever the observers."""
+    importance: torch.Tensor
+    """The mean squared input per column of the balance layers (what an observer taking input
+    importance is given for the folded weights, divided by the scales squared)."""
 
     def row(self, variant: Variant, observer: str) -> VariantRow:
         return next(r for r in self.rows if r.variant == variant and r.observer == observer)
@@ -159,7 +162,7 @@ def search(
     searched = torch.tensor([loss for _, _, loss in judge.judged(scales, everywhere, SEARCH_OBSERVER, {}, None)])
     best = ob.awq.first_minimum(searched)
 
-    result = MappingResult(mapping, [], {}, {}, scales[best])
+    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().float().clone())
     for observer, knobs in observers.items():
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         failed: dict[Variant, str] = {}

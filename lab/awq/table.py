@@ -100,3 +100,19 @@ def awq_lines(run: AWQRun) -> list[str]:
         turns = " (the ranking turns over)" if picks.dropna().nunique() > 1 else ""
         lines.append(f"best\t{mapping}\t{named}{turns}\n")
     return lines
+
+
+def effect_lines(effect: pd.DataFrame, metric: str, higher_is_better: bool) -> list[str]:
+    """The model-level table as the CLI prints it: per observer every variant's metrics, and per
+    variant the best observer by ``metric``."""
+    if effect.empty:
+        return []
+    metrics = [c for c in effect.columns if c not in ("observer", "variant")]
+    lines = ["# model-level, held-out text, every balance layer quantized by the variant (the other layers float)\n"]
+    for observer, rows in effect.groupby("observer", sort=False):
+        cells = [f"{r.variant} " + " ".join(f"{m}={getattr(r, m):.4g}" for m in metrics) for r in rows.itertuples()]
+        lines.append(f"model\t{observer}\t" + "\t".join(cells) + "\n")
+    for variant, rows in effect.groupby("variant", sort=False):
+        best = rows.loc[rows[metric].idxmax() if higher_is_better else rows[metric].idxmin()]
+        lines.append(f"best model-level\t{variant}\t{best['observer']} ({metric}={best[metric]:.4g})\n")
+    return lines
