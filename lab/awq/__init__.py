@@ -1,7 +1,10 @@
 """AWQ as a stage (issue 41): each weight observer under llm-compressor's activation-aware scale
 search, four ways side by side (``search.Variant``). ``mappings`` finds where a decoder smooths,
-``parent`` judges candidates on the parent module's output (many in one replay), ``search`` runs
-one mapping's four ways for every observer, ``run`` walks the blocks as llm-compressor's
-sequential pipeline does. What leaves the stage: per mapping and observer small rows (errors,
-clipped shares, the winning strength) and the scales and qparams each way smooths with.
+``candidates`` makes each way's candidates (smoothed, observed, clip-searched), ``parent`` judges
+them on the parent module's output (many in one replay), ``search`` runs one mapping's four ways
+for every observer, ``run`` walks the blocks as llm-compressor's sequential pipeline does, ``fold``
+folds a variant's scales into the weights, ``effect`` measures each variant's deployed model on
+held-out text, ``table`` reads a run back, ``options`` and ``command`` are ``run --awq``. What leaves
+the stage: per mapping and observer small rows (errors, clipped shares, the winning strength) and
+the scales and qparams each way smooths with.
 """
