@@ -101,11 +101,13 @@ def statistic_knobs(observer: str, knobs: dict[str, Any], moment: torch.Tensor, 
     return filled
 
 
-def _observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
-    found = ob.run_one(observer, weight, spec, "weight", **knobs)
-    if found.qparams is None:
-        raise ValueError(found.error or f"{observer} gave no qparams")
-    return found.qparams
+def observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
+    """``observer``'s qparams of ``weight`` alone: a search needs no error metrics of every
+    candidate (``ob.run_one`` measures them), and an observer that cannot run raises its
+    ``ValueError``."""
+    found = ob.create(observer, spec, "weight", **knobs)
+    found.observe(weight)
+    return found.qparams()
 
 
 def stackable(observer: str, spec: ob.QuantSpec) -> bool:
@@ -191,10 +193,10 @@ def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) 
     where ``stackable``, else one each."""
     weights = torch.stack([smoothed(weight, s) for s in chunk])
     if len(chunk) > 1 and stackable(observer, spec):
-        qps = _rows(_observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
+        qps = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
     else:
         qps = [
-            _observe(observer, w, spec, statistic_knobs(observer, knobs, moment, s))
+            observe(observer, w, spec, statistic_knobs(observer, knobs, moment, s))
             for w, s in zip(weights, chunk, strict=True)
         ]
     if clip is not None:

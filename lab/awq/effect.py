@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 import observers as ob
+from lab.awq import candidates
 from lab.awq.fold import folded
 from lab.awq.run import AWQRun
 from lab.awq.search import Variant
@@ -47,7 +48,8 @@ def variant_weights(model: Model, run: AWQRun, variant: Variant, observer: str) 
     for result in run.results:
         s_in = result.scales.get((variant, observer))
         for name in result.mapping.balance:
-            weight = changed.get(f"{name}.weight", model.weight(name))
+            key = f"{name}.weight"
+            weight = changed[key] if key in changed else model.weight(name)
             s_out = smooths.get(name)
             quantized = _quantized(weight, name, observer, run, result, variant, s_out)
             if quantized is None:
@@ -77,8 +79,11 @@ def _quantized(weight, name: str, observer: str, run: AWQRun, result, variant: V
     if "importance" in taken and knobs.get("importance") is None:
         s_in = result.scales.get((variant, observer))
         knobs["importance"] = result.importance if s_in is None else (result.importance / s_in.square()).float()
-    found = ob.run_one(observer, weight, spec, "weight", **knobs).qparams
-    return None if found is None else ob.fake_quantize(weight, found, spec)
+    try:
+        found = candidates.observe(observer, weight, spec, knobs)
+    except ValueError:
+        return None
+    return ob.fake_quantize(weight, found, spec)
 
 
 def model_effect(

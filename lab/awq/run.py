@@ -22,7 +22,7 @@ import observers as ob
 from lab.awq.fold import fold_mapping
 from lab.awq.mappings import Mapping, resolve
 from lab.awq.parent import ParentCalls
-from lab.awq.search import SEARCH_OBSERVER, MappingInputs, MappingResult, measure_held_out, search
+from lab.awq.search import MappingInputs, MappingResult, measure_held_out, search
 from sample_models import Model
 from sample_models.effect import held_out_texts
 from sample_models.replay import blocks_name, calibration_batches, record_blocks
@@ -43,10 +43,6 @@ class AWQRun:
     left_out: tuple[str, ...]
     tokens: int
     held_out_tokens: int
-
-    def result(self, mapping: str) -> MappingResult:
-        """A mapping's result by its smooth layer's name."""
-        return next(r for r in self.results if r.mapping.smooth == mapping)
 
 
 @torch.no_grad()
@@ -163,8 +159,8 @@ class _Inputs:
 def _observe_block(
     block, own: list[Mapping], prefix: str, replay, index: int, hidden, valid
 ) -> dict[str, MappingInputs]:
-    """One pass of the block over every batch with hooks: each mapping's input statistics (on its
-    first balance layer's input) and its parent's calls."""
+    """One pass of the block over every batch with hooks: each mapping's input statistics (where
+    ``_hooked`` says) and its parent's calls."""
     stats = {m.smooth: _Inputs() for m in own}
     parents = {m.parent: [] for m in own}
     current: list[torch.Tensor] = []
@@ -228,6 +224,3 @@ def _smooth(block: nn.Module, mapping: Mapping, prefix: str, scales: torch.Tenso
     """Fold ``scales`` into the block's copy (``fold.fold_mapping`` on its parameters)."""
     parameters = dict(block.named_parameters())
     fold_mapping(lambda key: parameters.get(key[len(prefix) :]), mapping, scales)
-
-
-__all__ = ["SEARCH_OBSERVER", "AWQRun", "run_awq"]
