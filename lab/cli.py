@@ -168,7 +168,7 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         return override(part, choose(part, args.choose_by), args.choose, part=True)
 
     bar = None if args.quiet else ProgressBar(err)
-    awq_written = [] if awq is None else [awq_command.run(awq, model, layers, config, args, out, err)]
+    awq_document = None if awq is None else awq_command.run(awq, model, layers, config, args, out, err)
     analysis = analyse(model, layers, config, progress=bar, attention=attention, choices=chosen)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
@@ -182,7 +182,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
     made_by = history.made_by()
     document = lab_json.save_file(analysis, choices, args.out, args.choose_by, args.allow_uncalibrated, made_by)
     records = {(record["layer"], record["tensor"]): record for record in document["entries"]}
-    written = [args.out, str(history.save_beside(analysis, args.out, args.model, args.device)), *awq_written]
+    written = [args.out, str(history.save_beside(analysis, args.out, args.model, args.device))]
+    written += awq_command.write(awq_document, args.out)  # its digest ties it to this very x.json
     if config.gptq is not None and hessians.save(hessians.directory_for(args.out), analysis.entries):
         written.append(str(hessians.directory_for(args.out)))  # what deploys its GPTQ choices later
     if args.report:
@@ -245,25 +246,25 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
 
 
 def _deploy(args: argparse.Namespace, lab_file: Any, model: Any, err: IO[str], path: str) -> list[str]:
-    """``--checkpoint`` and/or ``--recipe`` (at least one given) from a choices file (at ``path``,
-    where a GPTQ run's Hessians are beside it): what ``run`` and ``export`` write."""
+    """``--checkpoint``/``--recipe`` from a choices file at ``path`` (GPTQ's Hessians, AWQ's scales beside it)."""
     from lab.export import checkpoint, recipe
     from lab.export.chosen import of_lab_file
     from lab.provenance import provenance_lines
 
+    lab_file, awq = awq_command.deployed(lab_file, path)  # AWQ's choices, when an AWQ run wrote them for this file
     facts = checkpoint.check_fits(lab_file, model)  # once: it hashes every weight file
     written = []
     if args.checkpoint:
         bar = None if getattr(args, "quiet", False) else ProgressBar(err, "tensors")
         kept = hessians.read(hessians.directory_for(path)) if lab_file.config.get("gptq") else None
-        options = {"overwrite": args.overwrite, "progress": bar, "facts": facts, "hessians": kept}
+        options = {"overwrite": args.overwrite, "progress": bar, "facts": facts, "hessians": kept, "awq": awq}
         result = checkpoint.write(lab_file, model, args.checkpoint, **options)
         written.append(args.checkpoint)
         for note in result.notes:
             err.write(f"note: checkpoint: {note}\n")
     if args.recipe:
         chosen, asked = of_lab_file(lab_file.entries), provenance_lines(lab_file.provenance)
-        built = recipe.of_chosen(chosen, facts, asked, lab_file.config.get("gptq"))
+        built = recipe.of_chosen(chosen, facts, asked, lab_file.config.get("gptq"), awq)
         built.write(args.recipe)
         written.append(args.recipe)
         for note in built.notes:

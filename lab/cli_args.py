@@ -15,6 +15,8 @@ from lab.awq import options as awq_options
 from lab.scale.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
 from lab.vocab import (
+    AWQ_METRIC_PREFIX,
+    AWQ_METRICS,
     DEFAULT_BATCH_SIZE,
     DEFAULT_METRIC,
     DEFAULT_SAMPLES,
@@ -59,7 +61,9 @@ def build_parser(extra: Sequence[Callable[[Any], None]] = ()) -> argparse.Argume
         default=DEFAULT_METRIC,
         help=f"metric: {', '.join(ob.HIGHER_IS_BETTER)}, as served (layers a server fuses share scales); "
         f"{PER_LAYER_PREFIX}<metric> with each layer's own scales, for a runtime that does not fuse; with --gptq also "
-        + ", ".join(GPTQ_METRIC_PREFIX + name for name in GPTQ_METRICS),
+        + ", ".join(GPTQ_METRIC_PREFIX + name for name in GPTQ_METRICS)
+        + "; with --awq, what each mapping's observer is chosen by: "
+        + ", ".join(AWQ_METRIC_PREFIX + name for name in AWQ_METRICS),
     )
     run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
     run.add_argument("--report", help="HTML report to write")

@@ -88,6 +88,16 @@ GPTQ_METRIC_PREFIX = "gptq:"
 (activations, key/value states) are then chosen by ``DEFAULT_METRIC``."""
 
 
+AWQ_METRICS = {"mapping_error": False, "held_out_error": False, "layer_error": False}
+"""What a weight observer gives under AWQ (``lab.awq``), per mapping and variant, and whether higher
+is better: the parent's relative output error on calibration and held-out tokens, the balance
+layers' mean relative output error."""
+AWQ_METRIC_PREFIX = "awq:"
+"""How "choose by" names an AWQ figure (``awq:mapping_error``): it chooses each mapping's observer
+under the deployed variant (``lab.awq.deploy``); the analysis's own tensors, which carry no AWQ
+figures, are then chosen by ``DEFAULT_METRIC``."""
+
+
 PER_LAYER_PREFIX = "per-layer:"
 """How "choose by" names a local metric with each layer's own scales (``per-layer:sqnr_db``) instead of
 the figures as served, where a fusing server (vLLM, SGLang) shares a fused group's scales: for

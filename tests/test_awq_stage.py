@@ -13,7 +13,7 @@ from torch import nn
 
 import observers as ob
 from lab.awq import candidates
-from lab.awq.fold import folded
+from lab.awq.deploy import of_run
 from lab.awq.mappings import NOT_A_DECODER, resolve
 from lab.awq.run import _hooked, run_awq
 from lab.awq.search import SEARCH_OBSERVER, Variant
@@ -37,6 +37,15 @@ def minmax_run(tiny_llama):
 def suite_run(tiny_llama):
     observers = {name: {} for name in ("memoryless_minmax", "mse_grid", "imatrix_mse")}
     return run_awq(tiny_llama, INT4_G16, observers, ob.AWQSpec(n_grid=6), samples=SAMPLES, seq_len=SEQ_LEN)
+
+
+
+
+def folded(model, run, variant: Variant, observer: str) -> dict[str, torch.Tensor]:
+    """Every stored tensor ``observer``'s ``variant`` scales change, folded (none for ``rtn``)."""
+    deployed = of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
+    stored = set(model.stored_keys())
+    return {key: deployed.fold(key, model.stored(key)) for key in deployed.touched() if key in stored}
 
 
 # ------------------------------------------------------------------------------------------ mappings
@@ -244,7 +253,7 @@ def test_the_llm_compressor_variant_is_llm_compressors_search(tiny_llama, minmax
         for r in minmax_run.results
     ]
     assert ours == picks
-    changed = folded(tiny_llama, minmax_run.results, Variant.LLM_COMPRESSOR, SEARCH_OBSERVER)
+    changed = folded(tiny_llama, minmax_run, Variant.LLM_COMPRESSOR, SEARCH_OBSERVER)
     assert len(changed) == 4 * (2 + 3 + 2 + 1)  # per block: 2 norms, q/k/v, gate/up (up twice), down
     for key, tensor in changed.items():
         assert torch.allclose(tensor, smoothed[key], rtol=1e-6, atol=1e-7), key
@@ -291,12 +300,12 @@ def test_the_clip_search_clips_and_the_others_do_not_with_min_max(suite_run) -> 
 def test_folded_weights_keep_the_float_model(tiny_llama, suite_run) -> None:
     for variant in (Variant.LLM_COMPRESSOR, Variant.OBSERVER_IN_SEARCH, Variant.CLIP_SEARCH):
         model = copy.deepcopy(tiny_llama.module())
-        model.load_state_dict(folded(tiny_llama, suite_run.results, variant, "mse_grid"), strict=False)
+        model.load_state_dict(folded(tiny_llama, suite_run, variant, "mse_grid"), strict=False)
         ids = torch.tensor([list(tiny_llama.calibration_set(None, 1, SEQ_LEN).windows[0])])
         with torch.no_grad():
             ours, theirs = model(input_ids=ids).logits, tiny_llama.module()(input_ids=ids).logits
         assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
-    assert folded(tiny_llama, suite_run.results, Variant.RTN, "mse_grid") == {}
+    assert folded(tiny_llama, suite_run, Variant.RTN, "mse_grid") == {}
 
 
 # ------------------------------------------------------------------------------ how candidates are made
@@ -430,7 +439,7 @@ def test_a_variants_effect_is_the_folded_and_quantized_models(tiny_llama, suite_
     weights = variant_weights(tiny_llama, suite_run, variant, observer)
     ours = evaluator.runner.run({(n, "weight"): TensorQuant(INT4_G16, None, w) for n, w in weights.items()}).outputs
     model = copy.deepcopy(tiny_llama.module())
-    model.load_state_dict(folded(tiny_llama, suite_run.results, variant, observer), strict=False)
+    model.load_state_dict(folded(tiny_llama, suite_run, variant, observer), strict=False)
     with torch.no_grad():
         for name in weights:
             layer = model.get_submodule(name)

@@ -13,6 +13,7 @@ every candidate's shrunk ranges in one tensor expression too.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,28 +78,36 @@ def diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:
     return moment.reshape(groups, size, groups, size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
-def _scaled_blocks(moment: torch.Tensor, size: int, scales: torch.Tensor | None) -> torch.Tensor:
-    """The diagonal blocks of the second moment of the smoothed inputs ``x/s``."""
-    blocks = diagonal_blocks(moment, size)
+def scaled_blocks(blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Diagonal blocks ``(groups, size, size)`` of the inputs' second moment as the smoothed inputs
+    ``x/s`` have them."""
     if scales is None:
         return blocks
-    inverse = (1.0 / scales).reshape(-1, size)
+    inverse = (1.0 / scales).reshape(blocks.shape[0], -1)
     return blocks * inverse.unsqueeze(2) * inverse.unsqueeze(1)
 
 
-def statistic_knobs(observer: str, knobs: dict[str, Any], moment: torch.Tensor, scales) -> dict[str, Any]:
+def statistic_knobs(
+    observer: str, knobs: dict[str, Any], diagonal: torch.Tensor, blocks: Callable[[int], torch.Tensor], scales
+) -> dict[str, Any]:
     """The observer's knobs with the input statistics it takes filled for the smoothed inputs
-    ``x/s``: the mean square per column (``importance``) and the per-block second moment
-    (``hessian``), unless the person gave them."""
+    ``x/s``, unless the person gave them: the mean square per column (``importance``, from the
+    inputs' ``diagonal``) and the per-block second moment (``hessian``, from ``blocks(size)``, the
+    inputs' diagonal blocks of that size)."""
     taken = ob.knobs(observer)
     filled = dict(knobs)
+    inverse = None if scales is None else 1.0 / scales
     if "importance" in taken and filled.get("importance") is None:
-        inverse = 1.0 if scales is None else 1.0 / scales
-        filled["importance"] = (moment.diagonal() * inverse**2).float()
+        filled["importance"] = (diagonal if inverse is None else diagonal * inverse**2).float()
     if "hessian" in taken and filled.get("hessian") is None:
-        size = int(filled.get("block_size", taken.get("block_size", 16)))
-        filled["hessian"] = _scaled_blocks(moment, size, scales).float()
+        size = hessian_block(observer, filled)
+        filled["hessian"] = scaled_blocks(blocks(size), scales).float()
     return filled
+
+
+def hessian_block(observer: str, knobs: dict[str, Any]) -> int:
+    """The block size of the per-block Hessian ``observer`` takes with ``knobs``."""
+    return int(knobs.get("block_size", ob.knobs(observer).get("block_size", 16)))
 
 
 def observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
@@ -172,20 +181,31 @@ def make(
 
 
 def _share_fused(made: list[Candidate], names: list[str], spec: ob.QuantSpec) -> None:
-    """Each candidate's qparams of the balance layers a server fuses into one linear (q/k/v,
-    gate/up) under the one scale the server keeps for them (``lab.runtime.scales``: NVFP4's global
-    scale, an FP8 per-tensor scale), as llm-compressor links its observers during the search
-    (``fuse_weight_observers``)."""
+    """Each candidate's qparams of the balance layers a server fuses into one linear under the one
+    scale it keeps for them (``share_fused``), as llm-compressor links its observers during the
+    search (``fuse_weight_observers``)."""
+    for candidate in made:
+        candidate.qparams.update(share_fused({name: candidate.qparams[name] for name in names}, spec))
+
+
+def share_fused(qparams: dict[str, ob.QParams], spec: ob.QuantSpec) -> dict[str, ob.QParams]:
+    """``qparams`` (per layer) with the layers a server fuses into one linear (q/k/v, gate/up)
+    under the one scale it keeps for them (``lab.runtime.scales``: NVFP4's global scale, an FP8
+    per-tensor scale)."""
     how = scales_rule.collapse(spec, "weight")
+    shared = dict(qparams)
     if how is None:
-        return
+        return shared
     share = ob.fused.share_global_scale if how == scales_rule.Collapse.GLOBAL_SCALE else ob.fused.share_tensor_range
-    for _, members in fusion.fused_groups(names, scales_rule.level("weight")):
-        if len(members) < 2:
-            continue
-        for candidate in made:
-            shared = share([candidate.qparams[m] for m in members], spec)
-            candidate.qparams.update(zip(members, shared, strict=True))
+    for _, members in fusion.fused_groups(list(qparams), scales_rule.level("weight")):
+        if len(members) > 1:
+            shared.update(zip(members, share([qparams[m] for m in members], spec), strict=True))
+    return shared
+
+
+def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """``blocks(size)``: the diagonal blocks of ``moment`` of that size."""
+    return lambda size: diagonal_blocks(moment, size)
 
 
 def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) -> list[ob.QParams]:
@@ -196,7 +216,7 @@ def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) 
         qps = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
     else:
         qps = [
-            observe(observer, w, spec, statistic_knobs(observer, knobs, moment, s))
+            observe(observer, w, spec, statistic_knobs(observer, knobs, moment.diagonal(), _blocks_of(moment), s))
             for w, s in zip(weights, chunk, strict=True)
         ]
     if clip is not None:
@@ -239,7 +259,8 @@ def _clip_search(
     shrunk = ob.awq.shrunk(joined, spec, ratios)
     differences = torch.stack([flat.float() - ob.fake_quantize(flat, c, spec).float() for c in shrunk])
     differences = differences.reshape(len(ratios), n, rows, columns)
-    blocks = torch.stack([_scaled_blocks(moment, size, s) for s in scales])
+    unscaled = diagonal_blocks(moment, size)
+    blocks = torch.stack([scaled_blocks(unscaled, s) for s in scales])
     errors = ob.awq.group_output_errors(differences, blocks)
     best = torch.argmin(errors, dim=0).reshape(n * rows, -1)
     chosen = torch.tensor(ratios, dtype=torch.float32, device=weights.device)[best].reshape(joined.min_val.shape)

@@ -1,19 +1,33 @@
 """``python -m observers run ... --awq``: the AWQ stage on the run's model, layers, weight spec,
 weight observers and calibration set, its table printed and its rows written beside the run's JSON
-(``x.json`` → ``x.awq.json``). The CLI's ``run`` only calls ``check`` before the model opens and
-``run`` after its analysis."""
+(``x.json`` → ``x.awq.json``) with the deployment (``lab.awq.deploy``) and the digest of the
+``x.json`` it belongs to. The CLI's ``run`` calls ``check`` before the model opens, ``run`` before
+its analysis and ``write`` once ``x.json`` is written; ``deployed`` gives a deployment its lab
+file with the AWQ choices in it (``run`` and ``export``)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import IO, Any
 
 import observers as ob
-from lab.awq.options import spec_of
+from lab.awq import deploy
+from lab.awq.deploy import AWQDeploy
+from lab.awq.effect import model_effect
+from lab.awq.options import spec_of, variant_of
+from lab.awq.run import run_awq
+from lab.awq.search import Variant
+from lab.awq.table import awq_frame, awq_lines, effect_lines
+from lab.effect.evaluate import Evaluator
 from lab.export.json_values import json_safe
+from lab.export.lab_json import LabFile
+from lab.progress_bar import ProgressBar
+from lab.results import higher_is_better
+from lab.vocab import AWQ_METRIC_PREFIX, MODEL_METRIC_PREFIX
 
 SUFFIX = ".awq.json"
 
@@ -29,6 +43,8 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
     for what AWQ cannot be combined with yet."""
     awq = spec_of(args)
     if awq is None:
+        if args.choose_by.startswith(AWQ_METRIC_PREFIX):
+            raise ValueError(f"--choose-by {args.choose_by} ranks observers under AWQ: it needs --awq")
         return None
     if "weight" not in config.specs:
         raise ValueError("--awq smooths weights: the run needs a weight format (--kinds with weight)")
@@ -45,18 +61,10 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
 
 def run(
     awq: ob.AWQSpec, model: Any, layers: list[str], config: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
-) -> str:
+) -> dict[str, Any]:
     """Search every mapping of the chosen layers for the run's weight observers (a progress bar on
-    ``err`` unless ``--quiet``); print the table and write the rows beside ``--out``; returns the
-    file written."""
-    from lab.awq.effect import model_effect
-    from lab.awq.run import run_awq
-    from lab.awq.table import awq_frame, awq_lines, effect_lines
-    from lab.effect.evaluate import Evaluator
-    from lab.progress_bar import ProgressBar
-    from lab.results import higher_is_better
-    from lab.vocab import MODEL_METRIC_PREFIX
-
+    ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment;
+    returns the document ``write`` puts beside the run's JSON."""
     progress = None if args.quiet else ProgressBar(err)
     observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
     texts = config.dataset if config.dataset is not None else (list(config.texts) if config.texts else None)
@@ -77,7 +85,15 @@ def run(
     effect = model_effect(model, found, evaluator)
     metric = evaluator.default_metric
     out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
-    document = {
+    variant, deployment = variant_of(args), None
+    if variant != Variant.RTN:
+        figure = deploy.figure_of(args.choose_by)
+        picks = deploy.choose_observers(found, variant, figure, args.choose)
+        observers_of = {name: observer for name, (observer, _) in picks.items()}
+        figures = {name: value for name, (_, value) in picks.items()}
+        deployment = deploy.of_run(model, found, variant, observers_of, figure, figures)
+        out.writelines(f"deploy\t{line}\n" for line in deployment.lines())
+    return {
         "awq": awq.to_dict(),
         "weight": config.specs["weight"].to_dict(),
         "observers": list(observers),
@@ -91,12 +107,41 @@ def run(
         "rows": _records(awq_frame(found)),
         "model": _records(effect),
         "held_out": evaluator.held_out,
+        "deployed": None if deployment is None else deployment.to_dict(),
     }
-    target = path_for(args.out)
+
+
+def write(document: dict[str, Any] | None, lab_path: str | os.PathLike) -> list[str]:
+    """Write ``run``'s document beside the run's JSON (just written at ``lab_path``), with that
+    file's digest, so a later run that rewrites ``x.json`` without AWQ is never deployed with
+    this one's scales; the paths written (none without a document)."""
+    if document is None:
+        return []
+    target = path_for(lab_path)
     staging = target.with_name(f".{target.name}.{os.getpid()}")
-    staging.write_text(json.dumps(json_safe(document), indent=1))
+    staging.write_text(json.dumps(json_safe({**document, "lab_file": _digest(lab_path)}), indent=1))
     staging.replace(target)
-    return str(target)
+    return [str(target)]
+
+
+def deployed(lab_file: LabFile, lab_path: str | os.PathLike) -> tuple[LabFile, AWQDeploy | None]:
+    """``lab_file`` (read from ``lab_path``) with AWQ's choices in it, and the deployment, when an
+    AWQ run wrote one beside it for this very file; else ``lab_file`` and None."""
+    path = path_for(lab_path)
+    if not path.is_file():
+        return lab_file, None
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable AWQ file ({err})") from None
+    if document.get("lab_file") != _digest(lab_path) or document.get("deployed") is None:
+        return lab_file, None
+    deployment = AWQDeploy.from_dict(document["deployed"])
+    return deployment.applied(lab_file), deployment
+
+
+def _digest(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _records(frame) -> list[dict[str, Any]]:

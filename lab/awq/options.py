@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import observers as ob
+from lab.awq.search import DEPLOYED_VARIANT, Variant
 
 
 def flag(knob: str) -> str:
@@ -21,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llm-compressor's AWQ (memoryless min-max in the search), the observer inside the search, and the joint "
         "clip search; a decoder's mappings, defaults llm-compressor's and ModelOpt's",
     )
+    parser.add_argument(
+        "--awq-variant",
+        choices=[str(v) for v in Variant],
+        default=None,
+        help=f"which variant --checkpoint and --recipe deploy (default {DEPLOYED_VARIANT}: llm-compressor's AWQ); "
+        "each mapping takes the observer --choose names for its layers, else the best by --choose-by when it is an "
+        "awq: figure, else by awq:mapping_error; rtn deploys the analysis's own choices",
+    )
     for name, knob in ob.AWQ_KNOBS.items():
         kind = str if knob.choices else knob.type
         parser.add_argument(
@@ -33,10 +42,16 @@ def spec_of(args: argparse.Namespace) -> ob.AWQSpec | None:
     is one ``ValueError`` line."""
     given = {name: getattr(args, f"awq_{name}") for name in ob.AWQ_KNOBS if getattr(args, f"awq_{name}") is not None}
     if not args.awq:
+        given = [flag(name) for name in given] + (["--awq-variant"] if args.awq_variant is not None else [])
         if given:
-            raise ValueError(f"{', '.join(flag(name) for name in given)} need --awq")
+            raise ValueError(f"{', '.join(given)} need --awq")
         return None
     try:
         return ob.AWQSpec(**given)
     except ValueError as err:
         raise ValueError(f"--awq: {err}") from None
+
+
+def variant_of(args: argparse.Namespace) -> Variant:
+    """The variant the run deploys (``--awq-variant``)."""
+    return DEPLOYED_VARIANT if args.awq_variant is None else Variant(args.awq_variant)

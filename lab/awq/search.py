@@ -46,6 +46,10 @@ class Variant(StrEnum):
     CLIP_SEARCH = "clip-search"
 
 
+DEPLOYED_VARIANT = Variant.LLM_COMPRESSOR
+"""What a checkpoint of an AWQ run deploys unless told otherwise: what llm-compressor's recipe makes."""
+
+
 @dataclass(frozen=True)
 class MappingInputs:
     """What a mapping's search reads: the parent's calls, the quantized balance layers, the mean
@@ -95,8 +99,11 @@ class MappingResult:
     searched: torch.Tensor
     """The scales llm-compressor's search picks (memoryless min-max), whatever the observers."""
     importance: torch.Tensor
-    """The mean squared input per column of the balance layers (what an observer taking input
-    importance is given for the folded weights, divided by the scales squared)."""
+    """The mean squared input per column of the balance layers (float64; what an observer taking
+    input importance is given for the folded weights, divided by the scales squared)."""
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The inputs' second-moment diagonal blocks (float64) of each size an observer of the run
+    takes as a per-block Hessian: what it is given for the folded weights."""
 
     def row(self, variant: Variant, observer: str) -> VariantRow:
         return next(r for r in self.rows if r.variant == variant and r.observer == observer)
@@ -162,7 +169,11 @@ def search(
     searched = torch.tensor([loss for _, _, loss in judge.judged(scales, everywhere, SEARCH_OBSERVER, {}, None)])
     best = ob.awq.first_minimum(searched)
 
-    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().float().clone())
+    blocks = {
+        size: candidates.diagonal_blocks(inputs.moment, size).clone()
+        for size in {candidates.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
+    }
+    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks)
     for observer, knobs in observers.items():
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         failed: dict[Variant, str] = {}

@@ -35,6 +35,7 @@ import torch
 
 import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
+from lab.awq.deploy import AWQDeploy
 from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_apply import apply_choices
@@ -70,6 +71,8 @@ _SIDE_FILES = (
     "generation_config.json",
 )
 Progress = Callable[[int, int, str], None]
+Read = Callable[[str], torch.Tensor]
+"""A stored tensor by its key, as the checkpoint writes it."""
 Pending = dict[str, tuple[CtLayer, dict[str, Any]]]
 
 
@@ -266,11 +269,11 @@ def _compress_rows(
     return compressor.compress(state, QuantizationScheme(**scheme))
 
 
-def _converted(model: Any, key: str, pending: Pending, gptq: GPTQDeploy | None) -> dict[str, torch.Tensor]:
+def _converted(read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None) -> dict[str, torch.Tensor]:
     """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
-    scales, anything else as stored."""
+    scales, anything else as ``read`` gives it (as stored, or with AWQ's scales folded in)."""
     name, _, local = key.rpartition(".")
-    tensor = model.stored(key)
+    tensor = read(key)
     if local == "weight" and name in pending:
         layer, scheme = pending.pop(name)
         return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor, gptq).items()}
@@ -282,14 +285,19 @@ def _bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _files(
-    model: Any, pending: Pending, first: dict[str, torch.Tensor], progress: Progress | None, gptq: GPTQDeploy | None
+    model: Any,
+    read: Read,
+    pending: Pending,
+    first: dict[str, torch.Tensor],
+    progress: Progress | None,
+    gptq: GPTQDeploy | None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, ``first`` then every stored one, in files of at most
     ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
     keys = model.stored_keys()
     current, size = dict(first), _bytes(first)
     for done, key in enumerate(keys, start=1):
-        converted = _converted(model, key, pending, gptq)
+        converted = _converted(read, key, pending, gptq)
         added = _bytes(converted)
         if current and size + added > FILE_BYTES:
             yield current
@@ -356,6 +364,7 @@ def write(
     progress: Progress | None = None,
     facts: ModelFacts | None = None,
     hessians: HessianOf | None = None,
+    awq: AWQDeploy | None = None,
 ) -> Written:
     """Write the compressed checkpoint of ``lab_file``'s choices on ``model`` into ``out_dir``.
 
@@ -364,7 +373,9 @@ def write(
     non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
     ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
     (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
-    again from ``hessians`` (its layers' kept Hessians, ``lab.gptq.hessians``)."""
+    again from ``hessians`` (its layers' kept Hessians, ``lab.gptq.hessians``). An AWQ run's
+    deployment (``awq``, with ``lab_file`` holding its choices: ``lab.awq.command.deployed``) folds
+    its scales into every stored tensor they touch, norms and linears alike, as each is read."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -374,7 +385,11 @@ def write(
         gptq = GPTQDeploy.of_config(lab_file.config, hessians)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
+    if gptq is not None and awq is not None:
+        raise CheckpointError("AWQ then GPTQ is not built yet: a checkpoint deploys one of the two")
     config, layers, kv_tensors, notes = quantization_config(lab_file, facts)
+    read = model.stored if awq is None else lambda key: awq.fold(key, model.stored(key))
+    notes = notes if awq is None else [*awq.lines(), *notes]
     scheme_of = {name: scheme for scheme in config["config_groups"].values() for name in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -387,7 +402,7 @@ def write(
             layer, scheme = pending.pop(key)
             first |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
         parts: list[tuple[Path, list[str]]] = []
-        for tensors in _files(model, pending, first, progress, gptq):
+        for tensors in _files(model, read, pending, first, progress, gptq):
             part = staging / f"part-{len(parts)}.safetensors"
             save_file(tensors, str(part), metadata={"format": "pt"})
             parts.append((part, list(tensors)))

@@ -2,7 +2,9 @@
 ``QuantizationModifier`` that llm-compressor's ``oneshot`` runs, so a model can be calibrated by
 llm-compressor itself with the observer the lab chose for each layer. A run made with GPTQ
 (``RunConfig.gptq``) gets a ``GPTQModifier`` instead, with the same config groups and the run's
-block size, dampening and activation order.
+block size, dampening and activation order. An AWQ deployment (``lab.awq.deploy``) puts an
+``AWQModifier`` first, with the run's knobs and its exact mappings, as llm-compressor runs AWQ
+before quantizing.
 
 The compressed-tensors export records one observer per config group (the most common choice) and
 carries the lab's qparams beside it. A recipe carries no qparams: llm-compressor computes them again
@@ -36,6 +38,7 @@ import yaml
 import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
+from lab.awq.deploy import AWQDeploy
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
 from lab.provenance import provenance_lines
@@ -51,6 +54,7 @@ inside them from keys ending in ``_modifiers``."""
 MODIFIER_GROUP = "quant_modifiers"
 MODIFIER = "QuantizationModifier"
 GPTQ_MODIFIER = "GPTQModifier"
+AWQ_MODIFIER = "AWQModifier"
 LC_ACTORDER = {"none": None, "weight": "static", "group": "group"}
 """The lab's activation orders (``observers.gptq``, aliases resolved) as ``GPTQModifier`` spells them."""
 
@@ -243,16 +247,19 @@ def _render(
     kv_comments: list[str],
     notes: list[str],
     gptq: dict[str, Any] | None = None,
+    awq: dict[str, Any] | None = None,
 ) -> str:
-    """The recipe's YAML: a header, the notes as comments, then the one modifier (a
-    ``GPTQModifier`` with its knobs for a GPTQ run) with a comment line above each group whose
-    observer is only the nearest llm-compressor one."""
+    """The recipe's YAML: a header, the notes as comments, an ``AWQModifier`` with its arguments
+    for an AWQ deployment, then the one quantizing modifier (a ``GPTQModifier`` with its knobs for
+    a GPTQ run) with a comment line above each group whose observer is only the nearest
+    llm-compressor one."""
     lines = [
         "# llm-compressor recipe written by Observer Lab: the observer chosen for each layer.",
         "# llm-compressor calibrates the qparams itself (oneshot); the lab's own qparams are not in it.",
         *(f"# note: {' '.join(note.splitlines())}" for note in notes),
         f"{STAGE}:",
         f"  {MODIFIER_GROUP}:",
+        *([] if awq is None else [f"    {AWQ_MODIFIER}:", *_dump(awq, 6)]),
         f"    {MODIFIER if gptq is None else GPTQ_MODIFIER}:",
         "      ignore: []",
         *([] if gptq is None else _dump(gptq, 6)),
@@ -279,6 +286,8 @@ class Recipe:
     gptq: dict[str, Any] | None = None
     """The ``GPTQModifier``'s own arguments (block size, dampening, activation order) for a GPTQ
     run; None: a ``QuantizationModifier``."""
+    awq: dict[str, Any] | None = None
+    """The ``AWQModifier``'s arguments (knobs, mappings) for an AWQ deployment; None: no AWQ."""
 
     def to_yaml(self) -> str:
         """The recipe as YAML text."""
@@ -320,11 +329,16 @@ def build(
 
 
 def of_chosen(
-    chosen: list[Chosen], facts: ModelFacts, notes: Sequence[str] = (), gptq: Mapping[str, Any] | None = None
+    chosen: list[Chosen],
+    facts: ModelFacts,
+    notes: Sequence[str] = (),
+    gptq: Mapping[str, Any] | None = None,
+    awq: AWQDeploy | None = None,
 ) -> Recipe:
     """The recipe of ``chosen`` tensors (``lab.export.chosen``: an analysis's choices or a saved
     file's) on the model ``facts`` describe; ``notes`` come first in the recipe's notes. ``gptq``:
-    the run's GPTQ settings (``GPTQSpec.to_dict``), which make the modifier a ``GPTQModifier``."""
+    the run's GPTQ settings (``GPTQSpec.to_dict``), which make the modifier a ``GPTQModifier``;
+    ``awq``: an AWQ deployment, which adds its ``AWQModifier``."""
     notes = list(notes)
     items = ct_layers(chosen, notes)
     kv_cache_scheme, kv_comments = _kv_cache_scheme(chosen, notes, facts.attention_blocks)
@@ -332,9 +346,10 @@ def of_chosen(
     if not config_groups and kv_cache_scheme is None:
         raise ValueError("no chosen setting has an llm-compressor equivalent:\n  - " + "\n  - ".join(notes))
     modifier = None if gptq is None else gptq_modifier_args(gptq, notes)
+    smoothing = None if awq is None else awq.modifier(notes)
     notes = list(dict.fromkeys([*notes, *unlinked(chosen)]))
-    text = _render(config_groups, comments, kv_cache_scheme, kv_comments, notes, modifier)
-    return Recipe(text, config_groups, kv_cache_scheme, notes, modifier)
+    text = _render(config_groups, comments, kv_cache_scheme, kv_comments, notes, modifier, smoothing)
+    return Recipe(text, config_groups, kv_cache_scheme, notes, modifier, smoothing)
 
 
 def unlinked(chosen: Sequence[Chosen]) -> list[str]:

@@ -27,6 +27,8 @@ from lab.analyse.analysis import Analysis, TensorAnalysis
 from lab.analyse.served import ServedChoice, as_chosen
 from lab.results.served import fused_rows
 from lab.vocab import (
+    AWQ_METRIC_PREFIX,
+    AWQ_METRICS,
     DEFAULT_METRIC,
     FEW_TOKENS,
     GPTQ_METRIC_PREFIX,
@@ -50,12 +52,14 @@ def check_metric(metric: str) -> str:
     ``gptq:<name>``), or a ``ValueError`` naming the metrics there are."""
     if metric.startswith(GPTQ_METRIC_PREFIX) and metric.removeprefix(GPTQ_METRIC_PREFIX) in GPTQ_METRICS:
         return metric
+    if metric.startswith(AWQ_METRIC_PREFIX) and metric.removeprefix(AWQ_METRIC_PREFIX) in AWQ_METRICS:
+        return metric
     if metric.startswith(PER_LAYER_PREFIX) and metric.removeprefix(PER_LAYER_PREFIX) in ob.HIGHER_IS_BETTER:
         return metric
     if metric not in ob.HIGHER_IS_BETTER and metric.removeprefix(MODEL_METRIC_PREFIX) not in MODEL_METRICS:
         known = [*ob.HIGHER_IS_BETTER, *(PER_LAYER_PREFIX + m for m in ob.HIGHER_IS_BETTER)]
         known += [MODEL_METRIC_PREFIX + m for m in MODEL_METRICS]
-        known += [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS]
+        known += [GPTQ_METRIC_PREFIX + m for m in GPTQ_METRICS] + [AWQ_METRIC_PREFIX + m for m in AWQ_METRICS]
         raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(known)}")
     if metric not in ob.HIGHER_IS_BETTER and not metric.startswith(MODEL_METRIC_PREFIX):
         raise ValueError(f"{metric!r} is a model-level metric: choose by {MODEL_METRIC_PREFIX}{metric}")
@@ -70,6 +74,8 @@ def higher_is_better(metric: str) -> bool:
         return ob.HIGHER_IS_BETTER[metric.removeprefix(PER_LAYER_PREFIX)]
     if metric.startswith(GPTQ_METRIC_PREFIX):
         return GPTQ_METRICS[metric.removeprefix(GPTQ_METRIC_PREFIX)]
+    if metric.startswith(AWQ_METRIC_PREFIX):
+        return AWQ_METRICS[metric.removeprefix(AWQ_METRIC_PREFIX)]
     return MODEL_METRICS[metric.removeprefix(MODEL_METRIC_PREFIX)]
 
 
@@ -99,6 +105,8 @@ def _values(entry: TensorAnalysis, metric: str, effect: Effect | None) -> dict[s
         found = {r.name: r.metrics.get(metric.removeprefix(PER_LAYER_PREFIX)) for r in per_layer(entry)}
     elif metric.startswith(GPTQ_METRIC_PREFIX):
         found = {row.observer: getattr(row, metric.removeprefix(GPTQ_METRIC_PREFIX)) for row in entry.gptq}
+    elif metric.startswith(AWQ_METRIC_PREFIX):
+        found = {}  # an AWQ figure ranks a mapping's observers (``lab.awq.deploy``), not an analysis's
     else:
         name = metric.removeprefix(MODEL_METRIC_PREFIX)
         per_observer = (effect or {}).get((entry.layer, entry.tensor), {})
@@ -129,13 +137,15 @@ def rank(entry: TensorAnalysis, metric: str = DEFAULT_METRIC, effect: Effect | N
 
 def choose(analysis: Analysis, metric: str = DEFAULT_METRIC, effect: Effect | None = None) -> Choices:
     """The best observer per ``(layer, tensor)`` by ``metric`` (local, model-level with ``effect``,
-    or a GPTQ figure, by which tensors GPTQ does not touch go by ``DEFAULT_METRIC``); tensors where
-    no observer gave a value are left out."""
+    or a GPTQ figure, by which tensors GPTQ does not touch go by ``DEFAULT_METRIC``; an AWQ figure
+    ranks a mapping's observers where AWQ deploys (``lab.awq.deploy``), and an analysis's tensors by
+    ``DEFAULT_METRIC``); tensors where no observer gave a value are left out."""
     chosen: Choices = {}
     for entry in analysis.entries:
         ranked = rank(entry, metric, effect)
-        if not ranked and metric.startswith(GPTQ_METRIC_PREFIX) and not entry.gptq:
-            ranked = rank(entry, DEFAULT_METRIC)  # a tensor GPTQ does not touch
+        untouched = metric.startswith(GPTQ_METRIC_PREFIX) and not entry.gptq  # a tensor GPTQ does not touch
+        if not ranked and (untouched or metric.startswith(AWQ_METRIC_PREFIX)):
+            ranked = rank(entry, DEFAULT_METRIC)
         if ranked:
             chosen[(entry.layer, entry.tensor)] = ranked[0].name
     return chosen

@@ -1,0 +1,312 @@
+"""AWQ as a checkpoint deploys it (issue 41): one variant (``--awq-variant``, llm-compressor's
+unless told otherwise), one observer per mapping, each mapping's scales, and each balance layer's
+qparams on its folded weight, the tensor the checkpoint stores.
+
+A mapping's balance layers share its scales, and under ``observer-in-search`` and ``clip-search``
+the scales are the observer's own, so a mapping has one observer: the one ``--choose`` names for
+its layers, else the best by an AWQ figure (``awq:mapping_error`` unless ``--choose-by`` names
+another) under the deployed variant. A balance layer's qparams are computed on its folded weight
+``F`` (its columns times its mapping's scales, its rows divided by the scales of the mapping it
+smooths, as llm-compressor quantizes after every mapping of the block has folded): the observer on
+``F`` with the statistics of the smoothed inputs, or the clip search's ranges scaled with the rows;
+the layers a server fuses then share the scale it keeps (NVFP4's global scale).
+
+``AWQDeploy`` is what the run writes beside its JSON (``x.awq.json``'s ``deployed``) and what the
+checkpoint (each stored tensor folded as it is read, ``fold``), the recipe (``AWQModifier``'s
+arguments, ``modifier``) and the model-level effect (``model_weights``) read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping as MappingType
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+import observers as ob
+from lab.awq import candidates
+from lab.awq.fold import fold_key
+from lab.awq.mappings import Mapping
+from lab.awq.run import AWQRun
+from lab.awq.search import MappingResult, Variant
+from lab.awq.table import awq_frame
+from lab.export.lab_json import LabEntry, LabFile
+from lab.results import higher_is_better
+from lab.vocab import AWQ_METRIC_PREFIX
+from sample_models import Model
+
+DEFAULT_FIGURE = AWQ_METRIC_PREFIX + "mapping_error"
+"""What a mapping's observer is chosen by when ``--choose-by`` is not an AWQ figure."""
+LC_DUO_SCALING = {"on": True, "off": False, "both": "both"}
+"""``AWQSpec.duo_scaling`` as ``AWQModifier`` spells it."""
+
+
+@dataclass(frozen=True)
+class DeployedMapping:
+    """One mapping as deployed: its observer, its scales (float64 ``(in,)``; None: not smoothed,
+    ``rtn``) and the figure it was chosen by (None: named with ``--choose``)."""
+
+    mapping: Mapping
+    observer: str
+    scales: torch.Tensor | None
+    figure: float | None = None
+
+
+@dataclass(frozen=True)
+class AWQDeploy:
+    """The deployed variant, its mappings in the order they fold, and each balance layer's
+    qparams on its folded weight; ``knobs``: each deployed observer's knobs as the person gave
+    them (the input statistics it takes are the smoothed inputs', filled when it ran)."""
+
+    variant: Variant
+    awq: ob.AWQSpec
+    spec: ob.QuantSpec
+    chosen_by: str
+    mappings: tuple[DeployedMapping, ...]
+    qparams: dict[str, ob.QParams]
+    shapes: dict[str, tuple[int, ...]]
+    knobs: dict[str, dict[str, Any]]
+
+    @property
+    def folds(self) -> list[tuple[Mapping, torch.Tensor]]:
+        return [(m.mapping, m.scales) for m in self.mappings if m.scales is not None]
+
+    def fold(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The stored tensor ``key`` as the checkpoint holds it (``tensor`` when no scale touches it)."""
+        return fold_key(key, tensor, self.folds)
+
+    def touched(self) -> list[str]:
+        """Every stored key the scales change."""
+        keys = []
+        for mapping, _ in self.folds:
+            keys += [f"{name}.weight" for name in mapping.balance + mapping.scaled]
+            keys += [f"{mapping.smooth}.weight", f"{mapping.smooth}.bias"]
+        return list(dict.fromkeys(keys))
+
+    def observer_of(self, layer: str) -> str:
+        return next(m.observer for m in self.mappings if layer in m.mapping.balance)
+
+    def applied(self, lab_file: LabFile) -> LabFile:
+        """``lab_file`` with every balance layer's weight chosen as deployed (its mapping's
+        observer, its qparams on the folded weight); a balance layer the file lacks is added, since
+        the search quantized it."""
+        entries = {(e.layer, e.tensor): e for e in lab_file.entries}
+        for name, qparams in self.qparams.items():
+            observer = self.observer_of(name)
+            chosen = {"observer": observer, "knobs": dict(self.knobs.get(observer, {})), "qparams": qparams}
+            old = entries.get((name, "weight"))
+            if old is None:
+                entries[(name, "weight")] = LabEntry(
+                    name, "weight", self.shapes[name], self.spec, metrics={}, runner_up=None, **chosen
+                )
+            else:
+                entries[(name, "weight")] = replace(old, spec=self.spec, metrics={}, runner_up=None, **chosen)
+        return replace(lab_file, entries=list(entries.values()))
+
+    def modifier(self, notes: list[str]) -> dict[str, Any]:
+        """``AWQModifier``'s arguments reproducing the scale search: the knobs and the exact
+        mappings (an MoE's router first among the balance layers, as llm-compressor lists it). A
+        variant llm-compressor does not run gets a note: its oneshot gives the ``llm-compressor``
+        variant's scales."""
+        if self.variant != Variant.LLM_COMPRESSOR:
+            notes.append(
+                f"AWQ: this checkpoint deploys the {self.variant} variant; llm-compressor 0.14's AWQModifier searches "
+                "with memoryless min-max and has no clip search, so its oneshot of this recipe gives the "
+                "llm-compressor variant's scales"
+            )
+        return {
+            "duo_scaling": LC_DUO_SCALING[self.awq.duo_scaling],
+            "n_grid": self.awq.n_grid,
+            "mappings": [
+                {"smooth_layer": m.mapping.smooth, "balance_layers": [*m.mapping.scaled, *m.mapping.balance]}
+                for m in self.mappings
+            ],
+        }
+
+    def lines(self) -> list[str]:
+        """The deployment in words, one line per mapping (the checkpoint's notes, the CLI)."""
+        head = f"AWQ {self.variant} (n_grid {self.awq.n_grid}, duo scaling {self.awq.duo_scaling})"
+        smoothed = len(self.folds)
+        lines = [
+            f"{head}: {smoothed} mapping(s) folded into their smooth and balance layers; observers by {self.chosen_by}"
+        ]
+        for m in self.mappings:
+            how = "named with --choose" if m.figure is None else f"{self.chosen_by}={m.figure:.6g}"
+            lines.append(f"{m.mapping.name}: {m.observer} ({how})")
+        return lines
+
+    def model_weights(self, model: Model) -> dict[str, torch.Tensor]:
+        """Every balance layer's weight as the deployed model computes it, in the model's own
+        coordinates: ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what
+        ``Q(F)`` computes on the smoothed ones (what the model-level effect runs)."""
+        smooths = {m.mapping.smooth: m.scales for m in self.mappings if m.scales is not None}
+        found = {}
+        for m in self.mappings:
+            for name in m.mapping.balance:
+                weight = self.fold(f"{name}.weight", model.stored(f"{name}.weight"))
+                wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
+                s_out = smooths.get(name)
+                if s_out is not None:
+                    wide[-s_out.numel() :] *= s_out.view(-1, 1)
+                found[name] = (wide if m.scales is None else wide / m.scales.view(1, -1)).to(weight.dtype)
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": str(self.variant),
+            "awq": self.awq.to_dict(),
+            "spec": self.spec.to_dict(),
+            "chosen_by": self.chosen_by,
+            "mappings": [
+                {
+                    "smooth": m.mapping.smooth,
+                    "balance": list(m.mapping.balance),
+                    "scaled": list(m.mapping.scaled),
+                    "parent": m.mapping.parent,
+                    "block": m.mapping.block,
+                    "observer": m.observer,
+                    "figure": m.figure,
+                    "scales": None if m.scales is None else m.scales.tolist(),  # float64 repr: exact
+                }
+                for m in self.mappings
+            ],
+            "layers": {
+                name: {"shape": list(self.shapes[name]), "qparams": qp.to_dict()} for name, qp in self.qparams.items()
+            },
+            "knobs": self.knobs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: MappingType[str, Any]) -> AWQDeploy:
+        """From ``to_dict``'s form; a malformed record is one ``ValueError``."""
+        try:
+            mappings = tuple(
+                DeployedMapping(
+                    Mapping(m["smooth"], tuple(m["balance"]), m["parent"], int(m["block"]), tuple(m["scaled"])),
+                    m["observer"],
+                    None if m["scales"] is None else torch.tensor(m["scales"], dtype=torch.float64),
+                    m["figure"],
+                )
+                for m in data["mappings"]
+            )
+            layers = data["layers"]
+            return cls(
+                Variant(data["variant"]),
+                ob.AWQSpec.from_dict(dict(data["awq"])),
+                ob.QuantSpec.from_dict(dict(data["spec"])),
+                data["chosen_by"],
+                mappings,
+                {name: ob.QParams.from_dict(layer["qparams"]) for name, layer in layers.items()},
+                {name: tuple(layer["shape"]) for name, layer in layers.items()},
+                {name: dict(knobs) for name, knobs in data["knobs"].items()},
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"the AWQ deployment record is malformed: {err!r}") from None
+
+
+def figure_of(choose_by: str) -> str:
+    """The AWQ figure a mapping's observer is chosen by: ``choose_by`` when it is one."""
+    return choose_by if choose_by.startswith(AWQ_METRIC_PREFIX) else DEFAULT_FIGURE
+
+
+def choose_observers(
+    run: AWQRun, variant: Variant, figure: str, rules: Sequence[tuple[str, str]] = ()
+) -> dict[str, tuple[str, float | None]]:
+    """Per mapping (by name), its observer under ``variant`` and its ``figure`` (an ``awq:`` one):
+    the last ``--choose`` rule whose glob matches one of its balance layers, else the best by
+    ``figure`` (ties keep the run's observer order). A mapping where no observer has a figure,
+    or a named observer without a row there, is one ``ValueError``."""
+    column = figure.removeprefix(AWQ_METRIC_PREFIX)
+    sign = -1.0 if higher_is_better(figure) else 1.0
+    frame = awq_frame(run)
+    frame = frame[(frame["variant"] == str(variant)) & frame["error"].isna()]
+    chosen: dict[str, tuple[str, float | None]] = {}
+    for result in run.results:
+        rows = frame[frame["mapping"] == result.mapping.name]
+        values = {o: float(v) for o, v in zip(rows["observer"], rows[column], strict=True) if not _missing(v)}
+        named = [o for pattern, o in rules if any(fnmatch.fnmatchcase(b, pattern) for b in result.mapping.balance)]
+        if named:
+            if named[-1] not in set(rows["observer"]):
+                raise ValueError(f"--choose: {result.mapping.name}: {named[-1]} has no {variant} result there")
+            chosen[result.mapping.name] = (named[-1], None)
+        elif values:
+            best = min(values, key=lambda o: sign * values[o])
+            chosen[result.mapping.name] = (best, values[best])
+        else:
+            raise ValueError(f"{result.mapping.name}: no observer has {figure} under the {variant} variant")
+    return chosen
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def of_run(
+    model: Model,
+    run: AWQRun,
+    variant: Variant,
+    observers: MappingType[str, str],
+    chosen_by: str = DEFAULT_FIGURE,
+    figures: MappingType[str, float | None] | None = None,
+) -> AWQDeploy:
+    """The deployment of ``run`` under ``variant`` with ``observers`` (per mapping name): the scales
+    of each mapping's observer and each balance layer's qparams on its folded weight. A stored
+    tensor the scales touch that the model's files do not hold under its module's name, or an
+    observer without qparams there, is one ``ValueError``."""
+    stored = set(model.stored_keys())
+    mappings = []
+    for result in run.results:
+        observer = observers[result.mapping.name]
+        if (variant, observer) not in result.qparams:
+            raise ValueError(f"{result.mapping.name}: {observer} has no {variant} result to deploy")
+        scales = result.scales.get((variant, observer))
+        figure = None if figures is None else figures.get(result.mapping.name)
+        mappings.append(DeployedMapping(result.mapping, observer, scales, figure))
+    skeleton = AWQDeploy(variant, run.awq, run.spec, chosen_by, tuple(mappings), {}, {}, {})
+    missing = [key for key in skeleton.touched() if key not in stored and not key.endswith(".bias")]
+    if missing:
+        raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
+    smooths = {m.mapping.smooth: m.scales for m in mappings if m.scales is not None}
+    qparams: dict[str, ob.QParams] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for result, deployed in zip(run.results, mappings, strict=True):
+        found = {}
+        for name in result.mapping.balance:
+            weight = skeleton.fold(f"{name}.weight", model.stored(f"{name}.weight"))
+            found[name] = _layer_qparams(run, result, variant, deployed, weight, name, smooths.get(name))
+            shapes[name] = tuple(weight.shape)
+        qparams |= candidates.share_fused(found, run.spec)
+    knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}
+    return replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs)
+
+
+def _layer_qparams(
+    run: AWQRun,
+    result: MappingResult,
+    variant: Variant,
+    deployed: DeployedMapping,
+    weight: torch.Tensor,
+    name: str,
+    s_out: torch.Tensor | None,
+) -> ob.QParams:
+    """``Q(F)``'s qparams as the variant deploys it: the clip search's ranges with their rows
+    scaled as the weight's were, else the observer on ``F`` with the statistics of ``x/s_in``."""
+    spec, observer = run.spec, deployed.observer
+    if variant == Variant.CLIP_SEARCH:
+        qp = result.qparams[(variant, observer)][name]
+        if s_out is None:
+            return qp
+        rows = torch.ones(weight.shape[0], 1, dtype=torch.float64, device=weight.device)
+        rows[-s_out.numel() :, 0] = 1.0 / s_out.to(rows.device)
+        return ob.qparams.range_rule((qp.min_val * rows).float(), (qp.max_val * rows).float(), spec)
+    knobs = candidates.statistic_knobs(
+        observer, run.observers.get(observer, {}), result.importance, result.blocks.__getitem__, deployed.scales
+    )
+    try:
+        return candidates.observe(observer, weight, spec, knobs)
+    except ValueError as err:
+        raise ValueError(f"{name}: {observer} on the folded weight: {err}") from None
