@@ -5,12 +5,13 @@ ids (the lab's built-in calibration windows, 32 × 128, one unpadded record a ba
 pipeline per ``LlamaDecoderLayer``), and ModelOpt 0.47's ``awq_lite`` and ``awq_clip`` on the same
 layers.
 
-- **llm-compressor's variant**: the lab's ``llm-compressor`` scales folded into the weights
-  (``lab.awq.fold``) against oneshot's smoothed norms and balance weights, the grid point each
-  mapping picked, and the int4 codes of every layer (``memoryless_minmax`` on the final smoothed
-  weights, against oneshot's ``weight_scale``). Symmetric int4 with llm-compressor's half-range
-  scale puts each group's negative extreme exactly on a rounding tie (``-7.5`` steps), so a
-  candidate's loss moves by a percent when the activations move by one float32 ulp: where two
+- **llm-compressor's variant**: the lab's deployment of its ``llm-compressor`` variant
+  (``lab.awq.deploy``: the scales folded into the weights, ``memoryless_minmax`` on the final
+  smoothed weights) against oneshot of the lab's own recipe for it (``AWQModifier`` with the
+  run's exact mappings, then ``QuantizationModifier``): the smoothed norms and balance weights,
+  and the int4 codes of every balance layer against oneshot's ``weight_scale``. Symmetric int4
+  with llm-compressor's half-range scale puts each group's negative extreme exactly on a rounding
+  tie (``-7.5`` steps), so a candidate's loss moves by a percent when the activations move by one float32 ulp: where two
   forwards compute the activations a few ulps apart (the lab runs the model's own forward,
   oneshot a traced graph of it), a mapping whose grid losses are close can pick another point.
   The row shows llm-compressor against itself with the calibration batches in reverse order
@@ -45,39 +46,39 @@ SAMPLES, SEQ_LEN, GROUP = 32, 128, 16
 REFERENCE = "llm-compressor 0.14 oneshot AWQModifier + QuantizationModifier"
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}
 
-# A fresh process: oneshot on the model directory argv[1] with the batches saved in argv[2], saving the
-# smoothed state dict (weights and weight scales) to argv[3]. Tensor.pin_memory is a no-op: llm-compressor
-# 0.14 pins the AWQ caches unconditionally, which fails without an accelerator.
+# A fresh process: oneshot on the model directory argv[1] with the batches saved in argv[2] and the lab's
+# recipe argv[4] (AWQModifier with the run's exact mappings, then QuantizationModifier), saving the smoothed
+# state dict (weights and weight scales) to argv[3]. Tensor.pin_memory is a no-op: llm-compressor 0.14 pins
+# the AWQ caches unconditionally, which fails without an accelerator.
 ONESHOT = """
 import sys, torch
 torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from llmcompressor.modifiers.transform.awq import AWQModifier
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 batches = torch.load(sys.argv[2], weights_only=True)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-weights = WEIGHTS
-groups = {"group_0": {"targets": ["Linear"], "weights": weights | {"observer": "memoryless_minmax"}}}
-recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
-oneshot(model=model, recipe=recipe, dataset=DataLoader(batches, batch_size=None), pipeline="sequential",
+oneshot(model=model, recipe=sys.argv[4], dataset=DataLoader(batches, batch_size=None), pipeline="sequential",
         sequential_targets=["LlamaDecoderLayer"])
 state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if "layers." in k}
 save_file(state, sys.argv[3])
-""".replace("WEIGHTS", repr(WEIGHTS))
+"""
 
 
-def oneshot_process(model_dir: Path, batches: list, scratch: Path, tag: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """oneshot in a fresh process: its wall seconds and the smoothed state dict it left."""
+def oneshot_process(
+    model_dir: Path, batches: list, recipe: Path, scratch: Path, tag: str
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """oneshot of ``recipe`` in a fresh process: its wall seconds and the smoothed state dict it left."""
     from safetensors.torch import load_file
 
     data, target = scratch / f"{tag}-batches.pt", scratch / f"{tag}.safetensors"
     torch.save(batches, data)
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", ONESHOT, str(model_dir), str(data), str(target)], capture_output=True, text=True
+        [sys.executable, "-c", ONESHOT, str(model_dir), str(data), str(target), str(recipe)],
+        capture_output=True,
+        text=True,
     )
     seconds = time.perf_counter() - start
     if done.returncode:
@@ -126,9 +127,12 @@ def cases(device: str) -> list[dict]:
     if missing:
         return [case(label, 0.0, agreement="; ".join(missing))]
     import observers as ob
-    from lab.awq.fold import folded
+    from lab.analyse.model_facts import ModelFacts
+    from lab.awq.deploy import of_run
     from lab.awq.run import run_awq
     from lab.awq.search import SEARCH_OBSERVER, Variant
+    from lab.export import recipe
+    from lab.export.chosen import Chosen
     from sample_models import open_model
 
     rows = []
@@ -141,17 +145,19 @@ def cases(device: str) -> list[dict]:
         start = time.perf_counter()
         run = run_awq(model, spec, {SEARCH_OBSERVER: {}}, samples=SAMPLES, seq_len=SEQ_LEN, batch_size=1)
         lab_s = time.perf_counter() - start
-        ours = {
-            k: v.float().cpu() for k, v in folded(model, run.results, Variant.LLM_COMPRESSOR, SEARCH_OBSERVER).items()
+        deployed = of_run(model, run, Variant.LLM_COMPRESSOR, {r.mapping.name: SEARCH_OBSERVER for r in run.results})
+        stored = set(model.stored_keys())
+        ours = {k: deployed.fold(k, model.stored(k)).float().cpu() for k in deployed.touched() if k in stored}
+        ours_codes = {
+            layer: ob.quantize(ours[f"{layer}.weight"], qparams, spec).float().reshape(ours[f"{layer}.weight"].shape)
+            for layer, qparams in deployed.qparams.items()
         }
-        ours_codes = {}
-        for result in run.results:
-            for layer in result.mapping.balance:
-                weight = ours[f"{layer}.weight"]
-                found = ob.run_one(SEARCH_OBSERVER, weight, spec, "weight").qparams
-                ours_codes[layer] = ob.quantize(weight, found, spec).float().reshape(weight.shape)
-        theirs_s, theirs = oneshot_process(model_dir, batches, scratch, "oneshot")
-        _, itself = oneshot_process(model_dir, batches[::-1], scratch, "reversed")
+        linears = [i.name for i in model.layers() if i.type == "Linear" and ".layers." in i.name]
+        chosen = [Chosen(name, "weight", spec, SEARCH_OBSERVER) for name in linears]
+        recipe_file = scratch / "recipe.yaml"
+        recipe.of_chosen(chosen, ModelFacts.of(model), awq=deployed).write(recipe_file)
+        theirs_s, theirs = oneshot_process(model_dir, batches, recipe_file, scratch, "oneshot")
+        _, itself = oneshot_process(model_dir, batches[::-1], recipe_file, scratch, "reversed")
         against = compare(ours, ours_codes, theirs)
         mirror = compare(
             {k: itself[k] for k in ours},

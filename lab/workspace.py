@@ -170,6 +170,7 @@ class Workspace:
     view: dict[str, Any] = field(default_factory=dict)
     effect: EffectState = field(default_factory=EffectState)
     allocation: Any = None  # the Allocate page's state (lab.allocate.session.AllocateState), made on its first visit
+    awq: Any = None  # the AWQ switch and its last run (lab.awq.session.AWQState), made on the first page that asks
     who: str = "none"
 
     # ------------------------------------------------------------ model
@@ -283,9 +284,8 @@ class Workspace:
 
         self.uploads.remove()
         fresh = Workspace()
-        for name in ("analysis", "transformed", "unpropagated", "last_run", "result_cache", "capture_memo"):
-            setattr(self, name, getattr(fresh, name))
-        for name in ("own_models", "layer_output", "calibration_checks", "report_html", "effect", "allocation"):
+        dropped = ("analysis", "transformed", "unpropagated", "last_run", "result_cache", "capture_memo", "own_models")
+        for name in (*dropped, "layer_output", "calibration_checks", "report_html", "effect", "allocation", "awq"):
             setattr(self, name, getattr(fresh, name))
         gc.collect()
         return_freed_memory()

@@ -1,13 +1,16 @@
 """Error: metrics per layer and observer (as served, each fused layer's own beside them), SQNR bars,
 the error histogram, the picked tensor as served against its own, each observer under GPTQ beside
-round-to-nearest, and layer-output error."""
+round-to-nearest, each observer under AWQ's four variants on the picked layer's mapping, and
+layer-output error."""
 
 import pandas as pd
 import streamlit as st
 
 from lab import results, ui
+from lab.awq import session as awq_session
 from lab.gptq.table import gptq_frame
 from lab.results import plots, served
+from lab.ui import serving
 
 GPTQ_COLUMNS = {
     "observer": st.column_config.TextColumn("observer"),
@@ -31,6 +34,23 @@ GPTQ_COLUMNS = {
     "fallback": st.column_config.CheckboxColumn("RTN fallback", help="the Hessian would not factor: RTN instead"),
     "error": st.column_config.TextColumn("why not", width="large"),
 }
+AWQ_COLUMNS = {
+    "mapping_error": st.column_config.NumberColumn(
+        "mapping error", help="the parent module's relative output error Σ(out − float)² / Σ float², calibration tokens"
+    ),
+    "rank": st.column_config.NumberColumn("rank", help="place among the observers under this variant (1 = least)"),
+    "held_out_error": st.column_config.NumberColumn(
+        "held-out error", help="the same on held-out text, which the search never saw: what its pick carries over"
+    ),
+    "held_out_rank": st.column_config.NumberColumn("held-out rank", help="place by held-out error (1 = least)"),
+    "layer_error": st.column_config.NumberColumn(
+        "layer error", help="relative ‖WX − ŴX‖² of each balance layer, their mean"
+    ),
+    "clipped": st.column_config.NumberColumn("clipped", help="share of the smoothed weight outside the range, mean"),
+    "ratio": st.column_config.NumberColumn("strength r", help="the winning s = x̄^r / w̄^(1−r); none: not smoothed"),
+    "duo": st.column_config.CheckboxColumn("duo", help="the weights took part in the winning scales (w̄ in s)"),
+    "error": st.column_config.TextColumn("why not", width="large"),
+}
 BEST = "font-weight: bold; background-color: rgba(46, 160, 67, 0.25)"
 
 
@@ -41,6 +61,14 @@ def best_by_gptq(rows: pd.DataFrame):
     errors = ["rtn_error", "gptq_error", "rtn_held_out", "gptq_held_out"]
     styled = styled.format("{:.4g}", subset=errors, na_rep="–")
     return styled.format("{:.2%}", subset=["rtn_clipped", "gptq_clipped"], na_rep="–")
+
+
+def best_per_variant(rows: pd.DataFrame):
+    """A mapping's rows with the best observer under each variant in bold and green."""
+    best = rows["rank"].eq(1).fillna(False)
+    styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
+    styled = styled.format("{:.4g}", subset=["mapping_error", "held_out_error", "layer_error"], na_rep="–")
+    return styled.format("{:.2%}", subset=["clipped"], na_rep="–").format("{:.2f}", subset=["ratio"], na_rep="–")
 
 
 st.title("Error")
@@ -95,6 +123,48 @@ if not gptq.empty:
         st.caption(ui.plain(plots.gptq_turnover(layer_rows)))
         if gptq["layer"].nunique() > 1:
             st.caption(ui.plain(plots.gptq_turnover_summary(gptq)))
+
+searched = awq_session.state_of(ws).shown_with(analysis)
+if searched is not None:
+    st.subheader("Under AWQ")
+    mapping = searched.mapping_of(entry.layer)
+    if entry.tensor != "weight":
+        st.caption("AWQ smooths weights: pick a balance layer's weight above to see its mapping under AWQ.")
+    elif mapping is None:
+        st.caption(ui.plain(f"{entry.layer} is not a balance layer of a mapping AWQ searched."))
+    else:
+        awq_rows = searched.rows(mapping)
+        settings = searched.run.awq
+        st.caption(
+            ui.plain(
+                f"{mapping.mapping.name}, judged on the output of {mapping.mapping.parent}. Each observer under "
+                f"AWQ's four variants (n_grid {settings.n_grid}, duo scaling {settings.duo_scaling}): the parent's "
+                "relative output error on the calibration tokens and on held-out text with the observer's rank, the "
+                "balance layers' own error and clipped share, and the winning strength. The best under each variant "
+                "is highlighted."
+            )
+        )
+        missing = awq_rows[awq_rows["error"].notna()]
+        shown = awq_rows[awq_rows["error"].isna()].drop(columns=["mapping", "error"]).reset_index(drop=True)
+        st.dataframe(best_per_variant(shown), hide_index=True, column_config=AWQ_COLUMNS)
+        if not missing.empty:
+            with st.expander(f"Why {len(missing)} row(s) have no AWQ figures here"):
+                st.dataframe(missing[["observer", "variant", "error"]], hide_index=True, column_config=AWQ_COLUMNS)
+        with ui.guard("Drawing the AWQ bars"):
+            st.plotly_chart(plots.awq_bars(awq_rows, order=order), theme="streamlit")
+        st.caption(ui.plain(searched.turnover(mapping)))
+    if searched.effect is None:
+        if st.button("Measure each variant's model-level effect", icon=":material/model_training:"):
+            with ui.guard("Measuring the model-level effect"), st.spinner("Running the quantized models…"):
+                searched.measure_effect(ui.open_request(searched.request), serving.heavy_slot())
+    if searched.effect is not None:
+        best = ", ".join(f"{variant}: {observer}" for variant, observer in searched.effect_best().items())
+        st.caption(
+            f"Every balance layer quantized as each variant deploys it (the other layers float), on held-out text "
+            f"against the float model. Best by {searched.effect_metric} per variant: {best}."
+        )
+        metrics = [c for c in searched.effect.columns if c not in ("observer", "variant")]
+        st.dataframe(searched.effect.style.format("{:.4g}", subset=metrics), hide_index=True)
 
 st.subheader("Layer-output error")
 weights = {e.layer for e in analysis.entries if e.tensor == "weight"}

@@ -1,12 +1,15 @@
 """Ranges: the value histogram with every observer's range (where its format clips), a weight as
-GPTQ's sweep updated it against an observer's range, per-channel ranges, and the per-token vs
-per-channel view of activations."""
+GPTQ's sweep updated it against an observer's range, a balance layer's weight as an AWQ variant
+smoothed it against an observer's range, per-channel ranges, and the per-token vs per-channel view
+of activations."""
 
 from dataclasses import replace
 
 import streamlit as st
 
 from lab import results, ui
+from lab.awq import session as awq_session
+from lab.awq.search import Variant
 from lab.gptq.layer import entry_gptq
 from lab.results import dynamic, plots, ranges
 
@@ -71,6 +74,49 @@ if entry.tensor == "weight" and gptq is not None and entry.hessian is not None:
             + f". {done.clip_ratio:.2%} of them lie outside it and clip, against "
             f"{entry.result(name).metrics.get('clip_ratio', 0.0):.2%} of the original weight."
         )
+
+searched = awq_session.state_of(ws).shown_with(analysis)
+mapping = searched.mapping_of(entry.layer) if searched is not None and entry.tensor == "weight" else None
+if mapping is not None:
+    st.subheader("Under AWQ")
+    observers, variants = list(searched.run.observers), [str(v) for v in Variant]
+    if view.get("awq_observer") not in observers:
+        view["awq_observer"] = observers[0]
+    left, right = st.columns(2)
+    with left:
+        name = view["awq_observer"] = ui.bound(
+            st.selectbox, "Observer under AWQ", "ranges_awq_observer", view["awq_observer"], options=observers
+        )
+    with right:
+        view["awq_variant"] = ui.bound(
+            st.radio,
+            "AWQ variant",
+            "ranges_awq_variant",
+            view.get("awq_variant", str(Variant.LLM_COMPRESSOR)),
+            options=variants,
+            horizontal=True,
+        )
+    variant = Variant(view["awq_variant"])
+    with ui.guard("Drawing the smoothed weight"):
+        smoothed, drawn = searched.smoothed(ui.open_request(searched.request), mapping, entry.layer, variant, name)
+        if drawn.qparams is None:
+            st.caption(ui.plain(f"{name} has no {variant} figures here: {drawn.error}"))
+        else:
+            title = f"{entry.layer} · weight as {variant} smooths it for {name}"
+            histogram(smoothed, [drawn], searched.run.spec, title)
+            row = mapping.row(variant, name)
+            how = (
+                "as it is (round-to-nearest does not smooth)"
+                if row.ratio is None
+                else f"times AWQ's scale per input column, W·diag(s), strength r = {row.ratio:.2f}"
+                + ("" if row.duo else " from the activations alone")
+            )
+            st.caption(
+                ui.plain(
+                    f"The weight {how}, against {name}'s range on it ({variant}): "
+                    f"{drawn.metrics['clip_ratio']:.2%} of it lies outside and clips."
+                )
+            )
 
 if entry.tool_results:
     st.subheader("As each tool would run it")

@@ -1,16 +1,19 @@
-"""Run: format, granularity, presets, observers and their knobs; the Run button with progress."""
+"""Run: format, granularity, presets, GPTQ and AWQ beside round-to-nearest, observers and their knobs;
+the Run button with progress."""
 
 import streamlit as st
 
 import observers as ob
 from lab import results, ui
+from lab.awq import session as awq_session
 from lab.settings import check_knobs
-from lab.ui import history
+from lab.ui import history, serving
 from observers.gptq import ACTORDER_ALIASES, SCALES
 
 st.title("Run")
 ws = ui.workspace()
 run = ws.settings
+awq = awq_session.state_of(ws)
 model = None
 with ui.guard("Opening the model"):
     model = ui.open_request(ws.request)
@@ -119,6 +122,35 @@ def gptq_refusal(gptq: ob.GPTQSpec | None) -> str | None:
     return None
 
 
+def awq_knob_editor(values: dict) -> None:
+    """AWQ's knobs as widgets (``values`` updated in place), each one's default, bounds and help
+    declared once, in the library (``ob.AWQ_KNOBS``)."""
+    d = ob.AWQSpec()
+    st.caption(
+        f"Defaults are llm-compressor 0.14's AWQModifier ({d.n_grid} strengths, duo scaling {d.duo_scaling}) and "
+        f"ModelOpt's awq_clip (each group's range shrunk to {d.clip_min} and up by {d.clip_step})."
+    )
+    ui.knob_widgets(ob.AWQ_KNOBS, values, "awq")
+
+
+def awq_with_status() -> None:
+    """AWQ beside the analysis just made, in a status box with a progress bar (mappings searched,
+    seconds, the mapping just searched), inside the server's heavy-run slot."""
+    with st.status("Searching AWQ's scales for each weight observer…", expanded=True) as status:
+        bar, timer = st.progress(0.0, text="starting"), ui.Timer()
+
+        def progress(done: int, total: int, mapping: str) -> None:
+            bar.progress(done / total, text=f"{done}/{total} mappings · {timer.elapsed:.1f} s · {mapping}")
+
+        try:
+            with serving.heavy_slot(bar):
+                searched = awq.run(model, ws.request, ws.analysis, progress)
+        except Exception:
+            status.update(label="AWQ did not run", state="error", expanded=False)
+            raise
+        status.update(label=f"AWQ done in {searched.seconds:.1f} s", state="complete", expanded=False)
+
+
 def _apply_preset() -> None:
     run.apply_preset(st.session_state["w:preset"])
     ui.reseed_spec_editors()
@@ -159,6 +191,21 @@ with weight_tab:
     gptq_problem = gptq_refusal(run.gptq)
     if gptq_problem:
         st.error(gptq_problem)
+    awq.on = ui.bound(
+        st.toggle,
+        "Also run AWQ with each weight observer",
+        "awq",
+        awq.on,
+        help="A decoder's smoothing scales searched four ways for each weight observer: round-to-nearest, "
+        "llm-compressor's AWQ (memoryless min-max in the search, then the observer on the smoothed weights), the "
+        "observer inside the search, and the joint clip search. The Error page compares the observers under each "
+        "way on every balance layer's mapping; the Ranges page draws the smoothed weight with each one's range.",
+    )
+    if awq.on:
+        awq_knob_editor(awq.knobs)
+    awq_problem = awq.refusal(run, kinds, model)
+    if awq_problem:
+        st.error(awq_problem)
 with act_tab:
     ui.spec_editor("act", run.act)
 with kv_tab:
@@ -240,12 +287,20 @@ if problems:
     blocked = "fix the knob values above"
 if gptq_problem:
     blocked = "GPTQ cannot run with these settings (the Weights tab says why)"
-if ws.calibration.problem and (run.calibrates(**scope) or run.gptq is not None):
+if awq_problem:
+    blocked = "AWQ cannot run with these settings (the Weights tab says why)"
+if ws.calibration.problem and (run.calibrates(**scope) or run.gptq is not None or awq.on):
     blocked = f"the calibration set on the Model page cannot be used ({ws.calibration.problem})"
 if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None):
+    awq.result = None
     with ui.guard("The run"):
         config = run.config(**scope)
         ui.run_with_status(ws, model, config, attention)
+        if awq.on:
+            try:
+                awq_with_status()
+            except ValueError as refused:
+                st.error(ui.plain(f"{refused}."))
 elif blocked:
     st.caption(f"Run is off: {blocked}.")
 
@@ -266,6 +321,11 @@ if outcome is not None:
     for note in dict.fromkeys(outcome.warnings + results.token_warnings(analysis)):
         if note != shortfall:
             st.warning(note)
+    searched = awq.shown_with(analysis)
+    if searched is not None:
+        st.success(f"AWQ: {searched.summary()}. The Error and Ranges pages show each balance layer's mapping.")
+        for line in searched.run.left_out:
+            st.caption(ui.plain(f"Left out of AWQ: {line}"))
     failed = results.error_table(analysis).dropna(subset=["error"])
     if not failed.empty:
         st.warning(

@@ -50,8 +50,8 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
         ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
         ("tiny-llama", ["--awq", "--gptq"], "AWQ then GPTQ is not built yet"),
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
-        ("tiny-llama", ["--awq", "--transform", "hadamard"], "--awq with --transform"),
-        ("tiny-llama", ["--awq", "--sequential"], "--awq loads the model whole"),
+        ("tiny-llama", ["--awq", "--transform", "hadamard"], "AWQ searches its scales on the model as it is"),
+        ("tiny-llama", ["--awq", "--sequential"], "AWQ loads the model whole"),
         ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
         ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
     ],
@@ -67,3 +67,29 @@ def test_bad_awq_input_is_one_line_and_writes_nothing(tmp_path, model, flags, me
 def test_a_sweep_with_awq_is_refused(tmp_path) -> None:
     code, _, err = _cli("run", "tiny-llama", "--layers", "all", *BASE, "--awq", "--out", str(tmp_path / "x.json"))
     assert code == 2 and "not a sweep" in err
+
+
+def test_tiny_moe_runs_the_four_ways_on_its_experts_and_refuses_to_deploy_them(tmp_path) -> None:
+    from lab.awq.command import deployed
+    from lab.export import lab_json
+
+    target = tmp_path / "moe.json"
+    layers = r"re:model\.layers\.0\.mlp\.experts\.[01]\.(gate|down)_proj"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
+    code, out, err = _cli("run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--quiet")
+    assert code == 0, err
+    rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
+    assert len(rows) == 3  # the experts' gate/up, up -> down of experts 0 and 1
+    assert "gate_proj, up_proj of 4 experts" in rows[0][0]
+    assert "# model-level: not measured (AWQ's scales of fused MoE experts" in out
+    assert "deploy\tnot deployable: " in out
+    written = json.loads((tmp_path / "moe.awq.json").read_text())
+    assert written["deployed"] is None and "3-D stored weights" in written["not_deployable"]
+    with pytest.raises(ValueError, match="no deployment writes yet"):
+        deployed(lab_json.load_file(target), target)
+    code, _, err = _cli(
+        "run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint",
+        str(tmp_path / "ck"), "--quiet",
+    )  # fmt: skip
+    assert code == 2 and "no deployment writes yet" in err and err.count("\n") == 1
+    assert not (tmp_path / "ck").exists()

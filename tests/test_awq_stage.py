@@ -39,8 +39,6 @@ def suite_run(tiny_llama):
     return run_awq(tiny_llama, INT4_G16, observers, ob.AWQSpec(n_grid=6), samples=SAMPLES, seq_len=SEQ_LEN)
 
 
-
-
 def folded(model, run, variant: Variant, observer: str) -> dict[str, torch.Tensor]:
     """Every stored tensor ``observer``'s ``variant`` scales change, folded (none for ``rtn``)."""
     deployed = of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
@@ -108,11 +106,76 @@ def test_linear_experts_balance_with_their_router_scaled_along() -> None:
     assert [m.parent for m in downs] == ["layers.0.mlp.experts.0.down_proj", "layers.0.mlp.experts.1.down_proj"]
 
 
-def test_fused_experts_are_left_out_with_a_line() -> None:
-    model = open_model("tiny-moe")
-    mappings = resolve(model.module(), "model.layers", "tiny-moe")
-    assert all(m.smooth.endswith("input_layernorm") for m in mappings.found) and len(mappings.found) == 2
-    assert len(mappings.left_out) == 2 and "not linear layers" in mappings.left_out[0]
+@pytest.fixture(scope="module")
+def tiny_moe():
+    return open_model("tiny-moe")
+
+
+def test_fused_experts_are_mapped_by_the_names_the_lab_lists_them_under(tiny_moe) -> None:
+    mappings = resolve(tiny_moe.module(), "model.layers", "tiny-moe")
+    listed = {info.name for info in tiny_moe.layers()}
+    block = [m for m in mappings.found if m.block == 0]
+    assert [m.smooth.rsplit(".", 1)[-1] for m in block] == ["input_layernorm", "post_attention_layernorm"] + [
+        "up_proj"
+    ] * 4
+    gate_up = block[1]
+    assert gate_up.parent == "model.layers.0.mlp" and gate_up.scaled == ("model.layers.0.mlp.gate",)
+    assert gate_up.name == "model.layers.0.post_attention_layernorm → gate_proj, up_proj of 4 experts"
+    assert set(gate_up.balance) <= listed and all(set(m.balance) <= listed for m in block)
+    assert not mappings.left_out
+
+
+def test_linearized_experts_compute_what_the_fused_module_computes(tiny_moe) -> None:
+    from lab.awq.experts import LinearExperts, linearize
+
+    original = tiny_moe.module().model.layers[0]
+    block = linearize(copy.deepcopy(original))
+    assert isinstance(block.mlp.experts, LinearExperts) and len(block.mlp.experts) == 4
+    fused = original.mlp.experts
+    half = fused.gate_up_proj.shape[1] // 2
+    assert torch.equal(block.mlp.experts[2].up_proj.weight, fused.gate_up_proj[2, half:])
+    hidden = torch.randn(2, 24, 256, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = block.mlp(hidden), original.mlp(hidden)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_an_moe_parent_judges_stacked_candidates_as_it_judges_each_alone(tiny_moe) -> None:
+    # the replicas of a batch reach each linearized expert as contiguous shares, in token order
+    from lab.awq.experts import linearize
+    from lab.awq.parent import ParentCalls
+
+    block = linearize(copy.deepcopy(tiny_moe.module().model.layers[0]))
+    mlp = block.mlp
+    hidden = torch.randn(1, 20, 256, generator=torch.Generator().manual_seed(1))
+    mlp.gate.weight.data.normal_(generator=torch.Generator().manual_seed(2))  # every expert gets tokens
+    calls = ParentCalls(mlp, [((hidden,), {})], [torch.ones(1, 20, dtype=torch.bool)])
+    balance = {f"experts.{e}.{p}": mlp.get_submodule(f"experts.{e}.{p}") for e in range(4) for p in ("gate_proj",)}
+    noisy = [
+        {name: layer.weight.detach() + 0.01 * k * torch.ones_like(layer.weight) for name, layer in balance.items()}
+        for k in (1, 2, 3)
+    ]
+    reference = calls.outputs()
+    moment = torch.eye(256, dtype=torch.float64)
+    stacked = calls.losses(balance, noisy, reference, 512, moment)
+    alone = torch.cat([calls.losses(balance, [r], reference, 512, moment) for r in noisy])
+    assert torch.allclose(stacked, alone, rtol=1e-6) and bool((stacked > 0).all())
+
+
+def test_tiny_moe_searches_its_expert_mlps_and_says_why_it_cannot_deploy_them(tiny_moe) -> None:
+    from lab.awq.deploy import of_run
+
+    layers = [f"model.layers.0.mlp.experts.{e}.{p}" for e in (0, 1) for p in ("gate_proj", "down_proj")]
+    observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
+    run = run_awq(tiny_moe, INT4_G16, observers, ob.AWQSpec(n_grid=3), layers=layers, samples=2, seq_len=32)
+    names = [r.mapping.name for r in run.results]
+    assert names[0].endswith("of 4 experts") and len(names) == 3  # gate/up; up -> down of experts 0 and 1
+    for result in run.results:
+        assert {(r.observer, r.variant) for r in result.rows} == {(o, v) for o in observers for v in Variant}
+        assert all(r.error is None and r.mapping_error > 0 for r in result.rows)
+    assert run.left_out == ()  # the float model routes block 0's tokens to experts 0 and 1 only
+    with pytest.raises(ValueError, match="3-D stored weights, which no deployment writes yet"):
+        of_run(tiny_moe, run, Variant.LLM_COMPRESSOR, {r.mapping.name: "mse_grid" for r in run.results})
 
 
 def test_an_encoder_is_one_line() -> None:

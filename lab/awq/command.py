@@ -18,8 +18,8 @@ import observers as ob
 from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
 from lab.awq.effect import model_effect
-from lab.awq.options import spec_of, variant_of
-from lab.awq.run import run_awq
+from lab.awq.options import conflict, spec_of, variant_of
+from lab.awq.run import run_of_config
 from lab.awq.search import Variant
 from lab.awq.table import awq_frame, awq_lines, effect_lines
 from lab.effect.evaluate import Evaluator
@@ -50,12 +50,9 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
         raise ValueError("--awq smooths weights: the run needs a weight format (--kinds with weight)")
     if sweep:
         raise ValueError("--awq walks the model's blocks in one process: run it on a --layers list, not a sweep")
-    if config.transform is not None:
-        raise ValueError("--awq with --transform: AWQ's scales are searched on the model as it is; leave out one")
-    if config.sequential:
-        raise ValueError("--awq loads the model whole (it smooths each block in a copy): leave out --sequential")
-    if config.gptq is not None:
-        raise ValueError("--awq with --gptq: AWQ then GPTQ is not built yet; run them one at a time")
+    why = conflict(config)
+    if why is not None:
+        raise ValueError(why)
     return awq
 
 
@@ -66,37 +63,34 @@ def run(
     ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment;
     returns the document ``write`` puts beside the run's JSON."""
     progress = None if args.quiet else ProgressBar(err)
-    observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
-    texts = config.dataset if config.dataset is not None else (list(config.texts) if config.texts else None)
-    found = run_awq(
-        model,
-        config.specs["weight"],
-        observers,
-        awq,
-        layers=layers,
-        texts=texts,
-        samples=config.samples,
-        seq_len=config.seq_len,
-        batch_size=config.batch_size,
-        progress=progress,
-    )
+    found = run_of_config(model, layers, config, awq, progress)
     out.writelines(awq_lines(found))
-    evaluator = Evaluator(model)
-    effect = model_effect(model, found, evaluator)
-    metric = evaluator.default_metric
-    out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
-    variant, deployment = variant_of(args), None
+    variant, deployment, undeployable = variant_of(args), None, None
     if variant != Variant.RTN:
         figure = deploy.figure_of(args.choose_by)
         picks = deploy.choose_observers(found, variant, figure, args.choose)
         observers_of = {name: observer for name, (observer, _) in picks.items()}
         figures = {name: value for name, (_, value) in picks.items()}
-        deployment = deploy.of_run(model, found, variant, observers_of, figure, figures)
+        try:
+            deployment = deploy.of_run(model, found, variant, observers_of, figure, figures)
+        except ValueError as err:
+            if args.checkpoint or args.recipe:
+                raise
+            undeployable = str(err)
+    evaluator = Evaluator(model)
+    effect = model_effect(model, found, evaluator)
+    metric = evaluator.default_metric
+    out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
+    if effect.empty:
+        out.write(f"# model-level: not measured ({undeployable or 'no observer deploys on every mapping'})\n")
+    if deployment is not None:
         out.writelines(f"deploy\t{line}\n" for line in deployment.lines())
+    if undeployable is not None:
+        out.write(f"deploy\tnot deployable: {undeployable}\n")
     return {
         "awq": awq.to_dict(),
         "weight": config.specs["weight"].to_dict(),
-        "observers": list(observers),
+        "observers": list(found.observers),
         "tokens": found.tokens,
         "held_out_tokens": found.held_out_tokens,
         "left_out": list(found.left_out),
@@ -108,6 +102,7 @@ def run(
         "model": _records(effect),
         "held_out": evaluator.held_out,
         "deployed": None if deployment is None else deployment.to_dict(),
+        "not_deployable": undeployable,
     }
 
 
@@ -134,7 +129,11 @@ def deployed(lab_file: LabFile, lab_path: str | os.PathLike) -> tuple[LabFile, A
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a readable AWQ file ({err})") from None
-    if document.get("lab_file") != _digest(lab_path) or document.get("deployed") is None:
+    if document.get("lab_file") != _digest(lab_path):
+        return lab_file, None
+    if document.get("not_deployable"):
+        raise ValueError(f"{path}: {document['not_deployable']}")
+    if document.get("deployed") is None:
         return lab_file, None
     deployment = AWQDeploy.from_dict(document["deployed"])
     return deployment.applied(lab_file), deployment

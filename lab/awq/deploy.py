@@ -267,7 +267,13 @@ def of_run(
         figure = None if figures is None else figures.get(result.mapping.name)
         mappings.append(DeployedMapping(result.mapping, observer, scales, figure))
     skeleton = AWQDeploy(variant, run.awq, run.spec, chosen_by, tuple(mappings), {}, {}, {})
-    missing = [key for key in skeleton.touched() if key not in stored and not key.endswith(".bias")]
+    read = skeleton.touched() + [f"{name}.weight" for m in mappings for name in m.mapping.balance]
+    missing = list(dict.fromkeys(key for key in read if key not in stored and not key.endswith(".bias")))
+    if any(".experts." in key for key in missing):
+        raise ValueError(
+            "AWQ's scales of fused MoE experts (searched on their linear copies, lab.awq.experts) would fold into "
+            "the experts' 3-D stored weights, which no deployment writes yet"
+        )
     if missing:
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
     smooths = {m.mapping.smooth: m.scales for m in mappings if m.scales is not None}

@@ -7,15 +7,19 @@ narrower ``v_proj`` does not), ``post_attention_layernorm`` → gate/up (the MLP
 router and every expert's gate/up, as llm-compressor's MoE mappings), and ``up_proj`` →
 ``down_proj`` (``down_proj``'s output; per expert). The parent, whose output a candidate is judged
 on, is the balance layers' lowest common ancestor that is not a ``ModuleList``. Experts stored as
-one fused 3-D weight (transformers' ``MixtralExperts``) have no linear layers to balance: their
-mappings are left out, each with a line saying so.
+one fused 3-D weight (transformers' ``MixtralExperts``) are named as the lab lists them
+(``experts.3.up_proj``), as the AWQ stage's block copies hold them (``lab.awq.experts``); an MoE's
+router, a linear or not (``MixtralTopKRouter``), takes the scales along with its 2-D weight.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from lab.awq.experts import expert_count
 
 NOT_A_DECODER = (
     "AWQ smooths a decoder's norms into the layers after them (input_layernorm → q/k/v, "
@@ -37,7 +41,10 @@ class Mapping:
 
     @property
     def name(self) -> str:
-        return f"{self.smooth} → {', '.join(b.rsplit('.', 1)[-1] for b in self.balance)}"
+        """The smooth layer and its balance layers' last names (an MoE's: how many experts)."""
+        leaves = list(dict.fromkeys(b.rsplit(".", 1)[-1] for b in self.balance))
+        experts = len(self.balance) // len(leaves)
+        return f"{self.smooth} → {', '.join(leaves)}" + (f" of {experts} experts" if experts > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -73,12 +80,14 @@ def _ancestor(names: list[str], modules: dict[str, nn.Module]) -> str:
     return ".".join(common)
 
 
-def _experts(modules: dict[str, nn.Module], mlp: str) -> list[str]:
-    """The expert prefixes of an MoE MLP with linear experts (``mlp.experts.N``), in order."""
+def _experts(modules: dict[str, nn.Module], mlp: str) -> list[tuple[str, str, str] | None]:
+    """``(gate, up, down)`` of each expert of an MoE MLP, in order (None: an expert whose layers are
+    not linear); a fused experts module's are named as the lab lists them."""
     experts = modules.get(f"{mlp}.experts")
-    if not isinstance(experts, nn.ModuleList):
-        return []
-    return [f"{mlp}.experts.{i}" for i in range(len(experts))]
+    prefixes = [f"{mlp}.experts.{i}" for i in range(expert_count(experts))]
+    if isinstance(experts, nn.ModuleList):
+        return [_pair(modules, prefix) for prefix in prefixes]
+    return [tuple(f"{prefix}.{leaf}" for leaf in ("gate_proj", "up_proj", "down_proj")) for prefix in prefixes]
 
 
 def _pair(modules: dict[str, nn.Module], prefix: str) -> tuple[str, str, str] | None:
@@ -88,6 +97,12 @@ def _pair(modules: dict[str, nn.Module], prefix: str) -> tuple[str, str, str] | 
         if all(_linear(modules, n) is not None for n in names):
             return names
     return None
+
+
+def _router(modules: dict[str, nn.Module], mlp: str) -> tuple[str, ...]:
+    """An MoE's router when it has a 2-D weight to scale (``nn.Linear`` or transformers' own)."""
+    weight = getattr(modules.get(f"{mlp}.gate"), "weight", None)
+    return (f"{mlp}.gate",) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else ()
 
 
 def resolve(root: nn.Module, blocks_name: str, model_name: str) -> Mappings:
@@ -129,14 +144,10 @@ def _mlp(modules: dict[str, nn.Module], prefix: str, index: int) -> tuple[list[M
     if dense is not None:
         gate, up, down = dense
         return [Mapping(norm, (gate, up), mlp, index), Mapping(up, (down,), down, index)], []
-    experts = [(e, _pair(modules, e)) for e in _experts(modules, mlp)]
-    if not experts or any(pair is None for _, pair in experts):
-        return [], [
-            f"{norm} → the experts: {mlp}'s experts are not linear layers (one fused weight per "
-            "projection): not smoothed"
-        ]
-    router = (f"{mlp}.gate",) if _linear(modules, f"{mlp}.gate") is not None else ()
-    balance = tuple(name for _, (gate, up, _) in experts for name in (gate, up))
-    found = [Mapping(norm, balance, mlp, index, scaled=router)]
-    found += [Mapping(up, (down,), down, index) for _, (_, up, down) in experts]
+    experts = _experts(modules, mlp)
+    if not experts or any(triple is None for triple in experts):
+        return [], [f"{norm} → the experts: {mlp}'s experts are not gated linear layers: not smoothed"]
+    balance = tuple(name for gate, up, _ in experts for name in (gate, up))
+    found = [Mapping(norm, balance, mlp, index, scaled=_router(modules, mlp))]
+    found += [Mapping(up, (down,), down, index) for _, up, down in experts]
     return found, []

@@ -4,6 +4,7 @@ knob's default and bounds): ``--awq`` and ``--awq-<knob>``, and the ``AWQSpec`` 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import observers as ob
 from lab.awq.search import DEPLOYED_VARIANT, Variant
@@ -55,3 +56,16 @@ def spec_of(args: argparse.Namespace) -> ob.AWQSpec | None:
 def variant_of(args: argparse.Namespace) -> Variant:
     """The variant the run deploys (``--awq-variant``)."""
     return DEPLOYED_VARIANT if args.awq_variant is None else Variant(args.awq_variant)
+
+
+def conflict(settings: Any) -> str | None:
+    """What AWQ cannot be combined with yet, in one line (None: nothing): ``settings`` is a run's
+    ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``gptq``, ``transform`` and
+    ``sequential``."""
+    if settings.gptq is not None:
+        return "AWQ then GPTQ is not built yet: run AWQ or GPTQ, not both"
+    if settings.transform is not None:
+        return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
+    if settings.sequential:
+        return "AWQ loads the model whole (it smooths each block in a copy): leave out the layer-by-layer capture"
+    return None

@@ -1,11 +1,12 @@
 """AWQ over a whole decoder, block by block, as llm-compressor's sequential pipeline runs it: each
-block's calibration batches once through the block with hooks (each mapping's input statistics
-and its parent's calls), each mapping searched (``search``) and smoothed in turn with the scales
+block's calibration batches once through the block with hooks (each mapping's input statistics and
+its parent's calls), each mapping searched (``search``) and smoothed in turn with the scales
 llm-compressor would pick, then the batches through the smoothed block to feed the next one.
 
-The model as loaded is never changed: each block is smoothed in a copy, the copy feeds the next
-block and is dropped. Propagation is float (llm-compressor's pipeline runs its calibration with
-quantization disabled), so every block sees what llm-compressor's sees.
+The model as loaded is never changed: each block is smoothed in a copy (its fused MoE experts as
+linear layers, ``lab.awq.experts``), the copy feeds the next block and is dropped. Propagation is
+float (llm-compressor's pipeline runs its calibration with quantization disabled), so every block
+sees what llm-compressor's sees.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import observers as ob
+from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
 from lab.awq.mappings import Mapping, resolve
 from lab.awq.parent import ParentCalls
@@ -75,7 +77,7 @@ def run_awq(
         raise ValueError(
             "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
         )
-    _check_shapes(model.module(), wanted, spec)
+    _check_shapes(model, wanted, spec)
     calibration = _Pass(model, calibration_batches(model, texts, samples, seq_len, batch_size))
     held_texts = list(held_out_texts() if held_out is None else held_out)
     checking = _Pass(model, calibration_batches(model, held_texts, samples, seq_len, batch_size))
@@ -83,7 +85,7 @@ def run_awq(
     left_out = list(found.left_out)
     last = max(m.block for m in wanted)
     for index, original in enumerate(calibration.replay.blocks[: last + 1]):
-        block = copy.deepcopy(original)
+        block = linearize(copy.deepcopy(original))
         prefix = f"{calibration.replay.blocks_name}.{index}."
         own = [m for m in wanted if m.block == index]
         seen = calibration.observe(block, own, prefix, index)
@@ -102,6 +104,27 @@ def run_awq(
         calibration.advance(index, block)
         checking.advance(index, block)
     return AWQRun(spec, awq, dict(observers), results, tuple(left_out), calibration.tokens, checking.tokens)
+
+
+def run_of_config(
+    model: Model, layers: Collection[str], config: Any, awq: ob.AWQSpec, progress: Progress | None = None
+) -> AWQRun:
+    """``run_awq`` beside a run: its layers, and its ``RunConfig``'s weight spec, weight observers
+    (with their knobs) and calibration set (the CLI's ``run --awq`` and the app's Run page)."""
+    observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
+    texts = config.dataset if config.dataset is not None else (list(config.texts) if config.texts else None)
+    return run_awq(
+        model,
+        config.specs["weight"],
+        observers,
+        awq,
+        layers=layers,
+        texts=texts,
+        samples=config.samples,
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        progress=progress,
+    )
 
 
 class _Pass:
@@ -123,13 +146,14 @@ class _Pass:
         self.hidden = self.replay.run(index, block, self.hidden)
 
 
-def _check_shapes(root: nn.Module, mappings: list[Mapping], spec: ob.QuantSpec) -> None:
+def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec) -> None:
     """Refuse, in one line before any search, a group size that does not divide a balance layer."""
     if spec.strategy != "group":
         return
+    columns_of = {info.name: info.shape[-1] for info in model.layers()}
     for mapping in mappings:
         for name in mapping.balance:
-            columns = root.get_submodule(name).in_features
+            columns = columns_of[name]
             if columns % spec.group_size:
                 raise ValueError(
                     f"AWQ with groups of {spec.group_size}: {name} has {columns} input columns, which groups of "

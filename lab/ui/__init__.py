@@ -251,13 +251,18 @@ def reseed_spec_editors() -> None:
 
 
 def knob_editor(observer: str, values: dict[str, Any]) -> dict[str, Any]:
-    """One widget per editable knob of ``observer``, from its declaration (``ob.knob_specs``):
-    checkbox, bounded number input, select box or text; ``values`` holds the session's values
-    and is updated in place. Returns the values."""
-    for knob, declared in ob.knob_specs(observer).items():
+    """One widget per editable knob of ``observer``, from its declaration (``ob.knob_specs``)."""
+    return knob_widgets(ob.knob_specs(observer), values, f"knob:{observer}")
+
+
+def knob_widgets(knobs: dict[str, ob.Knob], values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """One widget per editable knob of ``knobs`` (keys ``<prefix>:<knob>``), its kind, bounds and
+    help from the knob's declaration: checkbox, bounded number input, select box or text; ``values``
+    holds the session's values and is updated in place. Returns the values."""
+    for knob, declared in knobs.items():
         if not declared.editable:
             continue
-        name = f"knob:{observer}:{knob}"
+        name = f"{prefix}:{knob}"
         current = values.get(knob, declared.default)
         help_text = declared.describe()
         if declared.type is bool:

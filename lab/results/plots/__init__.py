@@ -1,12 +1,15 @@
 """Plotly figures for the app: every figure is built from tensors, QParams and result frames by a
 pure function in one of this package's modules (``style``, ``ranges``, ``scales``, ``errors``,
-``dynamic``, ``gptq``), so pages stay thin and each figure can be unit-tested on its data.
+``dynamic``, ``gptq``, ``awq``), so pages stay thin and each figure can be unit-tested on its data.
 
 Figures set no template: the app draws them with ``st.plotly_chart(fig, theme="streamlit")`` so
 they follow the light or dark theme. Trace colors are explicit and come from ``observer_color``,
 so one observer has the same color on every page.
 """
 
+from lab.results.plots.awq import (
+    awq_bars,
+)
 from lab.results.plots.dynamic import (
     dynamic_scale_figure,
 )
@@ -80,6 +83,7 @@ __all__ = [
     "VIEW_REACH",
     "all_equal_note",
     "as_grid",
+    "awq_bars",
     "channel_range_figure",
     "channel_ranges",
     "color_range",
