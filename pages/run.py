@@ -203,9 +203,6 @@ with weight_tab:
     )
     if awq.on:
         awq_knob_editor(awq.knobs)
-    awq_problem = awq.refusal(run, kinds, model)
-    if awq_problem:
-        st.error(awq_problem)
 with act_tab:
     ui.spec_editor("act", run.act)
 with kv_tab:
@@ -236,6 +233,9 @@ elif run.transform == "smoothquant":
     run.smooth_alpha = ui.bound(
         st.slider, "SmoothQuant alpha", "smooth_alpha", run.smooth_alpha, min_value=0.0, max_value=1.0, step=0.05
     )
+awq_problem = awq.refusal(run, kinds, model)  # after the transform, which it is judged with
+if awq_problem:
+    st.error(awq_problem)
 
 run.propagate = ui.bound(
     st.checkbox,
@@ -288,7 +288,7 @@ if problems:
 if gptq_problem:
     blocked = "GPTQ cannot run with these settings (the Weights tab says why)"
 if awq_problem:
-    blocked = "AWQ cannot run with these settings (the Weights tab says why)"
+    blocked = "AWQ cannot run with these settings (said above)"
 if ws.calibration.problem and (run.calibrates(**scope) or run.gptq is not None or awq.on):
     blocked = f"the calibration set on the Model page cannot be used ({ws.calibration.problem})"
 if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None):

@@ -21,6 +21,7 @@ from streamlit.testing.v1 import AppTest
 
 import observers as ob
 from lab import ui
+from lab.awq.options import conflict
 from lab.awq.search import Variant
 from lab.awq.session import AWQResult
 from lab.awq.table import awq_frame
@@ -186,14 +187,14 @@ def test_the_knobs_are_the_librarys_and_out_of_bounds_is_refused():
     assert _button(at, "Run").disabled and any("Run is off: AWQ" in c.value for c in at.caption)
 
 
-def test_gptq_beside_awq_is_one_error_and_run_is_off():
+def test_a_transform_beside_awq_is_one_error_and_run_is_off():
     at = _run_page("minilm", ["encoder.layer.0.attention.self.query"])
     at.toggle(key="w:awq").set_value(True)
-    at.toggle(key="w:gptq").set_value(True).run()
+    at.selectbox(key="w:transform").set_value("hadamard").run()
     assert not at.exception
-    assert [e.value for e in at.error] == ["AWQ then GPTQ is not built yet: run AWQ or GPTQ, not both."]
+    assert [e.value for e in at.error] == [f"{conflict(SimpleNamespace(transform='hadamard', sequential=False))}."]
     assert _button(at, "Run").disabled
-    at.toggle(key="w:gptq").set_value(False).run()
+    at.selectbox(key="w:transform").set_value("none").run()
     _ok(at)
     assert not _button(at, "Run").disabled
 

@@ -48,7 +48,6 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
         ("tiny-llama", ["--awq", "--awq-n-grid", "2"], "n_grid must be an integer in [3, 1000], got 2"),
         ("tiny-llama", ["--awq", "--awq-clip-step", "0.9"], "clip_step must be a number in [0.01, 0.5]"),
         ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
-        ("tiny-llama", ["--awq", "--gptq"], "AWQ then GPTQ is not built yet"),
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
         ("tiny-llama", ["--awq", "--transform", "hadamard"], "AWQ searches its scales on the model as it is"),
         ("tiny-llama", ["--awq", "--sequential"], "AWQ loads the model whole"),

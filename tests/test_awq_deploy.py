@@ -267,3 +267,36 @@ def test_bad_deployment_input_is_one_line_and_writes_nothing(tmp_path, flags, me
     )
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_awq_then_gptq_runs_each_balance_layers_gptq_on_its_folded_weight(tiny_llama, tmp_path) -> None:
+    # as llm-compressor composes AWQModifier then GPTQModifier: GPTQ sees the smoothed model, whose
+    # balance layers' inputs are x/s, so its Hessian is diag(1/s)·H·diag(1/s)
+    from lab.gptq import hessians
+    from lab.gptq.layer import gptq_weight
+
+    target, directory, recipe = tmp_path / "x.json", tmp_path / "ck", tmp_path / "r.yaml"
+    layers = r"re:model\.layers\.0\.(self_attn\.(q|k|v)_proj|mlp\..*)"
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", layers, *BASE, *AWQ, "--gptq", "--out", str(target), "--checkpoint",
+        str(directory), "--recipe", str(recipe), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    deployed = AWQDeploy.from_dict(json.loads((tmp_path / "x.awq.json").read_text())["deployed"])
+    gptq = ob.GPTQSpec.from_dict(json.loads(target.read_text())["config"]["gptq"])
+    kept = hessians.read(hessians.directory_for(target))
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=CompressedTensorsConfig(dequantize=True)
+    ).state_dict()
+    changed = 0
+    for name, qparams in deployed.qparams.items():
+        folded = deployed.fold(f"{name}.weight", tiny_llama.stored(f"{name}.weight"))
+        inverse = 1.0 / deployed.input_scales(name).double()
+        smoothed = (kept(name).double() * inverse.unsqueeze(0) * inverse.unsqueeze(1)).float()
+        done = gptq_weight(folded, smoothed, deployed.spec, gptq, deployed.observer_of(name), qparams, {})
+        assert torch.equal(dequantized[f"{name}.weight"], done.weight), name
+        changed += not torch.equal(done.weight, ob.fake_quantize(folded, qparams, deployed.spec))
+    assert changed == len(deployed.qparams)  # GPTQ moved codes in every balance layer
+    modifiers = list(yaml.safe_load(recipe.read_text())[STAGE][MODIFIER_GROUP])
+    assert modifiers == [AWQ_MODIFIER, "GPTQModifier"]

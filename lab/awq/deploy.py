@@ -87,6 +87,10 @@ class AWQDeploy:
             keys += [f"{mapping.smooth}.weight", f"{mapping.smooth}.bias"]
         return list(dict.fromkeys(keys))
 
+    def input_scales(self, layer: str) -> torch.Tensor | None:
+        """The scales folded into ``layer``'s columns (its inputs are ``x/s``); None: not a balance layer."""
+        return next((m.scales for m in self.mappings if layer in m.mapping.balance), None)
+
     def observer_of(self, layer: str) -> str:
         return next(m.observer for m in self.mappings if layer in m.mapping.balance)
 

@@ -60,10 +60,9 @@ def variant_of(args: argparse.Namespace) -> Variant:
 
 def conflict(settings: Any) -> str | None:
     """What AWQ cannot be combined with yet, in one line (None: nothing): ``settings`` is a run's
-    ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``gptq``, ``transform`` and
-    ``sequential``."""
-    if settings.gptq is not None:
-        return "AWQ then GPTQ is not built yet: run AWQ or GPTQ, not both"
+    ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``transform`` and
+    ``sequential``. GPTQ composes: the analysis's GPTQ figures are the unsmoothed weights', and a
+    checkpoint runs each balance layer's GPTQ on its folded weight (``lab.export.checkpoint``)."""
     if settings.transform is not None:
         return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
     if settings.sequential:

@@ -203,10 +203,15 @@ def quantization_config(
 
 
 def _compress_layer(
-    layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor | None, gptq: GPTQDeploy | None = None
+    layer: CtLayer,
+    scheme: dict[str, Any],
+    weight: torch.Tensor | None,
+    gptq: GPTQDeploy | None = None,
+    input_scales: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The layer's tensors under local names: the weight packed by the compressor of the group's
-    format (from the lab's fake-quantized weight, or its GPTQ weight), and every chosen scale."""
+    format (from the lab's fake-quantized weight, or its GPTQ weight: on inputs AWQ divided by
+    ``input_scales`` when AWQ ran first), and every chosen scale."""
     args = {kind: scheme[CT_ARG_NAMES[kind]] for kind in layer.args}
     prefix = f"{layer.layer}."
     state = {name.removeprefix(prefix): value for name, value in ct_tensors(layer, args).items()}
@@ -215,7 +220,7 @@ def _compress_layer(
     entry = layer.entries["weight"]
     qparams = entry.qparams
     if gptq is not None:
-        weight, qparams = gptq.apply(entry, weight)
+        weight, qparams = gptq.apply(entry, weight, input_scales)
     qparams = qparams.to("cpu")
     rows = weight.shape[0]
     per_row = entry.spec.strategy != "block" and qparams.scale.dim() >= 1 and qparams.scale.shape[0] == rows > 1
@@ -269,14 +274,17 @@ def _compress_rows(
     return compressor.compress(state, QuantizationScheme(**scheme))
 
 
-def _converted(read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None) -> dict[str, torch.Tensor]:
+def _converted(
+    read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None, awq: AWQDeploy | None
+) -> dict[str, torch.Tensor]:
     """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
     scales, anything else as ``read`` gives it (as stored, or with AWQ's scales folded in)."""
     name, _, local = key.rpartition(".")
     tensor = read(key)
     if local == "weight" and name in pending:
         layer, scheme = pending.pop(name)
-        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor, gptq).items()}
+        scales = None if awq is None else awq.input_scales(name)
+        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor, gptq, scales).items()}
     return {key: tensor.contiguous()}
 
 
@@ -291,13 +299,14 @@ def _files(
     first: dict[str, torch.Tensor],
     progress: Progress | None,
     gptq: GPTQDeploy | None,
+    awq: AWQDeploy | None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, ``first`` then every stored one, in files of at most
     ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
     keys = model.stored_keys()
     current, size = dict(first), _bytes(first)
     for done, key in enumerate(keys, start=1):
-        converted = _converted(read, key, pending, gptq)
+        converted = _converted(read, key, pending, gptq, awq)
         added = _bytes(converted)
         if current and size + added > FILE_BYTES:
             yield current
@@ -375,7 +384,9 @@ def write(
     (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
     again from ``hessians`` (its layers' kept Hessians, ``lab.gptq.hessians``). An AWQ run's
     deployment (``awq``, with ``lab_file`` holding its choices: ``lab.awq.command.deployed``) folds
-    its scales into every stored tensor they touch, norms and linears alike, as each is read."""
+    its scales into every stored tensor they touch, norms and linears alike, as each is read; with
+    GPTQ too (AWQ then GPTQ, as llm-compressor composes them), each balance layer's GPTQ runs on its
+    folded weight with the Hessian of its smoothed inputs."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -385,8 +396,6 @@ def write(
         gptq = GPTQDeploy.of_config(lab_file.config, hessians)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
-    if gptq is not None and awq is not None:
-        raise CheckpointError("AWQ then GPTQ is not built yet: a checkpoint deploys one of the two")
     config, layers, kv_tensors, notes = quantization_config(lab_file, facts)
     read = model.stored if awq is None else lambda key: awq.fold(key, model.stored(key))
     notes = notes if awq is None else [*awq.lines(), *notes]
@@ -402,7 +411,7 @@ def write(
             layer, scheme = pending.pop(key)
             first |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
         parts: list[tuple[Path, list[str]]] = []
-        for tensors in _files(model, read, pending, first, progress, gptq):
+        for tensors in _files(model, read, pending, first, progress, gptq, awq):
             part = staging / f"part-{len(parts)}.safetensors"
             save_file(tensors, str(part), metadata={"format": "pt"})
             parts.append((part, list(tensors)))

@@ -42,13 +42,19 @@ class GPTQDeploy:
             raise ValueError("a GPTQ choice is deployed from its run's Hessians, and none were given")
         return cls(gptq, hessian_of)
 
-    def apply(self, chosen: Any, weight: torch.Tensor) -> tuple[torch.Tensor, ob.QParams]:
+    def apply(
+        self, chosen: Any, weight: torch.Tensor, input_scales: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ob.QParams]:
         """``chosen``'s (a ``lab.export.chosen.Chosen`` weight) GPTQ weight in fp32 and the qparams
-        its codes were rounded with."""
+        its codes were rounded with. ``input_scales``: AWQ's scales ``s`` folded into ``weight``'s
+        columns (AWQ then GPTQ): its inputs are ``x/s``, whose Hessian is ``diag(1/s)·H·diag(1/s)``."""
         hessian = self.hessian_of(chosen.layer)
         if hessian is None:
             why = "no calibration token reached it, or it is fed token ids"
             raise ValueError(f"{chosen.layer}: its run kept no GPTQ Hessian ({why})")
+        if input_scales is not None:
+            inverse = 1.0 / input_scales.to(hessian.device, torch.float64)
+            hessian = (hessian.double() * inverse.unsqueeze(0) * inverse.unsqueeze(1)).to(hessian.dtype)
         done = gptq_weight(
             weight.float(), hessian.to(weight.device), chosen.spec, self.gptq, chosen.observer, chosen.qparams,
             dict(chosen.knobs),
