@@ -151,20 +151,21 @@ def make(
     knobs: dict[str, Any],
     moment: torch.Tensor,
     clip: list[float] | None = None,
-    clipped: dict[str, ob.QParams] | None = None,
+    memo: dict[str, ob.QParams] | None = None,
 ) -> list[Candidate]:
     """One candidate per row of ``scales`` (``(n, in)``; None: one, unsmoothed), ``observer``'s
     qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
-    ratios when given. ``clipped`` remembers clip searches across calls (by the layer, the scales
-    and the qparams searched from), so observers that agree search once."""
-    clipped = {} if clipped is None else clipped
+    ratios when given. ``memo`` remembers an observer's qparams (by observer, layer and scales) and
+    clip searches (by layer, scales and the qparams searched from) across calls: the clip search's
+    pass runs no observer again, and observers that agree search once."""
+    memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
     made = [Candidate(s, {}, {}) for s in rows]
     together = stackable(observer, spec)
     for name, weight in weights.items():
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
-            found = _qparams(name, weight, rows[start : start + step], observer, spec, knobs, moment, clip, clipped)
+            found = _qparams(name, weight, rows[start : start + step], observer, spec, knobs, moment, clip, memo)
             for candidate, qp in zip(made[start : start + step], found, strict=True):
                 candidate.qparams[name] = qp
     _share_fused(made, list(weights), spec)
@@ -208,20 +209,29 @@ def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda size: diagonal_blocks(moment, size)
 
 
-def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, clipped) -> list[ob.QParams]:
-    """A chunk of candidates' qparams of one layer: one stacked observer call (and clip search)
-    where ``stackable``, else one each."""
+def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
+    """A chunk of candidates' qparams of one layer: the observer's (one stacked call where
+    ``stackable``, else one each; remembered in ``memo``, so the clip search's pass over the same
+    grid points does not run the observer again), then clip-searched when ``clip`` is given."""
+    keys = [f"{observer}:{name}:{digest(Candidate(s, {}, {}))}" for s in chunk]
+    missing = [i for i, key in enumerate(keys) if key not in memo]
+    if missing:
+        part = [chunk[i] for i in missing]
+        weights = torch.stack([smoothed(weight, s) for s in part])
+        if len(part) > 1 and stackable(observer, spec):
+            found = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(part), weight.shape[0])
+        else:
+            blocks = _blocks_of(moment)
+            found = [
+                observe(observer, w, spec, statistic_knobs(observer, knobs, moment.diagonal(), blocks, s))
+                for w, s in zip(weights, part, strict=True)
+            ]
+        memo.update({keys[i]: qp for i, qp in zip(missing, found, strict=True)})
+    qps = [memo[key] for key in keys]
+    if clip is None:
+        return qps
     weights = torch.stack([smoothed(weight, s) for s in chunk])
-    if len(chunk) > 1 and stackable(observer, spec):
-        qps = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(chunk), weight.shape[0])
-    else:
-        qps = [
-            observe(observer, w, spec, statistic_knobs(observer, knobs, moment.diagonal(), _blocks_of(moment), s))
-            for w, s in zip(weights, chunk, strict=True)
-        ]
-    if clip is not None:
-        qps = _clipped(name, weights, qps, spec, clip, chunk, moment, clipped)
-    return qps
+    return _clipped(name, weights, qps, spec, clip, chunk, moment, memo)
 
 
 def _clipped(name, weights, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:

@@ -126,7 +126,7 @@ class _Judge:
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
         self._seen: dict[str, float] = {}
-        self._clipped: dict[str, ob.QParams] = {}
+        self._memo: dict[str, ob.QParams] = {}
         size = sum(w.numel() * w.element_size() for w in weights.values())
         self.step = max(1, CANDIDATE_BYTES // max(size, 1))
 
@@ -136,7 +136,7 @@ class _Judge:
         for start in range(0, len(indices), self.step):
             part = indices[start : start + self.step]
             rows = None if part == [None] else scales[part]
-            made = candidates.make(self.weights, rows, observer, self.spec, knobs, inputs.moment, clip, self._clipped)
+            made = candidates.make(self.weights, rows, observer, self.spec, knobs, inputs.moment, clip, self._memo)
             keys = [candidates.digest(c) for c in made]
             fresh = [i for i, key in enumerate(keys) if key not in self._seen]
             if fresh:

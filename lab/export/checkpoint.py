@@ -8,7 +8,7 @@ directory:
 - the model's weights, read one tensor at a time and written in files of at most ``FILE_BYTES``: a
   chosen layer's weight is replaced by the compressor's packed form of the lab's fake-quantized
   weight, with its scales; the chosen input, output and key/value scales are added; everything else
-  is copied as stored;
+  is copied as stored (an AWQ run's scales folded in, ``lab.awq.deploy``);
 - ``config.json`` with a ``quantization_config`` (status ``compressed``; one config group per
   (scheme, observer, knobs), targeting the exact layer names, the model's other ``Linear`` layers in
   ``ignore``), the tokenizer and generation files, and ``observer_lab_checkpoint.txt`` (what was
@@ -382,11 +382,9 @@ def write(
     non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
     ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
     (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
-    again from ``hessians`` (its layers' kept Hessians, ``lab.gptq.hessians``). An AWQ run's
-    deployment (``awq``, with ``lab_file`` holding its choices: ``lab.awq.command.deployed``) folds
-    its scales into every stored tensor they touch, norms and linears alike, as each is read; with
-    GPTQ too (AWQ then GPTQ, as llm-compressor composes them), each balance layer's GPTQ runs on its
-    folded weight with the Hessian of its smoothed inputs."""
+    again from ``hessians`` (``lab.gptq.hessians``). An AWQ deployment (``awq``; ``lab_file`` with its
+    choices in it: ``lab.awq.command.deployed``) folds its scales into each stored tensor as it is
+    read; with GPTQ, a balance layer's GPTQ runs on its folded weight and smoothed inputs' Hessian."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
