@@ -54,6 +54,17 @@ AWQ_COLUMNS = {
 BEST = "font-weight: bold; background-color: rgba(46, 160, 67, 0.25)"
 
 
+def figures_and_failures(rows: pd.DataFrame, where: str, styled, columns: dict, none: str) -> None:
+    """The rows with figures as a table (``styled``), and in an expander why the others have none."""
+    failed = rows[rows["error"].notna()]
+    shown = rows[rows["error"].isna()].drop(columns=[where, "error"]).reset_index(drop=True)
+    st.dataframe(styled(shown), hide_index=True, column_config=columns)
+    if not failed.empty:
+        with st.expander(f"Why {len(failed)} {none} figures here"):
+            reasons = [c for c in ("observer", "variant", "error") if c in failed.columns]
+            st.dataframe(failed[reasons], hide_index=True, column_config=columns)
+
+
 def best_by_gptq(rows: pd.DataFrame):
     """The layer's rows with the best by GPTQ error in bold and green, errors and shares readable."""
     best = rows["gptq_rank"].eq(1).fillna(False)
@@ -112,12 +123,7 @@ if not gptq.empty:
             "the share of weights outside its range, which clip; the same errors on held-out inputs, which GPTQ "
             "never fitted, say what its fit carries over. The best by GPTQ error is highlighted."
         )
-        missing = layer_rows[layer_rows["error"].notna()]
-        shown = layer_rows[layer_rows["error"].isna()].drop(columns=["layer", "error"]).reset_index(drop=True)
-        st.dataframe(best_by_gptq(shown), hide_index=True, column_config=GPTQ_COLUMNS)
-        if not missing.empty:
-            with st.expander(f"Why {len(missing)} observer(s) have no GPTQ figures here"):
-                st.dataframe(missing[["observer", "error"]], hide_index=True, column_config=GPTQ_COLUMNS)
+        figures_and_failures(layer_rows, "layer", best_by_gptq, GPTQ_COLUMNS, "observer(s) have no GPTQ")
         with ui.guard("Drawing the GPTQ bars"):
             st.plotly_chart(plots.gptq_bars(layer_rows), theme="streamlit")
         st.caption(ui.plain(plots.gptq_turnover(layer_rows)))
@@ -144,12 +150,7 @@ if searched is not None:
                 "is highlighted."
             )
         )
-        missing = awq_rows[awq_rows["error"].notna()]
-        shown = awq_rows[awq_rows["error"].isna()].drop(columns=["mapping", "error"]).reset_index(drop=True)
-        st.dataframe(best_per_variant(shown), hide_index=True, column_config=AWQ_COLUMNS)
-        if not missing.empty:
-            with st.expander(f"Why {len(missing)} row(s) have no AWQ figures here"):
-                st.dataframe(missing[["observer", "variant", "error"]], hide_index=True, column_config=AWQ_COLUMNS)
+        figures_and_failures(awq_rows, "mapping", best_per_variant, AWQ_COLUMNS, "row(s) have no AWQ")
         with ui.guard("Drawing the AWQ bars"):
             st.plotly_chart(plots.awq_bars(awq_rows, order=order), theme="streamlit")
         st.caption(ui.plain(searched.turnover(mapping)))

@@ -35,7 +35,6 @@ import torch
 
 import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
-from lab.awq.deploy import AWQDeploy
 from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
 from lab.export.lab_apply import apply_choices
@@ -274,9 +273,7 @@ def _compress_rows(
     return compressor.compress(state, QuantizationScheme(**scheme))
 
 
-def _converted(
-    read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None, awq: AWQDeploy | None
-) -> dict[str, torch.Tensor]:
+def _converted(read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None, awq: Any) -> dict[str, torch.Tensor]:
     """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
     scales, anything else as ``read`` gives it (as stored, or with AWQ's scales folded in)."""
     name, _, local = key.rpartition(".")
@@ -299,7 +296,7 @@ def _files(
     first: dict[str, torch.Tensor],
     progress: Progress | None,
     gptq: GPTQDeploy | None,
-    awq: AWQDeploy | None,
+    awq: Any,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, ``first`` then every stored one, in files of at most
     ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
@@ -373,7 +370,7 @@ def write(
     progress: Progress | None = None,
     facts: ModelFacts | None = None,
     hessians: HessianOf | None = None,
-    awq: AWQDeploy | None = None,
+    awq: Any = None,
 ) -> Written:
     """Write the compressed checkpoint of ``lab_file``'s choices on ``model`` into ``out_dir``.
 
@@ -382,9 +379,10 @@ def write(
     non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
     ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
     (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
-    again from ``hessians`` (``lab.gptq.hessians``). An AWQ deployment (``awq``; ``lab_file`` with its
-    choices in it: ``lab.awq.command.deployed``) folds its scales into each stored tensor as it is
-    read; with GPTQ, a balance layer's GPTQ runs on its folded weight and smoothed inputs' Hessian."""
+    again from ``hessians`` (``lab.gptq.hessians``). An AWQ deployment (``awq``, ``lab.awq.deploy``'s, read
+    by its ``fold``, ``input_scales`` and ``lines``; ``lab_file`` with its choices in it) folds its
+    scales into each stored tensor as it is read; with GPTQ, a balance layer's GPTQ runs on its
+    folded weight and smoothed inputs' Hessian."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)

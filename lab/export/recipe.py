@@ -38,7 +38,6 @@ import yaml
 import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
-from lab.awq.deploy import AWQDeploy
 from lab.export.chosen import Chosen, of_analysis
 from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
 from lab.provenance import provenance_lines
@@ -333,12 +332,12 @@ def of_chosen(
     facts: ModelFacts,
     notes: Sequence[str] = (),
     gptq: Mapping[str, Any] | None = None,
-    awq: AWQDeploy | None = None,
+    awq: Any = None,
 ) -> Recipe:
     """The recipe of ``chosen`` tensors (``lab.export.chosen``: an analysis's choices or a saved
     file's) on the model ``facts`` describe; ``notes`` come first in the recipe's notes. ``gptq``:
     the run's GPTQ settings (``GPTQSpec.to_dict``), which make the modifier a ``GPTQModifier``;
-    ``awq``: an AWQ deployment, which adds its ``AWQModifier``."""
+    ``awq``: an AWQ deployment (``lab.awq.deploy``'s; its ``modifier`` gives the ``AWQModifier``)."""
     notes = list(notes)
     items = ct_layers(chosen, notes)
     kv_cache_scheme, kv_comments = _kv_cache_scheme(chosen, notes, facts.attention_blocks)
