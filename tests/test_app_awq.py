@@ -322,3 +322,27 @@ def test_running_again_without_awq_drops_the_sections(ran):
     _page(ran, "ranges")
     _ok(ran)
     assert not any(h.value == "Under AWQ" for h in ran.subheader)
+
+
+def test_tiny_moes_experts_run_under_awq_in_the_app():
+    # the fused experts' gate/up of experts 0 and 1 (the float model routes block 0's tokens there):
+    # the gate/up mapping of all four experts, under the four variants, on the Error page
+    experts = [f"{BLOCK}.mlp.experts.{e}.gate_proj" for e in (0, 1)]
+    at = _run_page("tiny-moe", experts)
+    at.selectbox(key="w:weight_dtype").set_value("int4").run()
+    at.selectbox(key="w:weight_strategy").set_value("group").run()
+    at.number_input(key="w:weight_group_size").set_value(16).run()
+    at.toggle(key="w:awq").set_value(True).run()
+    at.number_input(key="w:awq:n_grid").set_value(3).run()
+    _button(at, "Run").click().run()
+    _ok(at)
+    ws = _ws(at)
+    searched = ws.awq.shown_with(ws.analysis)
+    mapping = searched.mapping_of(experts[1])
+    assert mapping.mapping.name == f"{BLOCK}.post_attention_layernorm → gate_proj, up_proj of 4 experts"
+    _page(at, "error")
+    at.selectbox(key="w:tensor").set_value((experts[1], "weight")).run()
+    _ok(at)
+    shown = next(d.value for d in at.dataframe if "variant" in d.value.columns)
+    assert set(shown["variant"]) == set(VARIANTS) and set(shown["observer"]) == set(OBSERVERS)
+    assert shown["mapping_error"].notna().all()

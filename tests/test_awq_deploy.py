@@ -300,3 +300,29 @@ def test_awq_then_gptq_runs_each_balance_layers_gptq_on_its_folded_weight(tiny_l
     assert changed == len(deployed.qparams)  # GPTQ moved codes in every balance layer
     modifiers = list(yaml.safe_load(recipe.read_text())[STAGE][MODIFIER_GROUP])
     assert modifiers == [AWQ_MODIFIER, "GPTQModifier"]
+
+
+@pytest.mark.slow
+def test_an_nvfp4_awq_checkpoint_loads_in_vllm_as_the_lab_computed_it(tiny_llama, tmp_path) -> None:
+    # vLLM fuses q/k/v and gate/up and keeps one NVFP4 global scale for each (the max): the deployed
+    # qparams on the folded weights share it, so no shard is read against another's global scale
+    import vllm_loader
+
+    target, directory = tmp_path / "x.json", tmp_path / "ck"
+    layers = r"re:model\.layers\.0\.(self_attn\.(q|k|v)_proj|mlp\..*)"
+    flags = ("--preset", "NVFP4A16", "--kinds", "weight", "--observers", "memoryless_minmax", "--awq")
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", layers, *flags, "--awq-n-grid", "3", "--samples", "2", "--seq-len", "16",
+        "--out", str(target), "--checkpoint", str(directory), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    deployed = AWQDeploy.from_dict(json.loads((tmp_path / "x.awq.json").read_text())["deployed"])
+    served, alone = vllm_loader.served(directory), vllm_loader.own(directory)
+    assert set(served) == set(deployed.qparams)
+    for name, qparams in deployed.qparams.items():
+        folded = deployed.fold(f"{name}.weight", tiny_llama.stored(f"{name}.weight"))
+        expected = ob.fake_quantize(folded.float(), qparams, deployed.spec)
+        assert torch.equal(served[name].weight, expected), name
+        assert torch.equal(served[name].weight, alone[name].weight), f"{name} is rescaled where it is served"
+    qkv = [n for n in deployed.qparams if "self_attn" in n]
+    assert len({float(deployed.qparams[n].global_scale) for n in qkv}) == 1
