@@ -7,6 +7,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from lab.awq.mappings import NOT_A_DECODER
 from lab.cli import main
@@ -68,27 +69,55 @@ def test_a_sweep_with_awq_is_refused(tmp_path) -> None:
     assert code == 2 and "not a sweep" in err
 
 
-def test_tiny_moe_runs_the_four_ways_on_its_experts_and_refuses_to_deploy_them(tmp_path) -> None:
+def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lab.awq.deploy import AWQDeploy
+    from sample_models import open_model
+
+    target, directory = tmp_path / "moe.json", tmp_path / "ck"
+    layers = r"re:model\.layers\.0\.(self_attn\.q_proj|mlp\.experts\.[01]\.(gate|down)_proj)"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
+    code, out, err = _cli(
+        "run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint", str(directory),
+        "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
+    assert len(rows) == 4  # q/k/v, the experts' gate/up, up -> down of experts 0 and 1
+    assert "gate_proj, up_proj of 4 experts" in rows[1][0]
+    assert "# model-level: not measured (the model-level runner cannot quantize every balance layer: " in out
+    assert "deploy\tAWQ llm-compressor" in out
+    # q/k/v packed; the experts stay dense (compressed-tensors packs Linear layers), their 3-D
+    # weights and the router folded
+    deployed = AWQDeploy.from_dict(json.loads((tmp_path / "moe.awq.json").read_text())["deployed"])
+    model = open_model("tiny-moe")
+    loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        stored = model.stored(key)
+        assert torch.equal(loaded[key], deployed.fold(key, stored)) and not torch.equal(loaded[key], stored), key
+    assert "stays dense (compressed-tensors compresses Linear layers, this is a ExpertLinear)" in err
+
+
+def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, monkeypatch) -> None:
+    from lab.awq import deploy
     from lab.awq.command import deployed
     from lab.export import lab_json
 
-    target = tmp_path / "moe.json"
-    layers = r"re:model\.layers\.0\.mlp\.experts\.[01]\.(gate|down)_proj"
-    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
-    code, out, err = _cli("run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--quiet")
+    def refuse(*args, **kwargs):
+        raise ValueError("the folded weight has no qparams")
+
+    monkeypatch.setattr(deploy, "of_run", refuse)
+    target = tmp_path / "x.json"
+    layers = r"re:model\.layers\.0\.mlp\.(gate|up)_proj"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3")
+    code, out, err = _cli("run", "tiny-llama", "--layers", layers, *BASE, *flags, "--out", str(target), "--quiet")
     assert code == 0, err
-    rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
-    assert len(rows) == 3  # the experts' gate/up, up -> down of experts 0 and 1
-    assert "gate_proj, up_proj of 4 experts" in rows[0][0]
-    assert "# model-level: not measured (AWQ's scales of fused MoE experts" in out
-    assert "deploy\tnot deployable: " in out
-    written = json.loads((tmp_path / "moe.awq.json").read_text())
-    assert written["deployed"] is None and "3-D stored weights" in written["not_deployable"]
-    with pytest.raises(ValueError, match="no deployment writes yet"):
+    assert "deploy\tnot deployable: the folded weight has no qparams" in out
+    with pytest.raises(ValueError, match="the folded weight has no qparams"):
         deployed(lab_json.load_file(target), target)
     code, _, err = _cli(
-        "run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint",
-        str(tmp_path / "ck"), "--quiet",
+        "run", "tiny-llama", "--layers", layers, *BASE, *flags, "--out", str(target), "--recipe",
+        str(tmp_path / "r.yaml"), "--quiet",
     )  # fmt: skip
-    assert code == 2 and "no deployment writes yet" in err and err.count("\n") == 1
-    assert not (tmp_path / "ck").exists()
+    assert code == 2 and "the folded weight has no qparams" in err and not (tmp_path / "r.yaml").exists()

@@ -162,8 +162,8 @@ def test_an_moe_parent_judges_stacked_candidates_as_it_judges_each_alone(tiny_mo
     assert torch.allclose(stacked, alone, rtol=1e-6) and bool((stacked > 0).all())
 
 
-def test_tiny_moe_searches_its_expert_mlps_and_says_why_it_cannot_deploy_them(tiny_moe) -> None:
-    from lab.awq.deploy import of_run
+def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights(tiny_moe) -> None:
+    from lab.awq.deploy import StoredByLayer, of_run
 
     layers = [f"model.layers.0.mlp.experts.{e}.{p}" for e in (0, 1) for p in ("gate_proj", "down_proj")]
     observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
@@ -174,8 +174,24 @@ def test_tiny_moe_searches_its_expert_mlps_and_says_why_it_cannot_deploy_them(ti
         assert {(r.observer, r.variant) for r in result.rows} == {(o, v) for o in observers for v in Variant}
         assert all(r.error is None and r.mapping_error > 0 for r in result.rows)
     assert run.left_out == ()  # the float model routes block 0's tokens to experts 0 and 1 only
-    with pytest.raises(ValueError, match="3-D stored weights, which no deployment writes yet"):
-        of_run(tiny_moe, run, Variant.LLM_COMPRESSOR, {r.mapping.name: "mse_grid" for r in run.results})
+    for variant in (Variant.LLM_COMPRESSOR, Variant.CLIP_SEARCH):
+        deployed = of_run(tiny_moe, run, variant, {r.mapping.name: "mse_grid" for r in run.results})
+        stored = StoredByLayer(tiny_moe)
+        up = "model.layers.0.mlp.experts.1.up_proj"
+        gate_up = next(r for r in run.results if up in r.mapping.balance).scales[(variant, "mse_grid")]
+        down = next(r for r in run.results if r.mapping.smooth == up).scales[(variant, "mse_grid")]
+        by_hand = ((stored(f"{up}.weight").double() * gate_up).float().double() / down.view(-1, 1)).float()
+        assert torch.equal(deployed.fold(f"{up}.weight", stored(f"{up}.weight")), by_hand)
+        # the fused 3-D tensors folded as their experts' views: the folded model is the float model
+        model = copy.deepcopy(tiny_moe.module())
+        model.load_state_dict({key: deployed.fold(key, tiny_moe.stored(key)) for key in tiny_moe.stored_keys()})
+        fused = model.model.layers[0].mlp.experts.gate_up_proj
+        half = fused.shape[1] // 2
+        assert torch.equal(fused[1, half:], deployed.fold(f"{up}.weight", stored(f"{up}.weight")))
+        ids = torch.tensor([list(tiny_moe.calibration_set(None, 1, SEQ_LEN).windows[0])])
+        with torch.no_grad():
+            ours, theirs = model(input_ids=ids).logits, tiny_moe.module()(input_ids=ids).logits
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 
 def test_an_encoder_is_one_line() -> None:

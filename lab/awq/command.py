@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+import pandas as pd
+
 import observers as ob
 from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
@@ -78,11 +80,15 @@ def run(
                 raise
             undeployable = str(err)
     evaluator = Evaluator(model)
-    effect = model_effect(model, found, evaluator)
+    try:
+        effect, unmeasured = model_effect(model, found, evaluator), None
+    except ValueError as err:
+        effect, unmeasured = pd.DataFrame(), " ".join(str(err).split())
     metric = evaluator.default_metric
     out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
     if effect.empty:
-        out.write(f"# model-level: not measured ({undeployable or 'no observer deploys on every mapping'})\n")
+        why = unmeasured or undeployable or "no observer deploys on every mapping"
+        out.write(f"# model-level: not measured ({why})\n")
     if deployment is not None:
         out.writelines(f"deploy\t{line}\n" for line in deployment.lines())
     if undeployable is not None:

@@ -29,7 +29,7 @@ import torch
 
 import observers as ob
 from lab.awq import candidates
-from lab.awq.fold import fold_key
+from lab.awq.fold import fold_key, fused_views
 from lab.awq.mappings import Mapping
 from lab.awq.run import AWQRun
 from lab.awq.search import MappingResult, Variant
@@ -38,6 +38,7 @@ from lab.export.lab_json import LabEntry, LabFile
 from lab.results import higher_is_better
 from lab.vocab import AWQ_METRIC_PREFIX
 from sample_models import Model
+from sample_models.layers import EXPERT_TYPE
 
 DEFAULT_FIGURE = AWQ_METRIC_PREFIX + "mapping_error"
 """What a mapping's observer is chosen by when ``--choose-by`` is not an AWQ figure."""
@@ -148,10 +149,10 @@ class AWQDeploy:
         coordinates: ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what
         ``Q(F)`` computes on the smoothed ones (what the model-level effect runs)."""
         smooths = {m.mapping.smooth: m.scales for m in self.mappings if m.scales is not None}
-        found = {}
+        stored, found = StoredByLayer(model), {}
         for m in self.mappings:
             for name in m.mapping.balance:
-                weight = self.fold(f"{name}.weight", model.stored(f"{name}.weight"))
+                weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
                 wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
                 s_out = smooths.get(name)
                 if s_out is not None:
@@ -212,6 +213,33 @@ class AWQDeploy:
             raise ValueError(f"the AWQ deployment record is malformed: {err!r}") from None
 
 
+class StoredByLayer:
+    """A model's stored tensors by the names the lab lists its layers under: an expert of a fused
+    experts module (``experts.3.up_proj.weight``) read as its view of the module's 3-D tensor
+    (``fold.fused_views``; each 3-D tensor read once)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model, self.keys = model, set(model.stored_keys())
+        self.fused: dict[str, str] = {}
+        for info in model.layers():
+            if info.type == EXPERT_TYPE:
+                experts, projection = info.name.rsplit(".", 2)[0], info.name.rsplit(".", 1)[1]
+                source = "down_proj" if projection == "down_proj" else "gate_up_proj"
+                self.fused[f"{info.name}.weight"] = f"{experts}.{source}"
+        self._read: dict[str, dict[str, torch.Tensor]] = {}
+
+    def holds(self, key: str) -> bool:
+        return key in self.keys or key in self.fused
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key in self.keys:
+            return self.model.stored(key)
+        source = self.fused[key]
+        if source not in self._read:
+            self._read[source] = fused_views(source, self.model.stored(source))
+        return self._read[source][key]
+
+
 def figure_of(choose_by: str) -> str:
     """The AWQ figure a mapping's observer is chosen by: ``choose_by`` when it is one."""
     return choose_by if choose_by.startswith(AWQ_METRIC_PREFIX) else DEFAULT_FIGURE
@@ -261,7 +289,7 @@ def of_run(
     of each mapping's observer and each balance layer's qparams on its folded weight. A stored
     tensor the scales touch that the model's files do not hold under its module's name, or an
     observer without qparams there, is one ``ValueError``."""
-    stored = set(model.stored_keys())
+    stored = StoredByLayer(model)
     mappings = []
     for result in run.results:
         observer = observers[result.mapping.name]
@@ -272,12 +300,7 @@ def of_run(
         mappings.append(DeployedMapping(result.mapping, observer, scales, figure))
     skeleton = AWQDeploy(variant, run.awq, run.spec, chosen_by, tuple(mappings), {}, {}, {})
     read = skeleton.touched() + [f"{name}.weight" for m in mappings for name in m.mapping.balance]
-    missing = list(dict.fromkeys(key for key in read if key not in stored and not key.endswith(".bias")))
-    if any(".experts." in key for key in missing):
-        raise ValueError(
-            "AWQ's scales of fused MoE experts (searched on their linear copies, lab.awq.experts) would fold into "
-            "the experts' 3-D stored weights, which no deployment writes yet"
-        )
+    missing = list(dict.fromkeys(key for key in read if not stored.holds(key) and not key.endswith(".bias")))
     if missing:
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
     smooths = {m.mapping.smooth: m.scales for m in mappings if m.scales is not None}
@@ -286,7 +309,7 @@ def of_run(
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
-            weight = skeleton.fold(f"{name}.weight", model.stored(f"{name}.weight"))
+            weight = skeleton.fold(f"{name}.weight", stored(f"{name}.weight"))
             found[name] = _layer_qparams(run, result, variant, deployed, weight, name, smooths.get(name))
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)

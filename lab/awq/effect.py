@@ -46,7 +46,8 @@ def model_effect(
     model: Model, run: AWQRun, evaluator: Evaluator, variants: Sequence[Variant] = tuple(Variant)
 ) -> pd.DataFrame:
     """One row per (observer, variant) with the evaluator's metrics; a pair without a row on some
-    mapping is left out."""
+    mapping is left out. Balance layers the effect runner cannot quantize (a fused MoE's experts,
+    not modules of the loaded model) are one ``ValueError``."""
     asked: list[tuple[str, Variant, dict]] = []
     for observer in run.observers:
         for variant in variants:
@@ -55,6 +56,14 @@ def model_effect(
                 continue
             quantization = {(name, "weight"): TensorQuant(run.spec, None, weight) for name, weight in weights.items()}
             asked.append((observer, variant, quantization))
+    if asked:
+        try:
+            evaluator.runner.check(asked[0][2])
+        except ValueError as err:
+            problems = [line.strip(" -") for line in str(err).splitlines()[1:]]
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+            why = f"the model-level runner cannot quantize every balance layer: {problems[0]}{more}"
+            raise ValueError(why) from None
     rows = []
     for start in range(0, len(asked), STACKED_VARIANTS):
         part = asked[start : start + STACKED_VARIANTS]

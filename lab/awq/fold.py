@@ -43,14 +43,36 @@ def touches(mapping: Mapping, key: str) -> bool:
     return layer == mapping.smooth and local in ("weight", "bias")
 
 
+def fused_views(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stored tensor under the names the lab lists its layers by: a fused experts module's 3-D
+    ``gate_up_proj`` ``(experts, 2·intermediate, hidden)`` as each expert's ``gate_proj.weight`` and
+    ``up_proj.weight`` views, its ``down_proj`` as each expert's ``down_proj.weight`` (and their
+    biases likewise); any other tensor as itself. Views: folding them folds the tensor."""
+    prefix, _, leaf = key.rpartition(".")
+    fused = {"gate_up_proj": 3, "down_proj": 3, "gate_up_proj_bias": 2, "down_proj_bias": 2}
+    if fused.get(leaf) != tensor.dim():
+        return {key: tensor}
+    local = "bias" if leaf.endswith("_bias") else "weight"
+    if leaf.startswith("down_proj"):
+        return {f"{prefix}.{e}.down_proj.{local}": tensor[e] for e in range(tensor.shape[0])}
+    half = tensor.shape[1] // 2
+    views = {}
+    for e in range(tensor.shape[0]):
+        views[f"{prefix}.{e}.gate_proj.{local}"] = tensor[e, :half]
+        views[f"{prefix}.{e}.up_proj.{local}"] = tensor[e, half:]
+    return views
+
+
 def fold_key(key: str, tensor: torch.Tensor, folds: Sequence[tuple[Mapping, torch.Tensor]]) -> torch.Tensor:
-    """The stored tensor ``key`` after every ``(mapping, scales)`` of ``folds`` that touches it, in
-    their order (a copy; ``tensor`` itself when none does): what a checkpoint writes in its place,
-    one tensor at a time."""
-    touching = [(mapping, scales) for mapping, scales in folds if touches(mapping, key)]
+    """The stored tensor ``key`` after every ``(mapping, scales)`` of ``folds`` that touches it (or
+    one of its experts, ``fused_views``), in their order (a copy; ``tensor`` itself when none does):
+    what a checkpoint writes in its place, one tensor at a time."""
+    names = fused_views(key, tensor)
+    touching = [(mapping, scales) for mapping, scales in folds if any(touches(mapping, k) for k in names)]
     if not touching:
         return tensor
     changed = tensor.clone()
+    views = fused_views(key, changed)
     for mapping, scales in touching:
-        fold_mapping(lambda k: changed if k == key else None, mapping, scales)
+        fold_mapping(views.get, mapping, scales)
     return changed
