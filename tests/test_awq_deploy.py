@@ -326,3 +326,17 @@ def test_an_nvfp4_awq_checkpoint_loads_in_vllm_as_the_lab_computed_it(tiny_llama
         assert torch.equal(served[name].weight, alone[name].weight), f"{name} is rescaled where it is served"
     qkv = [n for n in deployed.qparams if "self_attn" in n]
     assert len({float(deployed.qparams[n].global_scale) for n in qkv}) == 1
+
+
+@pytest.mark.slow
+def test_export_deploys_the_saved_run_with_its_awq_as_run_did(deployed_run, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    again = tmp_path / "again"
+    code, _, err = _cli("export", str(deployed_run["json"]), "--model", "tiny-llama", "--checkpoint", str(again))
+    assert code == 0, err
+    ours, theirs = (
+        load_file(str(again / "model.safetensors")),
+        load_file(str(deployed_run["checkpoint"] / "model.safetensors")),
+    )
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -106,6 +106,19 @@ def test_linear_experts_balance_with_their_router_scaled_along() -> None:
     assert [m.parent for m in downs] == ["layers.0.mlp.experts.0.down_proj", "layers.0.mlp.experts.1.down_proj"]
 
 
+def test_experts_that_are_not_gated_linear_layers_are_left_out_with_a_line() -> None:
+    block = _MoEBlock()
+    block.mlp.experts[1] = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))  # an ungated expert
+    root = nn.Module()
+    root.layers = nn.ModuleList([block])
+    mappings = resolve(root, "layers", "moe")
+    assert [m.smooth for m in mappings.found] == ["layers.0.input_layernorm", "layers.0.self_attn.v_proj"]
+    assert mappings.left_out == (
+        "layers.0.post_attention_layernorm → the experts: layers.0.mlp's experts are not gated linear layers: "
+        "not smoothed",
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_moe():
     return open_model("tiny-moe")
