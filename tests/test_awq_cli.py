@@ -121,3 +121,19 @@ def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, m
         str(tmp_path / "r.yaml"), "--quiet",
     )  # fmt: skip
     assert code == 2 and "the folded weight has no qparams" in err and not (tmp_path / "r.yaml").exists()
+
+
+def test_the_search_is_kept_when_the_analysis_after_it_fails_and_is_never_deployed(tmp_path, monkeypatch) -> None:
+    import lab.analyse.pipeline
+
+    def fail(*args, **kwargs):
+        raise ValueError("the analysis stopped")
+
+    monkeypatch.setattr(lab.analyse.pipeline, "analyse", fail)
+    target = tmp_path / "x.json"
+    layers = r"re:model\.layers\.0\.mlp\.(gate|up)_proj"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3")
+    code, _, err = _cli("run", "tiny-llama", "--layers", layers, *BASE, *flags, "--out", str(target), "--quiet")
+    assert code == 2 and "the analysis stopped" in err and not target.exists()
+    kept = json.loads((tmp_path / "x.awq.json").read_text())
+    assert len(kept["rows"]) == 4 and kept["deployed"] is not None and kept["lab_file"] is None

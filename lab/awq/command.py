@@ -62,8 +62,9 @@ def run(
     awq: ob.AWQSpec, model: Any, layers: list[str], config: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
 ) -> dict[str, Any]:
     """Search every mapping of the chosen layers for the run's weight observers (a progress bar on
-    ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment;
-    returns the document ``write`` puts beside the run's JSON."""
+    ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment; the
+    document is written beside ``--out`` at once (what the search found is kept if the analysis
+    after it fails) and returned for ``write`` to tie to ``x.json``."""
     progress = None if args.quiet else ProgressBar(err)
     found = run_of_config(model, layers, config, awq, progress)
     out.writelines(awq_lines(found))
@@ -93,7 +94,7 @@ def run(
         out.writelines(f"deploy\t{line}\n" for line in deployment.lines())
     if undeployable is not None:
         out.write(f"deploy\tnot deployable: {undeployable}\n")
-    return {
+    document = {
         "awq": awq.to_dict(),
         "weight": config.specs["weight"].to_dict(),
         "observers": list(found.observers),
@@ -110,6 +111,8 @@ def run(
         "deployed": None if deployment is None else deployment.to_dict(),
         "not_deployable": undeployable,
     }
+    _write(document, None, path_for(args.out))  # kept at once; tied to x.json by ``write`` once it exists
+    return document
 
 
 def write(document: dict[str, Any] | None, lab_path: str | os.PathLike) -> list[str]:
@@ -119,10 +122,16 @@ def write(document: dict[str, Any] | None, lab_path: str | os.PathLike) -> list[
     if document is None:
         return []
     target = path_for(lab_path)
-    staging = target.with_name(f".{target.name}.{os.getpid()}")
-    staging.write_text(json.dumps(json_safe({**document, "lab_file": _digest(lab_path)}), indent=1))
-    staging.replace(target)
+    _write(document, _digest(lab_path), target)
     return [str(target)]
+
+
+def _write(document: dict[str, Any], lab_file: str | None, target: Path) -> None:
+    """The document with the digest of its ``x.json`` (None: not yet written, never deployed),
+    written beside and moved into place."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}")
+    staging.write_text(json.dumps(json_safe({**document, "lab_file": lab_file}), indent=1))
+    staging.replace(target)
 
 
 def deployed(lab_file: LabFile, lab_path: str | os.PathLike) -> tuple[LabFile, AWQDeploy | None]:
