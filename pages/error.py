@@ -43,6 +43,10 @@ AWQ_COLUMNS = {
         "held-out error", help="the same on held-out text, which the search never saw: what its pick carries over"
     ),
     "held_out_rank": st.column_config.NumberColumn("held-out rank", help="place by held-out error (1 = least)"),
+    "gptq_error": st.column_config.NumberColumn(
+        "then GPTQ", help="the mapping error once GPTQ quantizes the smoothed weights (rtn: GPTQ alone)"
+    ),
+    "gptq_rank": st.column_config.NumberColumn("GPTQ rank", help="place by the error once GPTQ follows (1 = least)"),
     "layer_error": st.column_config.NumberColumn(
         "layer error", help="relative ‖WX − ŴX‖² of each balance layer, their mean"
     ),
@@ -78,7 +82,8 @@ def best_per_variant(rows: pd.DataFrame):
     """A mapping's rows with the best observer under each variant in bold and green."""
     best = rows["rank"].eq(1).fillna(False)
     styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
-    styled = styled.format("{:.4g}", subset=["mapping_error", "held_out_error", "layer_error"], na_rep="–")
+    errors = [c for c in ("mapping_error", "held_out_error", "gptq_error", "layer_error") if c in rows.columns]
+    styled = styled.format("{:.4g}", subset=errors, na_rep="–")
     return styled.format("{:.2%}", subset=["clipped"], na_rep="–").format("{:.2f}", subset=["ratio"], na_rep="–")
 
 

@@ -84,6 +84,8 @@ def test_a_choose_rule_names_a_mappings_observer_and_an_unknown_one_is_refused(a
     assert mlp and all(picks[m] == ("mse_grid", None) for m in mlp)
     with pytest.raises(ValueError, match="percentile has no observer-in-search result"):
         deploy.choose_observers(awq_run, Variant.OBSERVER_IN_SEARCH, "awq:mapping_error", [("*q_proj", "percentile")])
+    with pytest.raises(ValueError, match="awq:gptq_error: this run has no such figure"):
+        deploy.choose_observers(awq_run, Variant.LLM_COMPRESSOR, "awq:gptq_error")
 
 
 # ------------------------------------------------------------------------------------------ qparams
@@ -259,6 +261,7 @@ def test_rtn_deploys_the_analysis_and_a_stale_awq_file_is_never_deployed(tmp_pat
         ),
         (["--awq", "--awq-variant", "best"], "invalid choice: 'best'"),
         (["--awq", "--choose-by", "awq:loss"], "unknown metric 'awq:loss'"),
+        (["--awq", "--choose-by", "awq:gptq_error"], "awq:gptq_error ranks observers under AWQ then GPTQ"),
     ],
 )
 def test_bad_deployment_input_is_one_line_and_writes_nothing(tmp_path, flags, message) -> None:
@@ -278,12 +281,18 @@ def test_awq_then_gptq_runs_each_balance_layers_gptq_on_its_folded_weight(tiny_l
 
     target, directory, recipe = tmp_path / "x.json", tmp_path / "ck", tmp_path / "r.yaml"
     layers = r"re:model\.layers\.0\.(self_attn\.(q|k|v)_proj|mlp\..*)"
-    code, _, err = _cli(
-        "run", "tiny-llama", "--layers", layers, *BASE, *AWQ, "--gptq", "--out", str(target), "--checkpoint",
-        str(directory), "--recipe", str(recipe), "--quiet",
+    code, out, err = _cli(
+        "run", "tiny-llama", "--layers", layers, *BASE, *AWQ, "--gptq", "--choose-by", "awq:gptq_error", "--out",
+        str(target), "--checkpoint", str(directory), "--recipe", str(recipe), "--quiet",
     )  # fmt: skip
     assert code == 0, err
-    deployed = AWQDeploy.from_dict(json.loads((tmp_path / "x.awq.json").read_text())["deployed"])
+    assert " gptq " in next(line for line in out.splitlines() if "\tllm-compressor " in line)
+    document = json.loads((tmp_path / "x.awq.json").read_text())
+    deployed = AWQDeploy.from_dict(document["deployed"])
+    assert deployed.chosen_by == "awq:gptq_error"
+    for m in deployed.mappings:  # each mapping's observer: the least error once GPTQ follows AWQ
+        mine = [r for r in document["rows"] if r["mapping"] == m.mapping.name and r["variant"] == "llm-compressor"]
+        assert m.observer == min(mine, key=lambda r: r["gptq_error"])["observer"]
     gptq = ob.GPTQSpec.from_dict(json.loads(target.read_text())["config"]["gptq"])
     kept = hessians.read(hessians.directory_for(target))
     dequantized = AutoModelForCausalLM.from_pretrained(

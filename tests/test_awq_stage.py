@@ -555,3 +555,46 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
     # the same quantization gives the same figures: min-max inside the search is llm-compressor's pick
     minmax = effect[effect["observer"] == SEARCH_OBSERVER].set_index("variant")
     assert minmax.loc["llm-compressor", "kl"] == pytest.approx(minmax.loc["observer-in-search", "kl"], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------ AWQ then GPTQ
+
+
+def test_the_smoothed_hessian_is_the_hessian_of_the_smoothed_inputs() -> None:
+    from lab.awq.then_gptq import smoothed_hessian
+
+    x = torch.randn(50, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    s = torch.rand(16, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.5
+    moment = x.T @ x / 50
+    smoothed = x / s
+    assert torch.allclose(smoothed_hessian(moment, s), (2 * smoothed.T @ smoothed / 50).float(), rtol=1e-6)
+    assert torch.equal(smoothed_hessian(moment, None), (2 * moment).float())
+
+
+def test_gptq_after_each_variant_is_judged_and_under_rtn_is_gptq_alone(tiny_llama) -> None:
+    from lab.gptq.layer import gptq_weight
+
+    gptq = ob.GPTQSpec()
+    observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
+    down = "model.layers.0.mlp.down_proj"
+    awq = ob.AWQSpec(n_grid=4)
+    run = run_awq(tiny_llama, INT4_G16, observers, awq, layers=[down], samples=8, seq_len=96, gptq=gptq)
+    (result,) = run.results
+    for row in result.rows:
+        assert row.gptq_error is not None and row.gptq_error < row.mapping_error, (row.observer, row.variant)
+    # down_proj is its own parent: the mapping error is its layer-output error on the block's float
+    # inputs, so GPTQ alone (rtn) by hand on those inputs gives the same figure
+    inputs = []
+    hook = tiny_llama.module().get_submodule(down).register_forward_hook(lambda m, a, o: inputs.append(a[0][0]))
+    with torch.no_grad():
+        for window in tiny_llama.calibration_set(None, 8, 96).windows:
+            tiny_llama.module()(input_ids=torch.tensor([list(window)]))
+    hook.remove()
+    x = torch.cat(inputs).double()
+    moment = x.T @ x / x.shape[0]
+    weight = tiny_llama.weight(down).float()
+    for observer in observers:
+        qparams = result.qparams[(Variant.RTN, observer)][down]
+        done = gptq_weight(weight, (2 * moment).float(), INT4_G16, gptq, observer, qparams, {})
+        by_hand = ob.layer_output_error(weight, done.weight, moment.float())
+        assert result.row(Variant.RTN, observer).gptq_error == pytest.approx(by_hand, rel=1e-3)

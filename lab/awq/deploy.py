@@ -255,6 +255,8 @@ def choose_observers(
     column = figure.removeprefix(AWQ_METRIC_PREFIX)
     sign = -1.0 if higher_is_better(figure) else 1.0
     frame = awq_frame(run)
+    if column not in frame.columns:
+        raise ValueError(f"--choose-by {figure}: this run has no such figure (AWQ then GPTQ's needs --gptq)")
     frame = frame[(frame["variant"] == str(variant)) & frame["error"].isna()]
     chosen: dict[str, tuple[str, float | None]] = {}
     for result in run.results:

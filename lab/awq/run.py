@@ -61,6 +61,7 @@ def run_awq(
     batch_size: int = 1,
     held_out: Sequence[str] | None = None,
     progress: Progress | None = None,
+    gptq: ob.GPTQSpec | None = None,
 ) -> AWQRun:
     """Every mapping of ``model`` with a balance layer among ``layers`` (None: every mapping)
     searched for every weight observer (``{name: knobs}``) under every ``Variant``, on the
@@ -94,7 +95,7 @@ def run_awq(
             if mapping.smooth not in seen:
                 left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
                 continue
-            result = search(mapping, seen[mapping.smooth], spec, awq, observers)
+            result = search(mapping, seen[mapping.smooth], spec, awq, observers, gptq)
             if mapping.smooth in checked:
                 result = measure_held_out(result, checked[mapping.smooth], spec)
             results.append(result)
@@ -124,6 +125,7 @@ def run_of_config(
         seq_len=config.seq_len,
         batch_size=config.batch_size,
         progress=progress,
+        gptq=config.gptq,
     )
 
 

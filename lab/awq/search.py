@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import observers as ob
-from lab.awq import candidates
+from lab.awq import candidates, then_gptq
 from lab.awq.candidates import Candidate
 from lab.awq.mappings import Mapping
 from lab.awq.parent import ParentCalls
@@ -84,6 +84,9 @@ class VariantRow:
     error: str | None = None
     held_out_error: float | None = None
     """``mapping_error`` on held-out tokens (``measure_held_out``): what the pick carries over."""
+    gptq_error: float | None = None
+    """``mapping_error`` once GPTQ quantizes the smoothed balance layers with these qparams (AWQ then
+    GPTQ, ``then_gptq``; GPTQ alone under ``rtn``); None without GPTQ or where GPTQ refused."""
     held_out_layer_errors: dict[str, float] = field(default_factory=dict)
 
 
@@ -158,8 +161,10 @@ def search(
     spec: ob.QuantSpec,
     awq: ob.AWQSpec,
     observers: dict[str, dict[str, Any]],
+    gptq: ob.GPTQSpec | None = None,
 ) -> MappingResult:
-    """The mapping's rows for every observer (``{name: knobs}``) under every variant."""
+    """The mapping's rows for every observer (``{name: knobs}``) under every variant; with ``gptq``,
+    each row's error once GPTQ follows AWQ too."""
     weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
     grid = awq.grid()
     w_mean = ob.awq.weight_means(list(weights.values()), spec) if any(duo for _, duo in grid) else None
@@ -174,6 +179,7 @@ def search(
         for size in {candidates.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
     }
     result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks)
+    picked: dict[tuple, tuple[Candidate, dict]] = {}
     for observer, knobs in observers.items():
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         failed: dict[Variant, str] = {}
@@ -207,7 +213,23 @@ def search(
             if candidate.scales is not None:
                 result.scales[(variant, observer)] = candidate.scales
             result.qparams[(variant, observer)] = candidate.qparams
-    return result
+            picked[(variant, observer)] = (candidate, knobs)
+    return result if gptq is None else _then_gptq(result, picked, inputs, judge, weights, spec, gptq)
+
+
+def _then_gptq(result: MappingResult, picked, inputs: MappingInputs, judge: _Judge, weights, spec, gptq):
+    """``result`` with each row's ``gptq_error``: its candidate through GPTQ, judged on the parent."""
+    made = then_gptq.gptq_candidates(weights, picked, inputs.moment, spec, gptq)
+    if not made:
+        return result
+    losses = inputs.parent.losses(
+        inputs.balance, [c.effective for c in made.values()], judge.reference, inputs.width, inputs.moment
+    )
+    error = {}
+    for key, loss in zip(made, losses, strict=True):
+        error[key] = float(loss) / judge.energy if judge.energy > 0 else 0.0
+    rows = [replace(row, gptq_error=error.get((row.variant, row.observer))) for row in result.rows]
+    return replace(result, rows=rows)
 
 
 def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment, spec, ratio, duo) -> VariantRow:
