@@ -349,3 +349,15 @@ def test_export_deploys_the_saved_run_with_its_awq_as_run_did(deployed_run, tmp_
         load_file(str(deployed_run["checkpoint"] / "model.safetensors")),
     )
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_awq_then_gptq_deploys_only_mappings_whose_balance_layers_were_all_analysed(tmp_path) -> None:
+    # the checkpoint's GPTQ takes each balance layer's Hessian from the analysis
+    q_proj = "model.layers.0.self_attn.q_proj"
+    code, _, err = _cli(
+        "run", "tiny-llama", "--layers", q_proj, *BASE, *AWQ, "--gptq", "--out", str(tmp_path / "x.json"),
+        "--checkpoint", str(tmp_path / "ck"), "--quiet",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1
+    assert "add model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj to --layers" in err
+    assert list(tmp_path.iterdir()) == []

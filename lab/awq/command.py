@@ -21,7 +21,7 @@ from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
 from lab.awq.effect import model_effect
 from lab.awq.options import conflict, spec_of, variant_of
-from lab.awq.run import run_of_config
+from lab.awq.run import run_of_config, searched_mappings
 from lab.awq.search import Variant
 from lab.awq.table import awq_frame, awq_lines, effect_lines
 from lab.effect.evaluate import Evaluator
@@ -67,6 +67,14 @@ def run(
     ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment; the
     document is written beside ``--out`` at once (what the search found is kept if the analysis
     after it fails) and returned for ``write`` to tie to ``x.json``."""
+    if config.gptq is not None and (args.checkpoint or args.recipe):
+        chosen = set(layers)
+        missing = [b for m in searched_mappings(model, layers).found for b in m.balance if b not in chosen]
+        if missing:
+            raise ValueError(
+                "AWQ then GPTQ deploys every balance layer of a searched mapping through GPTQ, from the analysis's "
+                f"Hessians: add {', '.join(missing)} to --layers"
+            )
     progress = None if args.quiet else ProgressBar(err)
     found = run_of_config(model, layers, config, awq, progress)
     out.writelines(awq_lines(found))

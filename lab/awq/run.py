@@ -22,7 +22,7 @@ from torch import nn
 import observers as ob
 from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
-from lab.awq.mappings import Mapping, resolve
+from lab.awq.mappings import Mapping, Mappings, resolve
 from lab.awq.parent import ParentCalls
 from lab.awq.search import MappingInputs, MappingResult, measure_held_out, search
 from sample_models import Model
@@ -72,18 +72,14 @@ def run_awq(
         raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
     if not observers:
         raise ValueError("AWQ needs at least one weight observer")
-    found = resolve(model.module(), blocks_name(model), model.name)
-    wanted = [m for m in found.found if layers is None or set(m.balance) & set(layers)]
-    if not wanted:
-        raise ValueError(
-            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
-        )
+    searched = searched_mappings(model, layers)
+    wanted = list(searched.found)
     _check_shapes(model, wanted, spec)
     calibration = _Pass(model, calibration_batches(model, texts, samples, seq_len, batch_size))
     held_texts = list(held_out_texts() if held_out is None else held_out)
     checking = _Pass(model, calibration_batches(model, held_texts, samples, seq_len, batch_size))
     results: list[MappingResult] = []
-    left_out = list(found.left_out)
+    left_out = list(searched.left_out)
     last = max(m.block for m in wanted)
     for index, original in enumerate(calibration.replay.blocks[: last + 1]):
         block = linearize(copy.deepcopy(original))
@@ -105,6 +101,19 @@ def run_awq(
         calibration.advance(index, block)
         checking.advance(index, block)
     return AWQRun(spec, awq, dict(observers), results, tuple(left_out), calibration.tokens, checking.tokens)
+
+
+def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
+    """The mappings of ``model`` with a balance layer among ``layers`` (None: every mapping), in
+    order, and what ``resolve`` left out; none is one ``ValueError`` line (an encoder's own line
+    from ``resolve``)."""
+    found = resolve(model.module(), blocks_name(model), model.name)
+    wanted = tuple(m for m in found.found if layers is None or set(m.balance) & set(layers))
+    if not wanted:
+        raise ValueError(
+            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
+        )
+    return Mappings(wanted, found.left_out)
 
 
 def run_of_config(
