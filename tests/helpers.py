@@ -161,3 +161,21 @@ def app_page(at, name: str):
 def app_button(at, label: str):
     """The button labelled ``label``."""
     return next(b for b in at.button if b.label == label)
+
+
+def app_run_page(app: str, layers: list[str], observers: list[str], source: str = "minilm", timeout: int = 300):
+    """The app (``app``: its ``app.py``) on the Run page: ``source`` with ``layers``, 4 samples of
+    32 tokens, ``observers`` ticked, no error on the page."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(app, default_timeout=timeout).run()
+    app_page(at, "model")
+    if source != "minilm":
+        at.radio(key="w:source_kind").set_value(source).run()
+    at.multiselect(key="w:layers").set_value(list(layers))
+    at.number_input(key="w:samples").set_value(4)
+    at.number_input(key="w:seq_len").set_value(32).run()
+    app_page(at, "run")
+    at.multiselect(key="w:observers").set_value(list(observers)).run()
+    app_ok(at)
+    return at

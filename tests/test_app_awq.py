@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from helpers import app_button, app_ok, app_page, app_workspace
+from helpers import app_button, app_ok, app_page, app_run_page, app_workspace
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
@@ -123,17 +123,7 @@ def test_the_turnover_sentence_names_where_the_best_observer_changes():
 
 def _run_page(source: str, layers: list[str]) -> AppTest:
     """``source`` with ``layers``, 4 samples of 32 tokens, on the Run page with two observers."""
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    _page(at, "model")
-    if source != "minilm":
-        at.radio(key="w:source_kind").set_value(source).run()
-    at.multiselect(key="w:layers").set_value(layers)
-    at.number_input(key="w:samples").set_value(4)
-    at.number_input(key="w:seq_len").set_value(32).run()
-    _page(at, "run")
-    at.multiselect(key="w:observers").set_value(OBSERVERS).run()
-    _ok(at)
-    return at
+    return app_run_page(APP, layers, OBSERVERS, source, TIMEOUT)
 
 
 @pytest.fixture(scope="module")

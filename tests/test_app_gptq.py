@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers import app_button, app_ok, app_page, app_workspace
+from helpers import app_button, app_ok, app_page, app_run_page, app_workspace
 from streamlit.testing.v1 import AppTest
 
 import observers as ob
@@ -25,15 +25,7 @@ OBSERVERS = ["memoryless_minmax", "mse_grid"]
 
 def _run_page(layers=LAYERS) -> AppTest:
     """MiniLM with ``layers``, 4 samples of 32 tokens, on the Run page with two observers."""
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    _page(at, "model")
-    at.multiselect(key="w:layers").set_value(list(layers))
-    at.number_input(key="w:samples").set_value(4)
-    at.number_input(key="w:seq_len").set_value(32).run()
-    _page(at, "run")
-    at.multiselect(key="w:observers").set_value(OBSERVERS).run()
-    _ok(at)
-    return at
+    return app_run_page(APP, layers, OBSERVERS, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,17 @@ arguments, ``modifier``) and the model-level effect (``model_weights``) read.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Mapping as MappingType
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pandas as pd
 import torch
 
 import observers as ob
 from lab.awq import candidates
-from lab.awq.fold import fold_key, fused_views
+from lab.awq.fold import fold_key, folded_keys, fused_views
 from lab.awq.mappings import Mapping
 from lab.awq.run import AWQRun
 from lab.awq.search import MappingResult, Variant
@@ -82,15 +82,15 @@ class AWQDeploy:
 
     def touched(self) -> list[str]:
         """Every stored key the scales change."""
-        keys = []
-        for mapping, _ in self.folds:
-            keys += [f"{name}.weight" for name in mapping.balance + mapping.scaled]
-            keys += [f"{mapping.smooth}.weight", f"{mapping.smooth}.bias"]
-        return list(dict.fromkeys(keys))
+        return list(dict.fromkeys(key for mapping, _ in self.folds for key in folded_keys(mapping)))
 
     def input_scales(self, layer: str) -> torch.Tensor | None:
         """The scales folded into ``layer``'s columns (its inputs are ``x/s``); None: not a balance layer."""
         return next((m.scales for m in self.mappings if layer in m.mapping.balance), None)
+
+    def output_scales(self, layer: str) -> torch.Tensor | None:
+        """The scales that divide ``layer``'s last rows (the mapping it smooths); None: none does."""
+        return next((m.scales for m in self.mappings if m.mapping.smooth == layer), None)
 
     def observer_of(self, layer: str) -> str:
         return next(m.observer for m in self.mappings if layer in m.mapping.balance)
@@ -148,13 +148,12 @@ class AWQDeploy:
         """Every balance layer's weight as the deployed model computes it, in the model's own
         coordinates: ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what
         ``Q(F)`` computes on the smoothed ones (what the model-level effect runs)."""
-        smooths = {m.mapping.smooth: m.scales for m in self.mappings if m.scales is not None}
         stored, found = StoredByLayer(model), {}
         for m in self.mappings:
             for name in m.mapping.balance:
                 weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
                 wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
-                s_out = smooths.get(name)
+                s_out = self.output_scales(name)
                 if s_out is not None:
                     wide[-s_out.numel() :] *= s_out.view(-1, 1)
                 found[name] = (wide if m.scales is None else wide / m.scales.view(1, -1)).to(weight.dtype)
@@ -261,7 +260,7 @@ def choose_observers(
     chosen: dict[str, tuple[str, float | None]] = {}
     for result in run.results:
         rows = frame[frame["mapping"] == result.mapping.name]
-        values = {o: float(v) for o, v in zip(rows["observer"], rows[column], strict=True) if not _missing(v)}
+        values = {o: float(v) for o, v in zip(rows["observer"], rows[column], strict=True) if not pd.isna(v)}
         named = [o for pattern, o in rules if any(fnmatch.fnmatchcase(b, pattern) for b in result.mapping.balance)]
         if named:
             if named[-1] not in set(rows["observer"]):
@@ -273,10 +272,6 @@ def choose_observers(
         else:
             raise ValueError(f"{result.mapping.name}: no observer has {figure} under the {variant} variant")
     return chosen
-
-
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def of_run(
@@ -305,14 +300,13 @@ def of_run(
     missing = list(dict.fromkeys(key for key in read if not stored.holds(key) and not key.endswith(".bias")))
     if missing:
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
-    smooths = {m.mapping.smooth: m.scales for m in mappings if m.scales is not None}
     qparams: dict[str, ob.QParams] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
             weight = skeleton.fold(f"{name}.weight", stored(f"{name}.weight"))
-            found[name] = _layer_qparams(run, result, variant, deployed, weight, name, smooths.get(name))
+            found[name] = _layer_qparams(run, result, variant, deployed, weight, name, skeleton.output_scales(name))
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)
     knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}

@@ -35,12 +35,11 @@ def fold_mapping(tensor: Callable[[str], torch.Tensor | None], mapping: Mapping,
             bias.copy_((bias.double() / scales).to(bias.dtype))
 
 
-def touches(mapping: Mapping, key: str) -> bool:
-    """Whether folding ``mapping`` changes the stored tensor ``key``."""
-    layer, _, local = key.rpartition(".")
-    if layer in mapping.balance + mapping.scaled:
-        return local == "weight"
-    return layer == mapping.smooth and local in ("weight", "bias")
+def folded_keys(mapping: Mapping) -> list[str]:
+    """The stored keys folding ``mapping`` changes (by the names the lab lists layers under): the
+    balance and scaled layers' weights, the smooth layer's weight and bias (a key the model may lack)."""
+    weights = [f"{name}.weight" for name in mapping.balance + mapping.scaled]
+    return [*weights, f"{mapping.smooth}.weight", f"{mapping.smooth}.bias"]
 
 
 def fused_views(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -68,7 +67,7 @@ def fold_key(key: str, tensor: torch.Tensor, folds: Sequence[tuple[Mapping, torc
     one of its experts, ``fused_views``), in their order (a copy; ``tensor`` itself when none does):
     what a checkpoint writes in its place, one tensor at a time."""
     names = fused_views(key, tensor)
-    touching = [(mapping, scales) for mapping, scales in folds if any(touches(mapping, k) for k in names)]
+    touching = [(mapping, scales) for mapping, scales in folds if set(folded_keys(mapping)) & set(names)]
     if not touching:
         return tensor
     changed = tensor.clone()

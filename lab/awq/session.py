@@ -26,7 +26,7 @@ from lab.awq.mappings import NOT_A_DECODER
 from lab.awq.options import conflict
 from lab.awq.run import AWQRun, Progress, run_of_config
 from lab.awq.search import MappingResult, Variant
-from lab.awq.table import awq_frame, best_observers
+from lab.awq.table import awq_frame, best_model_level, best_observers
 from lab.settings import RunSettings
 from observers.suite import SuiteResult
 
@@ -123,11 +123,8 @@ class AWQResult:
         from lab.vocab import MODEL_METRIC_PREFIX
 
         metric = self.effect_metric
-        higher = higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")
-        best = {}
-        for variant, rows in self.effect.groupby("variant", sort=False):
-            best[variant] = rows.loc[rows[metric].idxmax() if higher else rows[metric].idxmin(), "observer"]
-        return best
+        best = best_model_level(self.effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}"))
+        return {variant: row["observer"] for variant, row in best.items()}
 
 
 @dataclass

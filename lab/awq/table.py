@@ -120,7 +120,14 @@ def effect_lines(effect: pd.DataFrame, metric: str, higher_is_better: bool) -> l
     for observer, rows in effect.groupby("observer", sort=False):
         cells = [f"{r.variant} " + " ".join(f"{m}={getattr(r, m):.4g}" for m in metrics) for r in rows.itertuples()]
         lines.append(f"model\t{observer}\t" + "\t".join(cells) + "\n")
-    for variant, rows in effect.groupby("variant", sort=False):
-        best = rows.loc[rows[metric].idxmax() if higher_is_better else rows[metric].idxmin()]
+    for variant, best in best_model_level(effect, metric, higher_is_better).items():
         lines.append(f"best model-level\t{variant}\t{best['observer']} ({metric}={best[metric]:.4g})\n")
     return lines
+
+
+def best_model_level(effect: pd.DataFrame, metric: str, higher_is_better: bool) -> dict[str, pd.Series]:
+    """Per variant, the model-level row (observer and metrics) nearest the float model by ``metric``."""
+    return {
+        variant: rows.loc[rows[metric].idxmax() if higher_is_better else rows[metric].idxmin()]
+        for variant, rows in effect.groupby("variant", sort=False)
+    }
