@@ -47,6 +47,12 @@ AWQ_COLUMNS = {
         "then GPTQ", help="the mapping error once GPTQ quantizes the smoothed weights (rtn: GPTQ alone)"
     ),
     "gptq_rank": st.column_config.NumberColumn("GPTQ rank", help="place by the error once GPTQ follows (1 = least)"),
+    "gptq_held_out_error": st.column_config.NumberColumn(
+        "then GPTQ, held-out", help="the same on held-out text (GPTQ's weights from the calibration Hessian)"
+    ),
+    "gptq_held_out_rank": st.column_config.NumberColumn(
+        "GPTQ held-out rank", help="place by the held-out error once GPTQ follows (1 = least)"
+    ),
     "layer_error": st.column_config.NumberColumn(
         "layer error", help="relative ‖WX − ŴX‖² of each balance layer, their mean"
     ),
@@ -82,7 +88,8 @@ def best_per_variant(rows: pd.DataFrame):
     """A mapping's rows with the best observer under each variant in bold and green."""
     best = rows["rank"].eq(1).fillna(False)
     styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
-    errors = [c for c in ("mapping_error", "held_out_error", "gptq_error", "layer_error") if c in rows.columns]
+    figures = ("mapping_error", "held_out_error", "gptq_error", "gptq_held_out_error", "layer_error")
+    errors = [c for c in figures if c in rows.columns]
     styled = styled.format("{:.4g}", subset=errors, na_rep="–")
     return styled.format("{:.2%}", subset=["clipped"], na_rep="–").format("{:.2f}", subset=["ratio"], na_rep="–")
 

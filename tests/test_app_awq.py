@@ -336,3 +336,28 @@ def test_tiny_moes_experts_run_under_awq_in_the_app():
     shown = next(d.value for d in at.dataframe if "variant" in d.value.columns)
     assert set(shown["variant"]) == set(VARIANTS) and set(shown["observer"]) == set(OBSERVERS)
     assert shown["mapping_error"].notna().all()
+
+
+def test_awq_then_gptq_shows_calibration_and_held_out_figures_on_the_error_page():
+    # GPTQ on beside AWQ: the Error page's table gets the mapping error once GPTQ follows each
+    # variant, on calibration and on held-out tokens, each with its rank among the observers
+    at = _run_page("tiny-llama", LAYERS)
+    at.selectbox(key="w:weight_dtype").set_value("int4").run()
+    at.selectbox(key="w:weight_strategy").set_value("group").run()
+    at.number_input(key="w:weight_group_size").set_value(16).run()
+    at.toggle(key="w:gptq").set_value(True).run()
+    at.toggle(key="w:awq").set_value(True).run()
+    at.number_input(key="w:awq:n_grid").set_value(N_GRID).run()
+    _button(at, "Run").click().run()
+    _ok(at)
+    searched, mapping = _searched(at)
+    frame = awq_frame(searched.run)
+    expected = frame[frame["mapping"] == mapping.mapping.name].drop(columns=["mapping", "error"])
+    _page(at, "error")
+    at.selectbox(key="w:tensor").set_value((LAYERS[0], "weight")).run()
+    _ok(at)
+    shown = next(d.value for d in at.dataframe if "variant" in d.value.columns)
+    pd.testing.assert_frame_equal(shown, expected.reset_index(drop=True), check_dtype=False)
+    figures = shown[["gptq_error", "gptq_held_out_error"]]
+    assert figures.notna().all().all() and (figures["gptq_error"] != figures["gptq_held_out_error"]).all()
+    assert set(shown["gptq_held_out_rank"]) <= {1, 2} and (shown["gptq_held_out_rank"] == 1).any()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -262,6 +263,10 @@ def test_rtn_deploys_the_analysis_and_a_stale_awq_file_is_never_deployed(tmp_pat
         (["--awq", "--awq-variant", "best"], "invalid choice: 'best'"),
         (["--awq", "--choose-by", "awq:loss"], "unknown metric 'awq:loss'"),
         (["--awq", "--choose-by", "awq:gptq_error"], "awq:gptq_error ranks observers under AWQ then GPTQ"),
+        (
+            ["--awq", "--choose-by", "awq:gptq_held_out_error"],
+            "awq:gptq_held_out_error ranks observers under AWQ then GPTQ",
+        ),
     ],
 )
 def test_bad_deployment_input_is_one_line_and_writes_nothing(tmp_path, flags, message) -> None:
@@ -286,7 +291,8 @@ def test_awq_then_gptq_runs_each_balance_layers_gptq_on_its_folded_weight(tiny_l
         str(target), "--checkpoint", str(directory), "--recipe", str(recipe), "--quiet",
     )  # fmt: skip
     assert code == 0, err
-    assert " gptq " in next(line for line in out.splitlines() if "\tllm-compressor " in line)
+    cells = next(line for line in out.splitlines() if "\tllm-compressor " in line).split("\t")
+    assert all(re.search(r" gptq \S+ #\d \[\S+ #\d\]", c) for c in cells[2:]), cells  # held-out in brackets
     document = json.loads((tmp_path / "x.awq.json").read_text())
     deployed = AWQDeploy.from_dict(document["deployed"])
     assert deployed.chosen_by == "awq:gptq_error"

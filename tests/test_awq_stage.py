@@ -17,6 +17,7 @@ from lab.awq.deploy import of_run
 from lab.awq.mappings import NOT_A_DECODER, resolve
 from lab.awq.run import _hooked, run_awq
 from lab.awq.search import SEARCH_OBSERVER, Variant
+from lab.awq.table import awq_frame
 from sample_models import open_model
 
 INT4_G16 = ob.QuantSpec(dtype="int4", strategy="group", group_size=16, symmetric=True)
@@ -173,6 +174,32 @@ def test_an_moe_parent_judges_stacked_candidates_as_it_judges_each_alone(tiny_mo
     stacked = calls.losses(balance, noisy, reference, 512, moment)
     alone = torch.cat([calls.losses(balance, [r], reference, 512, moment) for r in noisy])
     assert torch.allclose(stacked, alone, rtol=1e-6) and bool((stacked > 0).all())
+
+
+def test_a_stacked_replay_swaps_the_balance_layers_forward_and_puts_back_what_was_there() -> None:
+    # each balance layer computes only the stacked shares' products while a replay runs; a forward
+    # already set on the instance (accelerate's hooks set one) is there again afterwards
+    from lab.awq.parent import ParentCalls
+
+    torch.manual_seed(3)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    first, calls = mlp[0], []
+    own = first.forward
+    first.forward = lambda x: calls.append(x.shape) or own(x)
+    x = torch.randn(2, 10, 16)
+    parent = ParentCalls(mlp, [((x,), {})], [torch.ones(2, 10, dtype=torch.bool)])
+    reference = parent.outputs()
+    calls.clear()
+    replaced = [first.weight.detach() + 0.05 * torch.randn(32, 16) for _ in range(3)]
+    stacked = parent.losses({"0": first}, [{"0": w} for w in replaced], reference, 32, torch.eye(16).double())
+    by_hand = [F.mse_loss(mlp[2](mlp[1](F.linear(x, w, first.bias))), reference[0]).item() for w in replaced]
+    assert calls == [] and torch.allclose(stacked, torch.tensor(by_hand, dtype=torch.float64), rtol=1e-5)
+    mlp(x)
+    assert calls == [(2, 10, 16)]  # the instance's own forward is back
+    with pytest.raises(TypeError, match="plain linear map"):
+        ParentCalls(mlp, [((x,), {})], [torch.ones(2, 10, dtype=torch.bool)]).losses(
+            {"1": mlp[1]}, [{"1": torch.zeros(1)}], reference, 32, torch.eye(16).double()
+        )
 
 
 def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights(tiny_moe) -> None:
@@ -546,15 +573,25 @@ def test_a_variants_effect_is_the_folded_and_quantized_models(tiny_llama, suite_
     assert apart <= 1e-4 * effect
 
 
-def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suite_run, evaluator) -> None:
-    from lab.awq.effect import model_effect
+def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suite_run, evaluator, monkeypatch) -> None:
+    from lab.awq.effect import model_effect, variant_weights
 
+    ran = []
+    run_stacked = evaluator.runner.run_stacked
+    monkeypatch.setattr(evaluator.runner, "run_stacked", lambda asked: ran.extend(asked) or run_stacked(asked))
     effect = model_effect(tiny_llama, suite_run, evaluator)
     assert len(effect) == len(suite_run.observers) * len(Variant)
     assert (effect["kl"] > 0).all() and (effect["top1_agreement"] <= 1).all()
-    # the same quantization gives the same figures: min-max inside the search is llm-compressor's pick
+    # pairs that deploy the same weights run once and share their figures: min-max inside the
+    # search is llm-compressor's pick
+    pairs = [(o, v, variant_weights(tiny_llama, suite_run, v, o)) for o in suite_run.observers for v in Variant]
+    distinct: list[dict] = []
+    for _, _, weights in pairs:
+        if not any(all(torch.equal(weights[n], other[n]) for n in weights) for other in distinct):
+            distinct.append(weights)
+    assert len(ran) == len(distinct) < len(pairs)
     minmax = effect[effect["observer"] == SEARCH_OBSERVER].set_index("variant")
-    assert minmax.loc["llm-compressor", "kl"] == pytest.approx(minmax.loc["observer-in-search", "kl"], rel=1e-6)
+    assert minmax.loc["llm-compressor", "kl"] == minmax.loc["observer-in-search", "kl"]
 
 
 # ------------------------------------------------------------------------------------ AWQ then GPTQ
@@ -584,17 +621,28 @@ def test_gptq_after_each_variant_is_judged_and_under_rtn_is_gptq_alone(tiny_llam
         assert row.gptq_error is not None and row.gptq_error < row.mapping_error, (row.observer, row.variant)
     # down_proj is its own parent: the mapping error is its layer-output error on the block's float
     # inputs, so GPTQ alone (rtn) by hand on those inputs gives the same figure
-    inputs = []
-    hook = tiny_llama.module().get_submodule(down).register_forward_hook(lambda m, a, o: inputs.append(a[0][0]))
-    with torch.no_grad():
-        for window in tiny_llama.calibration_set(None, 8, 96).windows:
-            tiny_llama.module()(input_ids=torch.tensor([list(window)]))
-    hook.remove()
-    x = torch.cat(inputs).double()
-    moment = x.T @ x / x.shape[0]
+    # and on held-out text, the same GPTQ weights (from the calibration Hessian) on held-out inputs
+    from sample_models.effect import held_out_texts
+
+    def moment_on(texts) -> torch.Tensor:
+        inputs = []
+        hook = tiny_llama.module().get_submodule(down).register_forward_hook(lambda m, a, o: inputs.append(a[0][0]))
+        with torch.no_grad():
+            for window in tiny_llama.calibration_set(texts, 8, 96).windows:
+                tiny_llama.module()(input_ids=torch.tensor([list(window)]))
+        hook.remove()
+        x = torch.cat(inputs).double()
+        return x.T @ x / x.shape[0]
+
+    moment, held_out = moment_on(None), moment_on(list(held_out_texts()))
     weight = tiny_llama.weight(down).float()
     for observer in observers:
         qparams = result.qparams[(Variant.RTN, observer)][down]
         done = gptq_weight(weight, (2 * moment).float(), INT4_G16, gptq, observer, qparams, {})
-        by_hand = ob.layer_output_error(weight, done.weight, moment.float())
-        assert result.row(Variant.RTN, observer).gptq_error == pytest.approx(by_hand, rel=1e-3)
+        row = result.row(Variant.RTN, observer)
+        assert row.gptq_error == pytest.approx(ob.layer_output_error(weight, done.weight, moment.float()), rel=1e-3)
+        by_hand = ob.layer_output_error(weight, done.weight, held_out.float())
+        assert row.gptq_held_out_error == pytest.approx(by_hand, rel=1e-3)
+        assert row.gptq_held_out_error != pytest.approx(row.gptq_error, rel=1e-3)
+    frame = awq_frame(run)
+    assert frame["gptq_held_out_error"].notna().all() and frame["gptq_held_out_rank"].min() == 1

@@ -261,18 +261,26 @@ def _clip_search(
     """Per candidate and group, the share of the observer's range (among ``ratios``) whose part of
     the layer's output error on the smoothed inputs ``x/s`` is least (the first least, in the
     ratios' order, as ModelOpt's ``awq_clip`` keeps a ratio only when strictly better).
-    ``weights`` are the candidates' smoothed weights ``(n, out, in)``."""
+    ``weights`` are the candidates' smoothed weights ``(n, out, in)``.
+
+    The ratios are walked one at a time, every candidate, row and group at once in each step, with
+    the least error so far kept: all ratios' differences in one tensor are ``len(ratios)`` times
+    the candidates' weights, and moving them through memory cost twice the arithmetic."""
     n, rows, columns = weights.shape
     size = spec.group_size if spec.strategy == "group" else columns
     joined = _joined(qps)
     flat = weights.reshape(n * rows, columns)
-    shrunk = ob.awq.shrunk(joined, spec, ratios)
-    differences = torch.stack([flat.float() - ob.fake_quantize(flat, c, spec).float() for c in shrunk])
-    differences = differences.reshape(len(ratios), n, rows, columns)
     unscaled = diagonal_blocks(moment, size)
-    blocks = torch.stack([scaled_blocks(unscaled, s) for s in scales])
-    errors = ob.awq.group_output_errors(differences, blocks)
-    best = torch.argmin(errors, dim=0).reshape(n * rows, -1)
+    blocks = torch.stack([scaled_blocks(unscaled, s) for s in scales]).float()
+    least = best = None
+    for index, shrunk in enumerate(ob.awq.shrunk(joined, spec, ratios)):
+        difference = (flat.float() - ob.fake_quantize(flat, shrunk, spec).float()).reshape(1, n, rows, columns)
+        errors = ob.awq.group_output_errors(difference, blocks)[0]
+        if least is None:
+            least, best = errors, torch.zeros_like(errors, dtype=torch.long)
+            continue
+        better = errors < least
+        least, best = torch.where(better, errors, least), torch.where(better, index, best)
     chosen = torch.tensor(ratios, dtype=torch.float32, device=weights.device)[best].reshape(joined.min_val.shape)
     found = ob.qparams.range_rule(joined.min_val * chosen, joined.max_val * chosen, spec)
     return _rows(found, n, rows)

@@ -55,7 +55,7 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
     why = conflict(config)
     if why is not None:
         raise ValueError(why)
-    if args.choose_by == f"{AWQ_METRIC_PREFIX}gptq_error" and config.gptq is None:
+    if args.choose_by.startswith(f"{AWQ_METRIC_PREFIX}gptq_") and config.gptq is None:
         raise ValueError(f"--choose-by {args.choose_by} ranks observers under AWQ then GPTQ: it needs --gptq")
     return awq
 

@@ -7,12 +7,14 @@ The deployed model is the folded one with each balance layer's folded weight ``F
 (``lab.awq.deploy``, the same deployment a checkpoint writes, with one observer on every mapping);
 it runs here in the model as loaded, each balance layer's weight replaced by
 ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what ``Q(F)`` computes on
-the smoothed ones (a test checks the outputs against the folded, quantized model). All variants of all observers run
-stacked along the batch, a few at a time (``EffectRunner.run_stacked``).
+the smoothed ones (a test checks the outputs against the folded, quantized model). Pairs that deploy
+the same weights (observers that agree, a variant that keeps llm-compressor's pick) run once; the
+distinct ones run stacked along the batch, a few at a time (``EffectRunner.run_stacked``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import pandas as pd
@@ -64,10 +66,25 @@ def model_effect(
             more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
             why = f"the model-level runner cannot quantize every balance layer: {problems[0]}{more}"
             raise ValueError(why) from None
-    rows = []
-    for start in range(0, len(asked), STACKED_VARIANTS):
-        part = asked[start : start + STACKED_VARIANTS]
-        results = evaluator.runner.run_stacked([q for _, _, q in part])
-        for (observer, variant, _), result in zip(part, results, strict=True):
-            rows.append({"observer": observer, "variant": str(variant), **evaluator.metrics(result)})
+    keys = [_digest(quantization) for _, _, quantization in asked]
+    distinct = list({key: quantization for key, (_, _, quantization) in zip(keys, asked, strict=True)}.items())
+    metrics: dict[str, dict[str, float]] = {}
+    for start in range(0, len(distinct), STACKED_VARIANTS):
+        part = distinct[start : start + STACKED_VARIANTS]
+        results = evaluator.runner.run_stacked([q for _, q in part])
+        metrics.update({key: evaluator.metrics(result) for (key, _), result in zip(part, results, strict=True)})
+    rows = [
+        {"observer": observer, "variant": str(variant), **metrics[key]}
+        for (observer, variant, _), key in zip(asked, keys, strict=True)
+    ]
     return pd.DataFrame(rows, columns=["observer", "variant", *evaluator.metric_names])
+
+
+def _digest(quantization: dict[tuple[str, str], TensorQuant]) -> str:
+    """The weights a quantization replaces (each given as a weight, ``variant_weights``), in a few
+    bytes: equal digests run the same model."""
+    found = hashlib.sha1()
+    for (name, _), quant in sorted(quantization.items()):
+        found.update(name.encode())
+        found.update(quant.weight.detach().float().cpu().contiguous().numpy().tobytes())
+    return found.hexdigest()

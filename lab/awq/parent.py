@@ -120,25 +120,32 @@ def _repeat(value, batch: int, n: int):
 
 @contextmanager
 def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
-    """Forward hooks that give each balance layer's input share its own weight: the input
-    ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, ``weights[name]`` ``(n, out, in)``."""
+    """Each balance layer's forward swapped for one that gives each input share its own weight: the
+    input ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, ``weights[name]``
+    ``(n, out, in)``. The layer's own product is never computed (a forward hook would replace its
+    output only after computing it, a third of an MLP parent's work thrown away)."""
 
-    def hook_for(name: str):
-        def hook(module, args, output):
-            x = args[0]
+    def forward_for(module: nn.Linear, name: str):
+        def forward(x: torch.Tensor) -> torch.Tensor:
             w = weights[name].to(x.dtype)
             n = w.shape[0]
-            shares = x.reshape(n, -1, x.shape[-1])
-            y = torch.bmm(shares, w.transpose(1, 2))
+            y = torch.bmm(x.reshape(n, -1, x.shape[-1]), w.transpose(1, 2))
             if module.bias is not None:
                 y = y + module.bias
             return y.reshape(*x.shape[:-1], w.shape[1])
 
-        return hook
+        return forward
 
-    handles = [module.register_forward_hook(hook_for(name)) for name, module in balance.items()]
+    previous = {}
+    for name, module in balance.items():
+        if type(module).forward is not nn.Linear.forward:
+            raise TypeError(f"{name}: a balance layer must compute a plain linear map, not {type(module).__name__}")
+        previous[name] = module.__dict__.get("forward")
+        module.forward = forward_for(module, name)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        for name, module in balance.items():
+            del module.forward
+            if previous[name] is not None:
+                module.forward = previous[name]

@@ -24,7 +24,7 @@ from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
 from lab.awq.mappings import Mapping, Mappings, resolve
 from lab.awq.parent import ParentCalls
-from lab.awq.search import MappingInputs, MappingResult, measure_held_out, search
+from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
 from sample_models.effect import held_out_texts
 from sample_models.replay import blocks_name, calibration_batches, record_blocks
@@ -91,9 +91,7 @@ def run_awq(
             if mapping.smooth not in seen:
                 left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
                 continue
-            result = search(mapping, seen[mapping.smooth], spec, awq, observers, gptq)
-            if mapping.smooth in checked:
-                result = measure_held_out(result, checked[mapping.smooth], spec)
+            result = search(mapping, seen[mapping.smooth], spec, awq, observers, gptq, checked.get(mapping.smooth))
             results.append(result)
             _smooth(block, mapping, prefix, result.searched)
             if progress is not None:

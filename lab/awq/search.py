@@ -88,6 +88,8 @@ class VariantRow:
     """``mapping_error`` once GPTQ quantizes the smoothed balance layers with these qparams (AWQ then
     GPTQ, ``then_gptq``; GPTQ alone under ``rtn``); None without GPTQ or where GPTQ refused."""
     held_out_layer_errors: dict[str, float] = field(default_factory=dict)
+    gptq_held_out_error: float | None = None
+    """``gptq_error`` on held-out tokens: the same GPTQ weights (from the calibration Hessian)."""
 
 
 @dataclass
@@ -162,9 +164,11 @@ def search(
     awq: ob.AWQSpec,
     observers: dict[str, dict[str, Any]],
     gptq: ob.GPTQSpec | None = None,
+    held_out: MappingInputs | None = None,
 ) -> MappingResult:
     """The mapping's rows for every observer (``{name: knobs}``) under every variant; with ``gptq``,
-    each row's error once GPTQ follows AWQ too."""
+    each row's error once GPTQ follows AWQ too; with ``held_out`` (the same mapping's inputs on
+    held-out text), every figure on those tokens as well (``measure_held_out``)."""
     weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
     grid = awq.grid()
     w_mean = ob.awq.weight_means(list(weights.values()), spec) if any(duo for _, duo in grid) else None
@@ -214,22 +218,19 @@ def search(
                 result.scales[(variant, observer)] = candidate.scales
             result.qparams[(variant, observer)] = candidate.qparams
             picked[(variant, observer)] = (candidate, knobs)
-    return result if gptq is None else _then_gptq(result, picked, inputs, judge, weights, spec, gptq)
+    made = {} if gptq is None else then_gptq.gptq_candidates(weights, picked, inputs.moment, spec, gptq)
+    if made:
+        error = _errors(inputs, made, judge.reference, judge.energy)
+        result = replace(result, rows=[replace(r, gptq_error=error.get((r.variant, r.observer))) for r in result.rows])
+    return result if held_out is None else measure_held_out(result, held_out, spec, made)
 
 
-def _then_gptq(result: MappingResult, picked, inputs: MappingInputs, judge: _Judge, weights, spec, gptq):
-    """``result`` with each row's ``gptq_error``: its candidate through GPTQ, judged on the parent."""
-    made = then_gptq.gptq_candidates(weights, picked, inputs.moment, spec, gptq)
-    if not made:
-        return result
+def _errors(inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float) -> dict[tuple, float]:
+    """Each candidate's (by key) relative error of the parent's output on ``inputs``' tokens."""
     losses = inputs.parent.losses(
-        inputs.balance, [c.effective for c in made.values()], judge.reference, inputs.width, inputs.moment
+        inputs.balance, [c.effective for c in made.values()], reference, inputs.width, inputs.moment
     )
-    error = {}
-    for key, loss in zip(made, losses, strict=True):
-        error[key] = float(loss) / judge.energy if judge.energy > 0 else 0.0
-    rows = [replace(row, gptq_error=error.get((row.variant, row.observer))) for row in result.rows]
-    return replace(result, rows=rows)
+    return {key: float(loss) / energy if energy > 0 else 0.0 for key, loss in zip(made, losses, strict=True)}
 
 
 def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment, spec, ratio, duo) -> VariantRow:
@@ -251,9 +252,12 @@ def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment,
 
 
 @torch.no_grad()
-def measure_held_out(result: MappingResult, inputs: MappingInputs, spec: ob.QuantSpec) -> MappingResult:
+def measure_held_out(
+    result: MappingResult, inputs: MappingInputs, spec: ob.QuantSpec, gptq: dict[tuple, Candidate] | None = None
+) -> MappingResult:
     """``result`` with each row's picks measured on held-out inputs (``inputs``: the same mapping's
-    statistics and parent calls on held-out text): the mapping's and each layer's error there."""
+    statistics and parent calls on held-out text): the mapping's and each layer's error there, and
+    with ``gptq`` (AWQ then GPTQ's candidates by ``(variant, observer)``) their mapping error."""
     weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
     reference = inputs.parent.outputs()
     energy = inputs.parent.energy(reference)
@@ -272,10 +276,12 @@ def measure_held_out(result: MappingResult, inputs: MappingInputs, spec: ob.Quan
         inputs.balance, [c.effective for c in distinct.values()], reference, inputs.width, inputs.moment
     )
     loss_of = dict(zip(distinct, (float(v) for v in losses), strict=True))
+    after_gptq = _errors(inputs, gptq, reference, energy) if gptq else {}
     hessian = inputs.moment.float()
     rows = []
     for row in result.rows:
-        candidate = picked.get((row.variant, row.observer))
+        key = (row.variant, row.observer)
+        candidate = picked.get(key)
         if candidate is None:
             rows.append(row)
             continue
@@ -283,5 +289,7 @@ def measure_held_out(result: MappingResult, inputs: MappingInputs, spec: ob.Quan
         layers = {
             n: ob.layer_output_error(w.float(), candidate.effective[n].float(), hessian) for n, w in weights.items()
         }
-        rows.append(replace(row, held_out_error=loss / energy if energy > 0 else 0.0, held_out_layer_errors=layers))
+        held = loss / energy if energy > 0 else 0.0
+        found = replace(row, held_out_error=held, held_out_layer_errors=layers, gptq_held_out_error=after_gptq.get(key))
+        rows.append(found)
     return replace(result, rows=rows)

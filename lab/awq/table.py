@@ -20,6 +20,8 @@ COLUMNS = [
     "held_out_rank",
     "gptq_error",
     "gptq_rank",
+    "gptq_held_out_error",
+    "gptq_held_out_rank",
     "layer_error",
     "clipped",
     "ratio",
@@ -30,7 +32,7 @@ COLUMNS = [
 
 def awq_frame(run: AWQRun) -> pd.DataFrame:
     """One row per (mapping, observer, variant); ``layer_error`` and ``clipped`` are the means over
-    the mapping's balance layers; ``rank`` (``held_out_rank``, ``gptq_rank``) is the observer's
+    the mapping's balance layers; ``rank`` (and each ``*_rank`` of its figure) is the observer's
     place among the observers under the same variant on the same mapping (1 = least error). The
     GPTQ columns (AWQ then GPTQ) only for a run with GPTQ."""
     rows = [
@@ -41,6 +43,7 @@ def awq_frame(run: AWQRun) -> pd.DataFrame:
             "mapping_error": row.mapping_error,
             "held_out_error": row.held_out_error,
             "gptq_error": row.gptq_error,
+            "gptq_held_out_error": row.gptq_held_out_error,
             "layer_error": _mean(row.layer_errors),
             "clipped": _mean(row.clipped),
             "ratio": row.ratio,
@@ -55,6 +58,7 @@ def awq_frame(run: AWQRun) -> pd.DataFrame:
     frame["rank"] = by["mapping_error"].rank(method="min").astype("Int64")
     frame["held_out_rank"] = by["held_out_error"].rank(method="min").astype("Int64")
     frame["gptq_rank"] = by["gptq_error"].rank(method="min").astype("Int64")
+    frame["gptq_held_out_rank"] = by["gptq_held_out_error"].rank(method="min").astype("Int64")
     shown = COLUMNS if frame["gptq_error"].notna().any() else [c for c in COLUMNS if not c.startswith("gptq")]
     return frame[shown]
 
@@ -100,6 +104,8 @@ def awq_lines(run: AWQRun) -> list[str]:
             held = "" if pd.isna(row.held_out_error) else f" [{row.held_out_error:.4g} #{row.held_out_rank}]"
             if not pd.isna(getattr(row, "gptq_error", None)):
                 held += f" gptq {row.gptq_error:.4g} #{row.gptq_rank}"
+                if not pd.isna(row.gptq_held_out_error):
+                    held += f" [{row.gptq_held_out_error:.4g} #{row.gptq_held_out_rank}]"
             cells.append(f"{row.variant} {row.mapping_error:.4g} #{row.rank}{held}{strength} clip {row.clipped:.2%}")
         lines.append(f"{mapping}\t{observer}\t" + "\t".join(cells) + "\n")
     best = best_observers(frame)
