@@ -205,7 +205,7 @@ def _kl_top1_nll(float_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Te
     log_p = torch.log_softmax(float_logits.float(), dim=-1)
     log_q = torch.log_softmax(logits.float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    agree = log_p.argmax(-1) == log_q.argmax(-1)
+    agree = log_p.max(-1).indices == log_q.max(-1).indices  # argmax's first maximum, twice as fast on CPU
     nxt = (valid[:, :-1] & valid[:, 1:]).float()
     target = ids[:, 1:].unsqueeze(-1)
     nll_p = -(log_p[:, :-1].gather(-1, target).squeeze(-1) * nxt).sum()
