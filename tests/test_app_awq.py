@@ -182,7 +182,7 @@ def test_a_transform_beside_awq_is_one_error_and_run_is_off():
     at.toggle(key="w:awq").set_value(True)
     at.selectbox(key="w:transform").set_value("hadamard").run()
     assert not at.exception
-    assert [e.value for e in at.error] == [f"{conflict(SimpleNamespace(transform='hadamard', sequential=False))}."]
+    assert [e.value for e in at.error] == [f"{conflict(SimpleNamespace(transform='hadamard'))}."]
     assert _button(at, "Run").disabled
     at.selectbox(key="w:transform").set_value("none").run()
     _ok(at)

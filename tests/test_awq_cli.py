@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
+from helpers import save_checkpoint, tiny_llama
 
+import sample_models
 from lab.awq.mappings import NOT_A_DECODER
 from lab.cli import main
 
@@ -42,6 +44,27 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
     assert target.exists() and f"{tmp_path / 'run.awq.json'}" in out.splitlines()[-1]
 
 
+def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_model_whole(tmp_path, monkeypatch):
+    # --sequential: the analysis and AWQ both walk the blocks one loaded at a time, and so do the
+    # model-level effect and the checkpoint's writer
+    directory = save_checkpoint(tiny_llama(layers=2), tmp_path / "llama")
+    opened = []
+    open_model = sample_models.open_model
+    monkeypatch.setattr(sample_models, "open_model", lambda *a, **k: opened.append(open_model(*a, **k)) or opened[-1])
+    target, written = tmp_path / "run.json", tmp_path / "ck"
+    flags = ("--observers", "minmax,mse_grid", "--awq", "--awq-n-grid", "3", "--sequential", "--max-memory", "64MB")
+    code, out, err = _cli(
+        "run", str(directory), "--layers", r"re:model\.layers\.1\..*", *BASE, *flags, "--out", str(target),
+        "--checkpoint", str(written), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    assert not opened[0]._require_runtime().module.ready  # nothing loaded the whole model
+    document = json.loads((tmp_path / "run.awq.json").read_text())
+    assert len(document["mappings"]) == 3 and document["deployed"]["variant"] == "llm-compressor"
+    assert len(document["model"]) == 2 * 4 and (written / "config.json").exists()  # two observers, four variants
+    assert sum(line.startswith("deploy\tmodel.layers.1.") for line in out.splitlines()) == 3
+
+
 @pytest.mark.parametrize(
     ("model", "flags", "message"),
     [
@@ -51,7 +74,6 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
         ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
         ("tiny-llama", ["--awq", "--transform", "hadamard"], "AWQ searches its scales on the model as it is"),
-        ("tiny-llama", ["--awq", "--sequential"], "AWQ loads the model whole"),
         ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
         ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
     ],

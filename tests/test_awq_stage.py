@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import save_checkpoint
+from helpers import tiny_llama as random_llama
 from torch import nn
 
 import observers as ob
@@ -475,6 +477,30 @@ def test_a_linear_parents_loss_is_its_mean_squared_output_difference() -> None:
     linear = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
     forward = torch.tensor([F.mse_loss(F.linear(x, w), reference[0]).item() for w in replaced], dtype=torch.float64)
     assert torch.allclose(linear, forward, rtol=1e-5)
+
+
+def test_a_checkpoint_walked_one_block_at_a_time_is_never_loaded_whole_and_gives_the_same_run(tmp_path) -> None:
+    # a model the capture would take block by block: the stage loads each block only while it
+    # copies it, and the search sees what it sees with the model loaded whole
+    directory = save_checkpoint(random_llama(layers=2), tmp_path / "llama")
+    observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
+    awq = ob.AWQSpec(n_grid=4)
+    layers = ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    streamed_model = open_model(str(directory))
+    streamed = run_awq(
+        streamed_model, INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64, sequential=True,
+        max_memory=64 << 20,
+    )  # fmt: skip
+    assert not streamed_model._require_runtime().module.ready  # the whole model was never loaded
+    whole = run_awq(open_model(str(directory)), INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64)
+    assert [r.mapping for r in streamed.results] == [r.mapping for r in whole.results] and len(whole.results) == 2
+    assert (streamed.tokens, streamed.held_out_tokens) == (whole.tokens, whole.held_out_tokens)
+    for mine, theirs in zip(streamed.results, whole.results, strict=True):
+        assert torch.allclose(mine.searched, theirs.searched, rtol=1e-5)
+        for a, b in zip(mine.rows, theirs.rows, strict=True):
+            assert (a.observer, a.variant, a.ratio, a.duo) == (b.observer, b.variant, b.ratio, b.duo)
+            assert a.mapping_error == pytest.approx(b.mapping_error, rel=1e-4)
+            assert a.held_out_error == pytest.approx(b.held_out_error, rel=1e-4)
 
 
 def test_the_picks_are_measured_on_held_out_text(suite_run) -> None:

@@ -90,7 +90,7 @@ def run(
             if args.checkpoint or args.recipe:
                 raise
             undeployable = str(err)
-    evaluator = Evaluator(model)
+    evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory)
     try:
         effect, unmeasured = model_effect(model, found, evaluator), None
     except ValueError as err:

@@ -60,11 +60,10 @@ def variant_of(args: argparse.Namespace) -> Variant:
 
 def conflict(settings: Any) -> str | None:
     """What AWQ cannot be combined with yet, in one line (None: nothing): ``settings`` is a run's
-    ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``transform`` and
-    ``sequential``. GPTQ composes: the analysis's GPTQ figures are the unsmoothed weights', and a
-    checkpoint runs each balance layer's GPTQ on its folded weight (``lab.export.checkpoint``)."""
+    ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``transform``. GPTQ
+    composes: the analysis's GPTQ figures are the unsmoothed weights', and a checkpoint runs each
+    balance layer's GPTQ on its folded weight (``lab.export.checkpoint``). The layer-by-layer
+    capture does too: AWQ then walks the blocks one loaded at a time."""
     if settings.transform is not None:
         return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
-    if settings.sequential:
-        return "AWQ loads the model whole (it smooths each block in a copy): leave out the layer-by-layer capture"
     return None

@@ -6,7 +6,9 @@ llm-compressor would pick, then the batches through the smoothed block to feed t
 The model as loaded is never changed: each block is smoothed in a copy (its fused MoE experts as
 linear layers, ``lab.awq.experts``), the copy feeds the next block and is dropped. Propagation is
 float (llm-compressor's pipeline runs its calibration with quantization disabled), so every block
-sees what llm-compressor's sees.
+sees what llm-compressor's sees. A model the capture would take block by block (larger than the
+memory budget, or ``sequential=True``) is walked the same way with one block's weights loaded at a
+time (``sample_models.replay``): the copy is made while its block is loaded.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lab.awq.parent import ParentCalls
 from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
 from sample_models.effect import held_out_texts
-from sample_models.replay import blocks_name, calibration_batches, record_blocks
+from sample_models.replay import Replay, blocks_name, calibration_batches, replay_of, structure
 
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, what)``: called after each mapping."""
@@ -62,11 +64,15 @@ def run_awq(
     held_out: Sequence[str] | None = None,
     progress: Progress | None = None,
     gptq: ob.GPTQSpec | None = None,
+    sequential: bool | None = None,
+    max_memory: int | None = None,
 ) -> AWQRun:
     """Every mapping of ``model`` with a balance layer among ``layers`` (None: every mapping)
     searched for every weight observer (``{name: knobs}``) under every ``Variant``, on the
     calibration set (``texts``, ``samples``, ``seq_len`` as a run's), and the picks measured on
-    ``held_out`` text (default: the built-in held-out paragraphs, windowed the same way)."""
+    ``held_out`` text (default: the built-in held-out paragraphs, windowed the same way). The
+    blocks are walked whole or one loaded at a time by ``sequential`` and ``max_memory``, as
+    ``Model.capture`` takes them."""
     awq = awq or ob.AWQSpec()
     if not model.supports_activations:
         raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
@@ -75,29 +81,32 @@ def run_awq(
     searched = searched_mappings(model, layers)
     wanted = list(searched.found)
     _check_shapes(model, wanted, spec)
-    calibration = _Pass(model, calibration_batches(model, texts, samples, seq_len, batch_size))
     held_texts = list(held_out_texts() if held_out is None else held_out)
-    checking = _Pass(model, calibration_batches(model, held_texts, samples, seq_len, batch_size))
     results: list[MappingResult] = []
     left_out = list(searched.left_out)
     last = max(m.block for m in wanted)
-    for index, original in enumerate(calibration.replay.blocks[: last + 1]):
-        block = linearize(copy.deepcopy(original))
-        prefix = f"{calibration.replay.blocks_name}.{index}."
-        own = [m for m in wanted if m.block == index]
-        seen = calibration.observe(block, own, prefix, index)
-        checked = checking.observe(block, own, prefix, index)
-        for mapping in own:
-            if mapping.smooth not in seen:
-                left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
-                continue
-            result = search(mapping, seen[mapping.smooth], spec, awq, observers, gptq, checked.get(mapping.smooth))
-            results.append(result)
-            _smooth(block, mapping, prefix, result.searched)
-            if progress is not None:
-                progress(len(results), len(wanted), mapping.name)
-        calibration.advance(index, block)
-        checking.advance(index, block)
+    with replay_of(model, sequential, max_memory) as replay:
+        calibration = _Pass(replay, calibration_batches(model, texts, samples, seq_len, batch_size))
+        checking = _Pass(replay, calibration_batches(model, held_texts, samples, seq_len, batch_size))
+        for index in range(last + 1):
+            with replay.block(index) as original:
+                block = linearize(copy.deepcopy(original))
+            prefix = f"{replay.blocks_name}.{index}."
+            own = [m for m in wanted if m.block == index]
+            seen = calibration.observe(block, own, prefix, index)
+            checked = checking.observe(block, own, prefix, index)
+            for mapping in own:
+                if mapping.smooth not in seen:
+                    left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
+                    continue
+                inputs = seen[mapping.smooth]
+                result = search(mapping, inputs, spec, awq, observers, gptq, checked.get(mapping.smooth))
+                results.append(result)
+                _smooth(block, mapping, prefix, result.searched)
+                if progress is not None:
+                    progress(len(results), len(wanted), mapping.name)
+            calibration.advance(index, block)
+            checking.advance(index, block)
     return AWQRun(spec, awq, dict(observers), results, tuple(left_out), calibration.tokens, checking.tokens)
 
 
@@ -105,7 +114,7 @@ def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
     """The mappings of ``model`` with a balance layer among ``layers`` (None: every mapping), in
     order, and what ``resolve`` left out; none is one ``ValueError`` line (an encoder's own line
     from ``resolve``)."""
-    found = resolve(model.module(), blocks_name(model), model.name)
+    found = resolve(structure(model), blocks_name(model), model.name)
     wanted = tuple(m for m in found.found if layers is None or set(m.balance) & set(layers))
     if not wanted:
         raise ValueError(
@@ -118,7 +127,8 @@ def run_of_config(
     model: Model, layers: Collection[str], config: Any, awq: ob.AWQSpec, progress: Progress | None = None
 ) -> AWQRun:
     """``run_awq`` beside a run: its layers, and its ``RunConfig``'s weight spec, weight observers
-    (with their knobs) and calibration set (the CLI's ``run --awq`` and the app's Run page)."""
+    (with their knobs), calibration set and how it holds the model (whole, or a block at a time)
+    (the CLI's ``run --awq`` and the app's Run page)."""
     observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
     texts = config.dataset if config.dataset is not None else (list(config.texts) if config.texts else None)
     return run_awq(
@@ -133,6 +143,8 @@ def run_of_config(
         batch_size=config.batch_size,
         progress=progress,
         gptq=config.gptq,
+        sequential=config.sequential,
+        max_memory=config.max_memory,
     )
 
 
@@ -140,8 +152,8 @@ class _Pass:
     """One set of batches walked through the blocks: the float model's block calls, each block's
     hidden states as the smoothed blocks before it hand them on."""
 
-    def __init__(self, model: Model, batches: list) -> None:
-        self.replay = record_blocks(model, batches)
+    def __init__(self, replay: Replay, batches: list) -> None:
+        self.replay = replay.record(batches)
         self.valid = [b.valid for b in batches]
         self.hidden = self.replay.first
         self.tokens = int(sum(int(v.sum()) for v in self.valid))
