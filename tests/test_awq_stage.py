@@ -600,11 +600,21 @@ def test_a_variants_effect_is_the_folded_and_quantized_models(tiny_llama, suite_
 
 
 def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suite_run, evaluator, monkeypatch) -> None:
+    from lab.awq import effect as awq_effect
     from lab.awq.effect import model_effect, variant_weights
 
-    ran = []
-    run_stacked = evaluator.runner.run_stacked
+    ran, made, pending = [], set(), []
+    run_stacked, digest = evaluator.runner.run_stacked, awq_effect._digest
+
+    def digest_and_count(quantization) -> str:  # distinct weights made and not yet run, as each pair is made
+        key = digest(quantization)
+        made.add(key)
+        pending.append(len(made) - len(ran))
+        return key
+
     monkeypatch.setattr(evaluator.runner, "run_stacked", lambda asked: ran.extend(asked) or run_stacked(asked))
+    monkeypatch.setattr(awq_effect, "STACKED_VARIANTS", 2)
+    monkeypatch.setattr(awq_effect, "_digest", digest_and_count)
     effect = model_effect(tiny_llama, suite_run, evaluator)
     assert len(effect) == len(suite_run.observers) * len(Variant)
     assert (effect["kl"] > 0).all() and (effect["top1_agreement"] <= 1).all()
@@ -616,6 +626,7 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
         if not any(all(torch.equal(weights[n], other[n]) for n in weights) for other in distinct):
             distinct.append(weights)
     assert len(ran) == len(distinct) < len(pairs)
+    assert max(pending) == 2  # the pairs' weights are made as they run: never more than two held
     minmax = effect[effect["observer"] == SEARCH_OBSERVER].set_index("variant")
     assert minmax.loc["llm-compressor", "kl"] == minmax.loc["observer-in-search", "kl"]
 

@@ -9,7 +9,8 @@ it runs here in the model as loaded, each balance layer's weight replaced by
 ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what ``Q(F)`` computes on
 the smoothed ones (a test checks the outputs against the folded, quantized model). Pairs that deploy
 the same weights (observers that agree, a variant that keeps llm-compressor's pick) run once; the
-distinct ones run stacked along the batch, a few at a time (``EffectRunner.run_stacked``).
+distinct ones run stacked along the batch, a few at a time (``EffectRunner.run_stacked``), made as
+they are run so that only those few are held.
 """
 
 from __future__ import annotations
@@ -49,35 +50,45 @@ def model_effect(
 ) -> pd.DataFrame:
     """One row per (observer, variant) with the evaluator's metrics; a pair without a row on some
     mapping is left out. Balance layers the effect runner cannot quantize (a fused MoE's experts,
-    not modules of the loaded model) are one ``ValueError``."""
-    asked: list[tuple[str, Variant, dict]] = []
+    not modules of the loaded model) are one ``ValueError``. The pairs' weights are made as they
+    are run, ``STACKED_VARIANTS`` distinct ones held at a time."""
+    keys: list[tuple[str, Variant, str]] = []
+    waiting: dict[str, dict] = {}
+    metrics: dict[str, dict[str, float]] = {}
+
+    def measure() -> None:
+        results = evaluator.runner.run_stacked(list(waiting.values()))
+        metrics.update({key: evaluator.metrics(result) for key, result in zip(waiting, results, strict=True)})
+        waiting.clear()
+
     for observer in run.observers:
         for variant in variants:
             weights = variant_weights(model, run, variant, observer)
             if weights is None:
                 continue
             quantization = {(name, "weight"): TensorQuant(run.spec, None, weight) for name, weight in weights.items()}
-            asked.append((observer, variant, quantization))
-    if asked:
-        try:
-            evaluator.runner.check(asked[0][2])
-        except ValueError as err:
-            problems = [line.strip(" -") for line in str(err).splitlines()[1:]]
-            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-            why = f"the model-level runner cannot quantize every balance layer: {problems[0]}{more}"
-            raise ValueError(why) from None
-    keys = [_digest(quantization) for _, _, quantization in asked]
-    distinct = list({key: quantization for key, (_, _, quantization) in zip(keys, asked, strict=True)}.items())
-    metrics: dict[str, dict[str, float]] = {}
-    for start in range(0, len(distinct), STACKED_VARIANTS):
-        part = distinct[start : start + STACKED_VARIANTS]
-        results = evaluator.runner.run_stacked([q for _, q in part])
-        metrics.update({key: evaluator.metrics(result) for (key, _), result in zip(part, results, strict=True)})
-    rows = [
-        {"observer": observer, "variant": str(variant), **metrics[key]}
-        for (observer, variant, _), key in zip(asked, keys, strict=True)
-    ]
+            if not keys:
+                _check(evaluator, quantization)
+            key = _digest(quantization)
+            keys.append((observer, variant, key))
+            if key not in metrics and key not in waiting:
+                waiting[key] = quantization
+            if len(waiting) == STACKED_VARIANTS:
+                measure()
+    if waiting:
+        measure()
+    rows = [{"observer": observer, "variant": str(variant), **metrics[key]} for observer, variant, key in keys]
     return pd.DataFrame(rows, columns=["observer", "variant", *evaluator.metric_names])
+
+
+def _check(evaluator: Evaluator, quantization: dict) -> None:
+    """Refuse, in one line, balance layers the model-level runner cannot quantize."""
+    try:
+        evaluator.runner.check(quantization)
+    except ValueError as err:
+        problems = [line.strip(" -") for line in str(err).splitlines()[1:]]
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise ValueError(f"the model-level runner cannot quantize every balance layer: {problems[0]}{more}") from None
 
 
 def _digest(quantization: dict[tuple[str, str], TensorQuant]) -> str:
