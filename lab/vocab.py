@@ -92,12 +92,13 @@ AWQ_METRICS = {
     "mapping_error": False,
     "held_out_error": False,
     "layer_error": False,
+    "held_out_layer_error": False,
     "gptq_error": False,
     "gptq_held_out_error": False,
 }
 """What a weight observer gives under AWQ (``lab.awq``), per mapping and variant, and whether higher
 is better: the parent's relative output error on calibration and held-out tokens, the balance
-layers' mean relative output error, and (a run with GPTQ) the parent's error once GPTQ follows, on
+layers' mean relative output error on both, and (a run with GPTQ) the parent's error once GPTQ follows, on
 calibration and held-out tokens."""
 AWQ_METRIC_PREFIX = "awq:"
 """How "choose by" names an AWQ figure (``awq:mapping_error``): it chooses each mapping's observer

@@ -56,6 +56,9 @@ AWQ_COLUMNS = {
     "layer_error": st.column_config.NumberColumn(
         "layer error", help="relative ‖WX − ŴX‖² of each balance layer, their mean"
     ),
+    "held_out_layer_error": st.column_config.NumberColumn(
+        "held-out layer error", help="the balance layers' error on held-out text, their mean"
+    ),
     "clipped": st.column_config.NumberColumn("clipped", help="share of the smoothed weight outside the range, mean"),
     "ratio": st.column_config.NumberColumn("strength r", help="the winning s = x̄^r / w̄^(1−r); none: not smoothed"),
     "duo": st.column_config.CheckboxColumn("duo", help="the weights took part in the winning scales (w̄ in s)"),
@@ -88,8 +91,7 @@ def best_per_variant(rows: pd.DataFrame):
     """A mapping's rows with the best observer under each variant in bold and green."""
     best = rows["rank"].eq(1).fillna(False)
     styled = rows.style.apply(lambda row: [BEST if best[row.name] else "" for _ in row], axis=1)
-    figures = ("mapping_error", "held_out_error", "gptq_error", "gptq_held_out_error", "layer_error")
-    errors = [c for c in figures if c in rows.columns]
+    errors = [c for c in rows.columns if c.endswith("_error")]
     styled = styled.format("{:.4g}", subset=errors, na_rep="–")
     return styled.format("{:.2%}", subset=["clipped"], na_rep="–").format("{:.2f}", subset=["ratio"], na_rep="–")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
     assert len(rows) == 3 * 2  # three mappings (q/k/v, gate/up, up -> down) x two observers
     for cells in rows:
         assert [c.split(" ")[0] for c in cells[2:]] == ["rtn", "llm-compressor", "observer-in-search", "clip-search"]
+        assert all(re.search(r" layer \S+ \[\S+\] clip \S+%$", c) for c in cells[2:]), cells  # held-out in brackets
     assert sum(line.startswith("best\t") for line in out.splitlines()) == 3
     written = json.loads((tmp_path / "run.awq.json").read_text())
     assert written["awq"] == {"n_grid": 4, "duo_scaling": "on", "clip_min": 0.8, "clip_step": 0.05}

@@ -69,7 +69,7 @@ def deployed_run(tmp_path_factory):
 
 def test_each_mapping_takes_the_best_observer_by_the_awq_figure(awq_run) -> None:
     frame = awq_frame(awq_run)
-    for figure in ("awq:mapping_error", "awq:held_out_error", "awq:layer_error"):
+    for figure in ("awq:mapping_error", "awq:held_out_error", "awq:layer_error", "awq:held_out_layer_error"):
         for variant in (Variant.LLM_COMPRESSOR, Variant.CLIP_SEARCH):
             picks = deploy.choose_observers(awq_run, variant, figure)
             column = figure.removeprefix("awq:")

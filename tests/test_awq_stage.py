@@ -511,6 +511,14 @@ def test_the_picks_are_measured_on_held_out_text(suite_run) -> None:
             assert set(row.held_out_layer_errors) == set(result.mapping.balance)
         # held-out is not calibration: the observer inside the search is not always the best there
         assert any(r.held_out_error != r.mapping_error for r in result.rows)
+    # the table shows each row's balance layers' held-out error beside the calibration one, their mean
+    frame = awq_frame(suite_run).set_index(["mapping", "observer", "variant"])
+    for result in suite_run.results:
+        for row in result.rows:
+            shown = frame.loc[(result.mapping.name, row.observer, str(row.variant))]
+            errors = row.held_out_layer_errors.values()
+            assert shown["held_out_layer_error"] == pytest.approx(sum(errors) / len(errors), rel=1e-12)
+            assert shown["held_out_layer_error"] != shown["layer_error"]
 
 
 def test_only_mappings_of_the_chosen_layers_are_searched(tiny_llama) -> None:

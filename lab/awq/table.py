@@ -23,6 +23,7 @@ COLUMNS = [
     "gptq_held_out_error",
     "gptq_held_out_rank",
     "layer_error",
+    "held_out_layer_error",
     "clipped",
     "ratio",
     "duo",
@@ -31,10 +32,10 @@ COLUMNS = [
 
 
 def awq_frame(run: AWQRun) -> pd.DataFrame:
-    """One row per (mapping, observer, variant); ``layer_error`` and ``clipped`` are the means over
-    the mapping's balance layers; ``rank`` (and each ``*_rank`` of its figure) is the observer's
-    place among the observers under the same variant on the same mapping (1 = least error). The
-    GPTQ columns (AWQ then GPTQ) only for a run with GPTQ."""
+    """One row per (mapping, observer, variant); ``layer_error`` (``held_out_layer_error`` on held-out
+    tokens) and ``clipped`` are the means over the mapping's balance layers; ``rank`` (and each
+    ``*_rank`` of its figure) is the observer's place among the observers under the same variant on
+    the same mapping (1 = least error). The GPTQ columns (AWQ then GPTQ) only for a run with GPTQ."""
     rows = [
         {
             "mapping": result.mapping.name,
@@ -45,6 +46,7 @@ def awq_frame(run: AWQRun) -> pd.DataFrame:
             "gptq_error": row.gptq_error,
             "gptq_held_out_error": row.gptq_held_out_error,
             "layer_error": _mean(row.layer_errors),
+            "held_out_layer_error": _mean(row.held_out_layer_errors),
             "clipped": _mean(row.clipped),
             "ratio": row.ratio,
             "duo": row.duo,
@@ -106,7 +108,10 @@ def awq_lines(run: AWQRun) -> list[str]:
                 held += f" gptq {row.gptq_error:.4g} #{row.gptq_rank}"
                 if not pd.isna(row.gptq_held_out_error):
                     held += f" [{row.gptq_held_out_error:.4g} #{row.gptq_held_out_rank}]"
-            cells.append(f"{row.variant} {row.mapping_error:.4g} #{row.rank}{held}{strength} clip {row.clipped:.2%}")
+            layer = f" layer {row.layer_error:.4g}"
+            layer += "" if pd.isna(row.held_out_layer_error) else f" [{row.held_out_layer_error:.4g}]"
+            figures = f"{row.mapping_error:.4g} #{row.rank}{held}{strength}{layer}"
+            cells.append(f"{row.variant} {figures} clip {row.clipped:.2%}")
         lines.append(f"{mapping}\t{observer}\t" + "\t".join(cells) + "\n")
     best = best_observers(frame)
     for mapping, picks in best.iterrows():
