@@ -20,7 +20,8 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,19 @@ capture it may return a ``Propagation`` for the block that just finished."""
 Propagation = Callable[[nn.Module], AbstractContextManager]
 """Given the model, a context in which the block's chosen tensors are fake-quantized: the capture
 runs the block's batches again inside it and hands the next block those outputs."""
+
+
+class BlockTap(Protocol):
+    """A stage that rides a sequential capture block by block, as llm-compressor's modifiers ride
+    its sequential pipeline (AWQ): its hooks are on each block while the block runs its batches,
+    it hears of each batch before the batch runs, and once the block has had every batch (its
+    weights still loaded) it may change what the next block receives."""
+
+    def hooks(self, index: int, block: nn.Module) -> AbstractContextManager: ...
+
+    def start(self, batch: Batch) -> None: ...
+
+    def finished(self, index: int, block: nn.Module) -> Propagation | None: ...
 
 
 class Activations(dict):
@@ -392,6 +406,7 @@ def capture_sequential(
     stream: Stream | None = None,
     rounds: int = 0,
     done: Done | None = None,
+    tap: BlockTap | None = None,
 ) -> Activations:
     """The same activations as ``capture_activations``, one block in memory at a time: the hooks of
     the layers inside a block are installed while that block runs its batches, those of the layers
@@ -400,7 +415,9 @@ def capture_sequential(
     each block's batches in turn, and ``done`` each block's layers once they have had them all:
     one pass over the model, whatever the number of layers. When ``done`` answers with a
     ``Propagation``, the block runs its batches again with its chosen tensors fake-quantized
-    and the next block calibrates on those outputs."""
+    and the next block calibrates on those outputs. A ``tap`` rides the same pass (its hooks on
+    each block, told when the block is done); both it and ``done`` changing what the next block
+    receives is a ``ValueError``."""
     recorder = _Recorder(outputs, _kept(batches), stream)
     device = runner.device
     outer = {name: ref for name, ref in refs.items() if runner.block_of(name) is None}
@@ -412,14 +429,20 @@ def capture_sequential(
     for index in runner.blocks():
         inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
         recorder.group(list(inside))
-        with hooks_installed(recorder, inside):
+        block = runner.block(index)
+        with hooks_installed(recorder, inside), tap.hooks(index, block) if tap is not None else nullcontext():
             for batch_index, batch in enumerate(batches):
                 recorder.start(batch)
+                if tap is not None:
+                    tap.start(batch)
                 runner.run(index, batch_index)
             recorder.pad(rounds - len(batches))
         propagation = recorder.report(list(inside), done, refs, device)
-        if propagation is not None:
-            runner.propagate(index, propagation)
+        tapped = None if tap is None else tap.finished(index, block)
+        if propagation is not None and tapped is not None:
+            raise ValueError("two stages change what the next block receives: propagation and a block tap")
+        if propagation is not None or tapped is not None:
+            runner.propagate(index, propagation or tapped)
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))

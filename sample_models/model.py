@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .calibration import Batch, check_knobs, make_batches, plan_batches, rounds, share_of, token_windows
 from .calibration_sets import CalibrationSamples, CalibrationSource, calibration_samples, calibration_stamp
-from .capture import Activations, Done, Stream, capture_activations, capture_sequential
+from .capture import Activations, BlockTap, Done, Stream, capture_activations, capture_sequential
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
 from .kv import (
     KVStates,
@@ -204,6 +204,7 @@ class Model:
         share: tuple[int, int] = (0, 1),
         stream: Stream | None = None,
         done: Done | None = None,
+        tap: BlockTap | None = None,
     ) -> Activations:
         """Inputs (and outputs when ``outputs``) of the named layers over calibration text,
         as ``{name: (tokens, features)}`` without padding tokens.
@@ -226,10 +227,17 @@ class Model:
         ``stream``: also hand every real token of each batch to ``stream`` once the batch has run
         (``capture.Stream``), so observers see all tokens while only the kept ones are returned;
         ``done`` hears of each block's layers once they have had every batch (``capture.Done``).
+
+        ``tap``: a stage that rides the pass block by block (``capture.BlockTap``; ``names`` may
+        then be empty); the capture is then sequential, as the tap's blocks come one at a time.
         """
         names = [names] if isinstance(names, str) else list(names)
-        if not names:
+        if not names and tap is None:
             raise ValueError("choose at least one layer to capture")
+        if tap is not None:
+            if sequential is False:
+                raise ValueError("a stage that rides the capture block by block needs the layer-by-layer capture")
+            sequential = True
         with self._capture_lock:
             budget = self._sequential_budget(sequential, max_memory)
             module = self.module() if budget is None else self._sequential.get().module
@@ -240,7 +248,7 @@ class Model:
             if budget is None:
                 return capture_activations(module, refs, batches, outputs, fraction, stream, calls, done)
             with self._runner(batches, budget, progress) as runner:
-                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done)
+                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done, tap)
 
     def calibration_set(
         self, texts: list[str] | str | CalibrationSource | None = None, samples: int = 32, seq_len: int = 128

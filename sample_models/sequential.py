@@ -436,6 +436,10 @@ class SequentialRunner:
             if self._progress is not None:
                 self._progress(index + 1, total, name)
 
+    def block(self, index: int) -> nn.Module:
+        """Block ``index`` (its weights loaded while ``blocks`` is on it)."""
+        return self._model.blocks[index]
+
     def run(self, index: int, batch_index: int, **overrides) -> None:
         """Run one batch through the loaded block ``index`` (``overrides`` replace recorded keyword
         arguments, e.g. a fresh KV cache) and keep its output as the next block's input."""

@@ -5,6 +5,7 @@ bounded weights on a generated checkpoint; and clear errors for what it cannot d
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -61,6 +62,73 @@ def _assert_same_kv(whole: dict, sequential: dict) -> None:
 def _minmax_scale(x: torch.Tensor) -> torch.Tensor:
     (result,) = ob.run_suite(x.float(), ob.QuantSpec("int8"), ["minmax"], kind="activation")
     return result.qparams.scale
+
+
+class _BlockInputs:
+    """A block tap that sums each block's input hidden states over the real tokens, and doubles
+    block 0's output for the next block when ``double``."""
+
+    def __init__(self, double: bool) -> None:
+        self.double, self.sums, self.batches, self.loaded = double, {}, 0, []
+        self.valid = None
+
+    def hooks(self, index, block):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            total = float(hidden[self.valid].double().abs().sum())
+            self.sums[index] = self.sums.get(index, 0.0) + total
+
+        return _handle_context(block.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def start(self, batch) -> None:
+        self.batches += 1
+        self.valid = batch.valid
+
+    def finished(self, index, block):
+        self.loaded.append(block.mlp.down_proj.weight.device.type != "meta")
+        if not (self.double and index == 0):
+            return None
+        doubled = lambda m, a, out: 2 * out if isinstance(out, torch.Tensor) else (2 * out[0], *out[1:])  # noqa: E731
+        return lambda module: _handle_context(block.register_forward_hook(doubled))
+
+
+@contextmanager
+def _handle_context(handle):
+    """A hook's handle as a context: removed on the way out."""
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_a_block_tap_rides_the_sequential_pass_and_may_change_what_the_next_block_receives():
+    model = open_model("tiny-llama")
+    blocks = model.module().model.layers
+    float_sums: dict[int, float] = {}
+    batches = model.calibration_set(None, CALIBRATION["samples"], CALIBRATION["seq_len"]).windows
+    for index, block in enumerate(blocks):  # the float model's block inputs, by hand
+
+        def hook(module, args, kwargs, index=index):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            float_sums[index] = float_sums.get(index, 0.0) + float(hidden.double().abs().sum())
+
+        handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+        with torch.no_grad():
+            for window in batches:
+                model.module()(input_ids=torch.tensor([list(window)]))
+        handle.remove()
+    plain, doubled = _BlockInputs(double=False), _BlockInputs(double=True)
+    found = model.capture([], tap=plain, **CALIBRATION)
+    assert len(found) == 0 and plain.loaded == [True] * len(blocks)  # each block finished with its weights
+    assert plain.batches == len(blocks) * -(-CALIBRATION["samples"] // CALIBRATION["batch_size"])
+    for index, total in float_sums.items():
+        assert plain.sums[index] == pytest.approx(total, rel=1e-5)
+    captured = model.capture(["model.layers.1.mlp.down_proj"], tap=doubled, **CALIBRATION)
+    assert doubled.sums[0] == pytest.approx(float_sums[0], rel=1e-5)
+    assert doubled.sums[1] == pytest.approx(2 * float_sums[1], rel=1e-5)  # block 1 got what the tap propagated
+    assert captured.token_counts["model.layers.1.mlp.down_proj"] > 0
+    with pytest.raises(ValueError, match="needs the layer-by-layer capture"):
+        model.capture([], tap=plain, sequential=False, **CALIBRATION)
 
 
 @pytest.mark.parametrize("source", ["minilm", "tiny-llama", "tiny-moe"])
