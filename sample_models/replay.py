@@ -1,13 +1,13 @@
-"""A decoder's blocks called again, one at a time, on what they received: the calibration batches'
-hidden states at the first block and each block's other arguments (masks, rotary embeddings), from
-one forward pass of the float model. A stage that changes a block's weights (AWQ's smoothing) runs
-its batches through the changed block and hands the outputs to the next one, as llm-compressor's
-sequential pipeline does.
+"""A decoder's blocks called again, one at a time, on what they received: the batches' hidden
+states at the first block and each block's other arguments (masks, rotary embeddings), from one
+forward pass of the float model (``replay_of``, ``Replay.record``), or what a block receives during
+a capture's pass (``recording``, for a stage riding it). A stage that changes a block's weights
+(AWQ's smoothing) runs the batches through the changed block and hands the outputs to the next
+one, as llm-compressor's sequential pipeline does.
 
-The model is either loaded whole or, where ``Model.capture`` would capture it block by block (a
-model larger than the memory budget, or ``sequential=True``), built as a skeleton with one block's
-weights loaded at a time from its files (``sample_models.effect``'s two backends): a stage asks for
-each block in turn and works on what it is handed while the block is loaded.
+``replay_of`` takes the model whole or, where ``Model.capture`` would capture it block by block
+(a model larger than the memory budget, or ``sequential=True``), as a skeleton whose blocks stand
+aside while the pass records (``sample_models.effect``'s two backends): nothing is loaded whole.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,7 +23,38 @@ from torch import nn
 from .calibration import Batch, make_batches
 from .effect import _Resident, _Streamed
 from .model import Model
-from .sequential import _Call, _find_blocks
+from .sequential import _Call, _find_blocks, _split_call
+
+
+@dataclass
+class BlockInputs:
+    """What one block received per batch: its hidden states and its other arguments (masks, rotary
+    embeddings), to call it, or a changed copy of it, again the same way."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    calls: list[_Call] = field(default_factory=list)
+
+    def run(self, block: nn.Module) -> list[torch.Tensor]:
+        """``block`` (the block or a changed copy of it) on each batch."""
+        with torch.no_grad():
+            return [call.invoke(block, h, {}) for call, h in zip(self.calls, self.hidden, strict=True)]
+
+
+@contextmanager
+def recording(block: nn.Module, into: BlockInputs) -> Iterator[BlockInputs]:
+    """``block``'s calls while the ``with`` runs, appended to ``into`` (a stage riding a capture
+    keeps what the capture's pass hands each block)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden, call = _split_call(args, kwargs)
+        into.hidden.append(hidden)
+        into.calls.append(call)
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield into
+    finally:
+        handle.remove()
 
 
 @dataclass
@@ -33,34 +64,25 @@ class BlockCalls:
     calls: list[list[_Call]]
     first: list[torch.Tensor]
 
-    def run(self, index: int, block: nn.Module, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``block`` (block ``index`` or a changed copy of it) on each batch's ``hidden`` states."""
-        with torch.no_grad():
-            return [call.invoke(block, h, {}) for call, h in zip(self.calls[index], hidden, strict=True)]
+    def inputs(self, index: int, hidden: list[torch.Tensor]) -> BlockInputs:
+        """Block ``index``'s calls with ``hidden`` states (what the blocks before it handed on)."""
+        return BlockInputs(hidden, self.calls[index])
 
 
 class Replay:
-    """A model's blocks for a stage that walks them: where they live, how many, each set of batches'
-    block calls (``record``) and each block loaded while the stage holds it (``block``)."""
+    """A model's blocks for a stage that walks them: where they live, how many, and each set of
+    batches' block calls (``record``)."""
 
     def __init__(self, backend: _Resident | _Streamed) -> None:
         self._backend = backend
         self.blocks_name = backend.blocks_name
         self.num_blocks = len(backend.blocks)
-        self.streamed = isinstance(backend, _Streamed)
 
     def record(self, batches: list[Batch]) -> BlockCalls:
         """One float pass over ``batches`` recording what each block was called with (streamed: the
         blocks replaced by stand-ins, so no block is loaded)."""
         calls, first, _ = self._backend.record(batches, threading.get_ident())
         return BlockCalls(calls, first)
-
-    @contextmanager
-    def block(self, index: int) -> Iterator[nn.Module]:
-        """Block ``index`` with its weights, for the length of the ``with``: the model's own block
-        (a stage changes a copy), loaded from the files and freed afterwards when streamed."""
-        with self._backend.block(index) as block:
-            yield block
 
 
 @contextmanager

@@ -76,6 +76,7 @@ def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_mo
         ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
         ("tiny-llama", ["--awq", "--transform", "hadamard"], "AWQ searches its scales on the model as it is"),
+        ("tiny-llama", ["--awq", "--whole-model"], "AWQ walks the blocks one at a time"),
         ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
         ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
     ],

@@ -479,20 +479,21 @@ def test_a_linear_parents_loss_is_its_mean_squared_output_difference() -> None:
     assert torch.allclose(linear, forward, rtol=1e-5)
 
 
-def test_a_checkpoint_walked_one_block_at_a_time_is_never_loaded_whole_and_gives_the_same_run(tmp_path) -> None:
-    # a model the capture would take block by block: the stage loads each block only while it
-    # copies it, and the search sees what it sees with the model loaded whole
+def test_a_checkpoint_is_walked_one_block_at_a_time_never_loaded_whole(tmp_path) -> None:
+    # the stage rides a sequential pass: each block's weights are loaded while the pass is on it,
+    # and the search sees what it sees when the whole model was loaded before
     directory = save_checkpoint(random_llama(layers=2), tmp_path / "llama")
     observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
     awq = ob.AWQSpec(n_grid=4)
     layers = ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
     streamed_model = open_model(str(directory))
     streamed = run_awq(
-        streamed_model, INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64, sequential=True,
-        max_memory=64 << 20,
-    )  # fmt: skip
+        streamed_model, INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64, max_memory=64 << 20
+    )
     assert not streamed_model._require_runtime().module.ready  # the whole model was never loaded
-    whole = run_awq(open_model(str(directory)), INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64)
+    loaded = open_model(str(directory))
+    loaded.module()
+    whole = run_awq(loaded, INT4_G16, observers, awq, layers=layers, samples=4, seq_len=64)
     assert [r.mapping for r in streamed.results] == [r.mapping for r in whole.results] and len(whole.results) == 2
     assert (streamed.tokens, streamed.held_out_tokens) == (whole.tokens, whole.held_out_tokens)
     for mine, theirs in zip(streamed.results, whole.results, strict=True):

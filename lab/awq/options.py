@@ -62,8 +62,10 @@ def conflict(settings: Any) -> str | None:
     """What AWQ cannot be combined with yet, in one line (None: nothing): ``settings`` is a run's
     ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``transform``. GPTQ
     composes: the analysis's GPTQ figures are the unsmoothed weights', and a checkpoint runs each
-    balance layer's GPTQ on its folded weight (``lab.export.checkpoint``). The layer-by-layer
-    capture does too: AWQ then walks the blocks one loaded at a time."""
+    balance layer's GPTQ on its folded weight (``lab.export.checkpoint``). AWQ rides a layer-by-layer
+    pass (``lab.awq.run``), which a whole-model capture is not."""
     if settings.transform is not None:
         return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
+    if settings.sequential is False:
+        return "AWQ walks the blocks one at a time, as llm-compressor's pipeline does: leave out the whole-model capture"
     return None

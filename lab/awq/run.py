@@ -1,20 +1,24 @@
-"""AWQ over a whole decoder, block by block, as llm-compressor's sequential pipeline runs it: each
-block's calibration batches once through the block with hooks (each mapping's input statistics and
-its parent's calls), each mapping searched (``search``) and smoothed in turn with the scales
-llm-compressor would pick, then the batches through the smoothed block to feed the next one.
+"""AWQ over a whole decoder, block by block, as llm-compressor's sequential pipeline runs it: AWQ
+rides a calibration pass (a ``sample_models`` block tap), keeping what each block receives; once a
+block has had every batch its mappings' input statistics and parents' calls are taken on a copy of
+it, each mapping is searched (``search``) and smoothed in turn with the scales llm-compressor would
+pick, and the next block receives the smoothed copy's outputs.
 
-The model as loaded is never changed: each block is smoothed in a copy (its fused MoE experts as
-linear layers, ``lab.awq.experts``), the copy feeds the next block and is dropped. Propagation is
-float (llm-compressor's pipeline runs its calibration with quantization disabled), so every block
-sees what llm-compressor's sees. A model the capture would take block by block (larger than the
-memory budget, or ``sequential=True``) is walked the same way with one block's weights loaded at a
-time (``sample_models.replay``): the copy is made while its block is loaded.
+The pass is a run's own: ``run_awq`` makes one (a capture of no layers) and ``AWQWalk`` rides the
+analysis's (``run --awq``), so the analysis's observers and AWQ see the same calibration
+activations. The capture walks the blocks one loaded at a time (its sequential form: a big model
+never loads whole). The model as loaded is never changed: each block is smoothed in a copy (its
+fused MoE experts as linear layers, ``lab.awq.experts``), which feeds the next block and is
+dropped. Propagation is float (llm-compressor's pipeline calibrates with quantization disabled).
+The held-out batches, which no run's pass carries, are recorded once and walked through the same
+copies.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,7 @@ from lab.awq.parent import ParentCalls
 from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
 from sample_models.effect import held_out_texts
-from sample_models.replay import Replay, blocks_name, calibration_batches, replay_of, structure
+from sample_models.replay import BlockInputs, blocks_name, calibration_batches, recording, replay_of, structure
 
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, what)``: called after each mapping."""
@@ -49,6 +53,115 @@ class AWQRun:
     held_out_tokens: int
 
 
+class AWQWalk:
+    """AWQ riding a calibration pass (``sample_models.capture.BlockTap``): every mapping of the
+    model with a balance layer among ``layers`` (None: every mapping), searched for every weight
+    observer (``{name: knobs}``) under every ``Variant`` as the pass reaches its block, its picks
+    measured on ``held_out`` text (default: the built-in held-out paragraphs, windowed as the
+    calibration set by ``samples``, ``seq_len`` and ``batch_size``); ``result`` once the pass is
+    over. A group size that does not divide a balance layer, or a model without mappings, is one
+    ``ValueError`` before anything runs."""
+
+    def __init__(
+        self,
+        model: Model,
+        spec: ob.QuantSpec,
+        observers: dict[str, dict[str, Any]],
+        awq: ob.AWQSpec | None = None,
+        *,
+        layers: Collection[str] | None = None,
+        samples: int = 32,
+        seq_len: int = 128,
+        batch_size: int = 1,
+        held_out: Sequence[str] | None = None,
+        progress: Progress | None = None,
+        gptq: ob.GPTQSpec | None = None,
+        max_memory: int | None = None,
+    ) -> None:
+        if not model.supports_activations:
+            raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
+        if not observers:
+            raise ValueError("AWQ needs at least one weight observer")
+        searched = searched_mappings(model, layers)
+        self.wanted = list(searched.found)
+        _check_shapes(model, self.wanted, spec)
+        self.spec, self.awq, self.observers, self.gptq = spec, awq or ob.AWQSpec(), dict(observers), gptq
+        self.progress = progress
+        self.last = max(m.block for m in self.wanted)
+        self.results: list[MappingResult] = []
+        self.left_out = list(searched.left_out)
+        self.tokens = 0
+        held_texts = list(held_out_texts() if held_out is None else held_out)
+        held_batches = calibration_batches(model, held_texts, samples, seq_len, batch_size)
+        with replay_of(model, True, max_memory) as replay:
+            self.blocks_name = replay.blocks_name
+            self.checking = _HeldOut(replay.record(held_batches), held_batches)
+        self._inputs, self._valid = BlockInputs(), []
+
+    def hooks(self, index: int, block: nn.Module):
+        """What block ``index`` receives for each batch, kept while it runs (blocks after the last
+        mapping's are not kept)."""
+        self._inputs, self._valid = BlockInputs(), []
+        return recording(block, self._inputs) if index <= self.last else nullcontext()
+
+    def start(self, batch: Any) -> None:
+        self._valid.append(batch.valid)
+
+    def finished(self, index: int, block: nn.Module):
+        """Block ``index`` has had every batch: its mappings searched and smoothed in its copy, and
+        the copy's outputs what the next block receives (``None``: the block's own)."""
+        if index == 0:
+            self.tokens = int(sum(int(v.sum()) for v in self._valid))
+        own = [m for m in self.wanted if m.block == index]
+        if index > self.last:
+            return None
+        if not own:
+            self.checking.advance(index, block)
+            return None
+        changed = linearize(copy.deepcopy(block))
+        prefix = f"{self.blocks_name}.{index}."
+        seen = _observe_block(changed, own, prefix, self._inputs, self._valid)
+        checked = self.checking.observe(changed, own, prefix, index)
+        for mapping in own:
+            if mapping.smooth not in seen:
+                self.left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
+                continue
+            inputs = seen[mapping.smooth]
+            found = search(mapping, inputs, self.spec, self.awq, self.observers, self.gptq, checked.get(mapping.smooth))
+            self.results.append(found)
+            _smooth(changed, mapping, prefix, found.searched)
+            if self.progress is not None:
+                self.progress(len(self.results), len(self.wanted), mapping.name)
+        self.checking.advance(index, changed)
+        self._inputs = BlockInputs()
+        return lambda module: _running_as(block, changed)
+
+    def result(self) -> AWQRun:
+        """What the walk found (after the pass)."""
+        return AWQRun(
+            self.spec,
+            self.awq,
+            self.observers,
+            self.results,
+            tuple(self.left_out),
+            self.tokens,
+            self.checking.tokens,
+        )
+
+
+@contextmanager
+def _running_as(block: nn.Module, changed: nn.Module) -> Iterator[None]:
+    """``block`` computing what ``changed`` (its smoothed copy) computes, while the ``with`` runs."""
+    previous = block.__dict__.get("forward")
+    block.forward = changed.forward
+    try:
+        yield
+    finally:
+        del block.forward
+        if previous is not None:
+            block.forward = previous
+
+
 @torch.no_grad()
 def run_awq(
     model: Model,
@@ -64,50 +177,26 @@ def run_awq(
     held_out: Sequence[str] | None = None,
     progress: Progress | None = None,
     gptq: ob.GPTQSpec | None = None,
-    sequential: bool | None = None,
     max_memory: int | None = None,
 ) -> AWQRun:
-    """Every mapping of ``model`` with a balance layer among ``layers`` (None: every mapping)
-    searched for every weight observer (``{name: knobs}``) under every ``Variant``, on the
-    calibration set (``texts``, ``samples``, ``seq_len`` as a run's), and the picks measured on
-    ``held_out`` text (default: the built-in held-out paragraphs, windowed the same way). The
-    blocks are walked whole or one loaded at a time by ``sequential`` and ``max_memory``, as
-    ``Model.capture`` takes them."""
-    awq = awq or ob.AWQSpec()
-    if not model.supports_activations:
-        raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
-    if not observers:
-        raise ValueError("AWQ needs at least one weight observer")
-    searched = searched_mappings(model, layers)
-    wanted = list(searched.found)
-    _check_shapes(model, wanted, spec)
-    held_texts = list(held_out_texts() if held_out is None else held_out)
-    results: list[MappingResult] = []
-    left_out = list(searched.left_out)
-    last = max(m.block for m in wanted)
-    with replay_of(model, sequential, max_memory) as replay:
-        calibration = _Pass(replay, calibration_batches(model, texts, samples, seq_len, batch_size))
-        checking = _Pass(replay, calibration_batches(model, held_texts, samples, seq_len, batch_size))
-        for index in range(last + 1):
-            with replay.block(index) as original:
-                block = linearize(copy.deepcopy(original))
-            prefix = f"{replay.blocks_name}.{index}."
-            own = [m for m in wanted if m.block == index]
-            seen = calibration.observe(block, own, prefix, index)
-            checked = checking.observe(block, own, prefix, index)
-            for mapping in own:
-                if mapping.smooth not in seen:
-                    left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
-                    continue
-                inputs = seen[mapping.smooth]
-                result = search(mapping, inputs, spec, awq, observers, gptq, checked.get(mapping.smooth))
-                results.append(result)
-                _smooth(block, mapping, prefix, result.searched)
-                if progress is not None:
-                    progress(len(results), len(wanted), mapping.name)
-            calibration.advance(index, block)
-            checking.advance(index, block)
-    return AWQRun(spec, awq, dict(observers), results, tuple(left_out), calibration.tokens, checking.tokens)
+    """``AWQWalk`` on a calibration pass of its own over ``texts`` (as a run's: ``samples``,
+    ``seq_len``, ``batch_size``), the blocks loaded one at a time under ``max_memory``."""
+    walk = AWQWalk(
+        model,
+        spec,
+        observers,
+        awq,
+        layers=layers,
+        samples=samples,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        held_out=held_out,
+        progress=progress,
+        gptq=gptq,
+        max_memory=max_memory,
+    )
+    model.capture([], texts, samples, seq_len, batch_size=batch_size, max_memory=max_memory, tap=walk)
+    return walk.result()
 
 
 def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
@@ -143,28 +232,25 @@ def run_of_config(
         batch_size=config.batch_size,
         progress=progress,
         gptq=config.gptq,
-        sequential=config.sequential,
         max_memory=config.max_memory,
     )
 
 
-class _Pass:
-    """One set of batches walked through the blocks: the float model's block calls, each block's
-    hidden states as the smoothed blocks before it hand them on."""
+class _HeldOut:
+    """The held-out batches walked through the blocks: the float model's block calls, recorded once,
+    and each block's hidden states as the smoothed blocks before it hand them on."""
 
-    def __init__(self, replay: Replay, batches: list) -> None:
-        self.replay = replay.record(batches)
+    def __init__(self, calls: Any, batches: list) -> None:
+        self.calls = calls
         self.valid = [b.valid for b in batches]
-        self.hidden = self.replay.first
+        self.hidden = calls.first
         self.tokens = int(sum(int(v.sum()) for v in self.valid))
 
     def observe(self, block: nn.Module, own: list[Mapping], prefix: str, index: int) -> dict[str, MappingInputs]:
-        if not own:
-            return {}
-        return _observe_block(block, own, prefix, self.replay, index, self.hidden, self.valid)
+        return _observe_block(block, own, prefix, self.calls.inputs(index, self.hidden), self.valid)
 
     def advance(self, index: int, block: nn.Module) -> None:
-        self.hidden = self.replay.run(index, block, self.hidden)
+        self.hidden = self.calls.inputs(index, self.hidden).run(block)
 
 
 def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec) -> None:
@@ -202,10 +288,10 @@ class _Inputs:
 
 
 def _observe_block(
-    block, own: list[Mapping], prefix: str, replay, index: int, hidden, valid
+    block: nn.Module, own: list[Mapping], prefix: str, inputs: BlockInputs, valid: list[torch.Tensor]
 ) -> dict[str, MappingInputs]:
-    """One pass of the block over every batch with hooks: each mapping's input statistics (where
-    ``_hooked`` says) and its parent's calls."""
+    """One pass of the block (a copy, its experts linear) over what it received for every batch,
+    with hooks: each mapping's input statistics (where ``_hooked`` says) and its parent's calls."""
     stats = {m.smooth: _Inputs() for m in own}
     parents = {m.parent: [] for m in own}
     current: list[torch.Tensor] = []
@@ -229,7 +315,7 @@ def _observe_block(
     ]
     try:
         with torch.no_grad():
-            for call, h, mask in zip(replay.calls[index], hidden, valid, strict=True):
+            for call, h, mask in zip(inputs.calls, inputs.hidden, valid, strict=True):
                 current[:] = [mask]
                 call.invoke(block, h, {})
     finally:
