@@ -67,5 +67,5 @@ def conflict(settings: Any) -> str | None:
     if settings.transform is not None:
         return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
     if settings.sequential is False:
-        return "AWQ walks the blocks one at a time, as llm-compressor's pipeline does: leave out the whole-model capture"
+        return "AWQ walks the blocks one at a time as llm-compressor's pipeline does: leave out the whole-model capture"
     return None
