@@ -20,6 +20,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
@@ -168,8 +169,8 @@ def _cmd_run(args: argparse.Namespace, out: IO[str], err: IO[str], ranks: distri
         return override(part, choose(part, args.choose_by), args.choose, part=True)
 
     bar = None if args.quiet else ProgressBar(err)
-    awq_document = None if awq is None else awq_command.run(awq, model, layers, config, args, out, err)
-    analysis = analyse(model, layers, config, progress=bar, attention=attention, choices=chosen)
+    analysing = partial(analyse, model, layers, config, progress=bar, attention=attention, choices=chosen)
+    analysis, awq_document = awq_command.analysed(awq, model, layers, config, args, (out, err), analysing)
     for warning in analysis.warnings:
         err.write(f"warning: {warning}\n")
     for note in sorted({e.metrics_note for e in analysis.entries if e.metrics_note}):
@@ -391,8 +392,7 @@ def _interrupted(args: argparse.Namespace | None) -> str:
 
 def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
-    out = out or sys.stdout
-    err = err or sys.stderr
+    out, err = out or sys.stdout, err or sys.stderr
     args = None
     try:
         args = build_parser(extra=(allocate_command.add_parser, history.add_parser)).parse_args(argv)

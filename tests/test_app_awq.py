@@ -182,7 +182,8 @@ def test_a_transform_beside_awq_is_one_error_and_run_is_off():
     at.toggle(key="w:awq").set_value(True)
     at.selectbox(key="w:transform").set_value("hadamard").run()
     assert not at.exception
-    assert [e.value for e in at.error] == [f"{conflict(SimpleNamespace(transform='hadamard'))}."]
+    asked = SimpleNamespace(transform="hadamard", propagate=False, sequential=None)
+    assert [e.value for e in at.error] == [f"{conflict(asked)}."]
     assert _button(at, "Run").disabled
     at.selectbox(key="w:transform").set_value("none").run()
     _ok(at)

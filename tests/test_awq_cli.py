@@ -77,6 +77,7 @@ def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_mo
         ("tiny-llama", ["--awq", "--kinds", "input"], "--awq smooths weights"),
         ("tiny-llama", ["--awq", "--transform", "hadamard"], "AWQ searches its scales on the model as it is"),
         ("tiny-llama", ["--awq", "--whole-model"], "AWQ walks the blocks one at a time"),
+        ("tiny-llama", ["--awq", "--propagate"], "leave out the quantized propagation"),
         ("tiny-llama", ["--awq", "--group-size", "32"], "down_proj has 688 input columns"),
         ("minilm", ["--awq"], NOT_A_DECODER.format(model="minilm")),
     ],
@@ -148,13 +149,15 @@ def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, m
     assert code == 2 and "the folded weight has no qparams" in err and not (tmp_path / "r.yaml").exists()
 
 
-def test_the_search_is_kept_when_the_analysis_after_it_fails_and_is_never_deployed(tmp_path, monkeypatch) -> None:
-    import lab.analyse.pipeline
+def test_the_search_is_kept_when_the_run_fails_after_the_pass_and_is_never_deployed(tmp_path, monkeypatch) -> None:
+    # AWQ rides the analysis's calibration pass; once its last mapping is searched its document is
+    # written, so a run that fails afterwards (here: writing x.json) keeps it, tied to no x.json
+    import lab.export.lab_json
 
     def fail(*args, **kwargs):
         raise ValueError("the analysis stopped")
 
-    monkeypatch.setattr(lab.analyse.pipeline, "analyse", fail)
+    monkeypatch.setattr(lab.export.lab_json, "save_file", fail)
     target = tmp_path / "x.json"
     layers = r"re:model\.layers\.0\.mlp\.(gate|up)_proj"
     flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3")

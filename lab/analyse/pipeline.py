@@ -47,7 +47,7 @@ from lab.vocab import (
 from lab.vocab import observer_kind as _observer_kind
 from observers.suite import SuiteResult
 from sample_models.calibration_sets import CalibrationSamples
-from sample_models.capture import Propagation
+from sample_models.capture import BlockTap, Propagation
 from sample_models.effect import TensorQuant, quantizing_hooks
 
 ProgressFn = Callable[[int, int, str], None]
@@ -63,6 +63,7 @@ def analyse(
     ranks: Ranks = SINGLE,
     on_done: Callable[[Analysis], None] | None = None,
     choices: Callable[[Analysis], Choices] | None = None,
+    tap: BlockTap | None = None,
 ) -> Analysis:
     """Run ``config`` on ``layers`` of ``model`` (a ``sample_models`` model), and its ``kv`` spec
     on the key and value states of the ``attention`` blocks (entries ``(block, "k")`` and
@@ -86,6 +87,9 @@ def analyse(
     given that block as an ``Analysis``; default: ``lab.results.choose`` by the default metric (the
     CLI passes its ``--choose-by`` and ``--choose``, so the next block calibrates behind what the
     run exports).
+
+    ``tap``: a stage that rides the calibration pass block by block (``run --awq``'s
+    ``lab.awq.run.AWQWalk``): the pass is then made, and made layer by layer, whatever else needs it.
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
@@ -130,7 +134,7 @@ def analyse(
     # importance, local_hessian's blocks) and the model can run: without them they would search unweighted
     statistics = bool(observed.wanted_statistics(config)) and getattr(model, "supports_activations", True)
     streams = bool(activation_keys(layers, attention, config) or config.actorder or gptq or statistics)
-    streams = streams or observed.smooths(config)
+    streams = streams or observed.smooths(config) or tap is not None
     calibration = _calibration_set(model, config) if streams else None  # a bad dataset stops it here
     entries: list[TensorAnalysis] = []
     warnings: list[str] = [calibration.shortfall] if calibration is not None and calibration.shortfall else []
@@ -183,7 +187,7 @@ def analyse(
     try:
         weights = [layer for layer in mine if "weight" in config.specs]
         held_out = held_out_hessians(model, weights, config, ranks) if gptq else {}
-        calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish) if streams else None
+        calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish, tap) if streams else None
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
         if rest:
             finish(rest, calibrated or Calibrated())

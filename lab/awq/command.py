@@ -1,9 +1,9 @@
 """``python -m observers run ... --awq``: the AWQ stage on the run's model, layers, weight spec,
 weight observers and calibration set, its table printed and its rows written beside the run's JSON
 (``x.json`` → ``x.awq.json``) with the deployment (``lab.awq.deploy``) and the digest of the
-``x.json`` it belongs to. The CLI's ``run`` calls ``check`` before the model opens, ``run`` before
-its analysis and ``write`` once ``x.json`` is written; ``deployed`` gives a deployment its lab
-file with the AWQ choices in it (``run`` and ``export``)."""
+``x.json`` it belongs to. The CLI's ``run`` calls ``check`` before the model opens, ``ride`` with
+its analysis (AWQ rides the analysis's calibration pass) and ``write`` once ``x.json`` is written;
+``deployed`` gives a deployment its lab file with the AWQ choices in it (``run`` and ``export``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,7 +22,7 @@ from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
 from lab.awq.effect import model_effect
 from lab.awq.options import conflict, spec_of, variant_of
-from lab.awq.run import run_of_config, searched_mappings
+from lab.awq.run import AWQRun, AWQWalk, searched_mappings, walk_of_config
 from lab.awq.search import Variant
 from lab.awq.table import awq_frame, awq_lines, effect_lines
 from lab.effect.evaluate import Evaluator
@@ -60,13 +61,39 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
     return awq
 
 
-def run(
-    awq: ob.AWQSpec, model: Any, layers: list[str], config: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
-) -> dict[str, Any]:
-    """Search every mapping of the chosen layers for the run's weight observers (a progress bar on
-    ``err`` unless ``--quiet``); print the table, the model-level effect and the deployment; the
-    document is written beside ``--out`` at once (what the search found is kept if the analysis
-    after it fails) and returned for ``write`` to tie to ``x.json``."""
+def analysed(
+    awq: ob.AWQSpec | None,
+    model: Any,
+    layers: list[str],
+    config: Any,
+    args: argparse.Namespace,
+    streams: tuple[IO[str], IO[str]],
+    analyse: Callable[..., Any],
+) -> tuple[Any, dict[str, Any] | None]:
+    """The run's analysis (``analyse(tap=None)``) and, with ``--awq``, AWQ riding its calibration
+    pass (``ride``): the analysis and AWQ's document (None without AWQ)."""
+    if awq is None:
+        return analyse(), None
+    out, err = streams
+    return ride(awq, model, layers, config, args, out, err, lambda walk: analyse(tap=walk))
+
+
+def ride(
+    awq: ob.AWQSpec,
+    model: Any,
+    layers: list[str],
+    config: Any,
+    args: argparse.Namespace,
+    out: IO[str],
+    err: IO[str],
+    analyse: Callable[[AWQWalk], Any],
+) -> tuple[Any, dict[str, Any]]:
+    """The run's analysis (``analyse(walk)``) with AWQ riding its calibration pass (a progress bar
+    on ``err`` unless ``--quiet``), every mapping of the chosen layers searched for the run's weight
+    observers; then the table, the model-level effect and the deployment printed. The document is
+    written beside ``--out`` as soon as the walk is over, with its deployment (what the search found
+    is kept if the analysis after the pass fails), again with the model-level effect, and returned
+    for ``write`` to tie to ``x.json``."""
     if config.gptq is not None and (args.checkpoint or args.recipe):
         chosen = set(layers)
         missing = [b for m in searched_mappings(model, layers).found for b in m.balance if b not in chosen]
@@ -75,21 +102,16 @@ def run(
                 "AWQ then GPTQ deploys every balance layer of a searched mapping through GPTQ, from the analysis's "
                 f"Hessians: add {', '.join(missing)} to --layers"
             )
-    progress = None if args.quiet else ProgressBar(err)
-    found = run_of_config(model, layers, config, awq, progress)
+    decided: dict[str, Any] = {}
+
+    def searched(found: AWQRun) -> None:
+        decided["deployment"], decided["undeployable"] = _deployment(found, model, args)
+        _write(_document(found, config, decided, pd.DataFrame(), None), None, path_for(args.out))
+
+    walk = walk_of_config(model, layers, config, awq, None if args.quiet else ProgressBar(err), searched)
+    analysis = analyse(walk)
+    found = walk.result()
     out.writelines(awq_lines(found))
-    variant, deployment, undeployable = variant_of(args), None, None
-    if variant != Variant.RTN:
-        figure = deploy.figure_of(args.choose_by)
-        picks = deploy.choose_observers(found, variant, figure, args.choose)
-        observers_of = {name: observer for name, (observer, _) in picks.items()}
-        figures = {name: value for name, (_, value) in picks.items()}
-        try:
-            deployment = deploy.of_run(model, found, variant, observers_of, figure, figures)
-        except ValueError as err:
-            if args.checkpoint or args.recipe:
-                raise
-            undeployable = str(err)
     evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory)
     try:
         effect, unmeasured = model_effect(model, found, evaluator), None
@@ -98,14 +120,42 @@ def run(
     metric = evaluator.default_metric
     out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
     if effect.empty:
-        why = unmeasured or undeployable or "no observer deploys on every mapping"
+        why = unmeasured or decided["undeployable"] or "no observer deploys on every mapping"
         out.write(f"# model-level: not measured ({why})\n")
-    if deployment is not None:
-        out.writelines(f"deploy\t{line}\n" for line in deployment.lines())
-    if undeployable is not None:
-        out.write(f"deploy\tnot deployable: {undeployable}\n")
-    document = {
-        "awq": awq.to_dict(),
+    if decided["deployment"] is not None:
+        out.writelines(f"deploy\t{line}\n" for line in decided["deployment"].lines())
+    if decided["undeployable"] is not None:
+        out.write(f"deploy\tnot deployable: {decided['undeployable']}\n")
+    document = _document(found, config, decided, effect, evaluator.held_out)
+    _write(document, None, path_for(args.out))  # tied to x.json by ``write`` once it exists
+    return analysis, document
+
+
+def _deployment(found: AWQRun, model: Any, args: argparse.Namespace) -> tuple[AWQDeploy | None, str | None]:
+    """What a checkpoint of the run holds (``--awq-variant``, ``--choose-by``, ``--choose``), or why
+    none can be made (a ``ValueError`` when ``--checkpoint`` or ``--recipe`` needs one)."""
+    variant = variant_of(args)
+    if variant == Variant.RTN:
+        return None, None
+    figure = deploy.figure_of(args.choose_by)
+    picks = deploy.choose_observers(found, variant, figure, args.choose)
+    observers_of = {name: observer for name, (observer, _) in picks.items()}
+    figures = {name: value for name, (_, value) in picks.items()}
+    try:
+        return deploy.of_run(model, found, variant, observers_of, figure, figures), None
+    except ValueError as err:
+        if args.checkpoint or args.recipe:
+            raise
+        return None, str(err)
+
+
+def _document(
+    found: AWQRun, config: Any, decided: dict[str, Any], effect: pd.DataFrame, held_out: dict | None
+) -> dict[str, Any]:
+    """``x.awq.json``'s content: the search's rows, the model-level effect and the deployment."""
+    deployment = decided["deployment"]
+    return {
+        "awq": found.awq.to_dict(),
         "weight": config.specs["weight"].to_dict(),
         "observers": list(found.observers),
         "tokens": found.tokens,
@@ -117,12 +167,10 @@ def run(
         ],
         "rows": _records(awq_frame(found)),
         "model": _records(effect),
-        "held_out": evaluator.held_out,
+        "held_out": held_out,
         "deployed": None if deployment is None else deployment.to_dict(),
-        "not_deployable": undeployable,
+        "not_deployable": decided["undeployable"],
     }
-    _write(document, None, path_for(args.out))  # kept at once; tied to x.json by ``write`` once it exists
-    return document
 
 
 def write(document: dict[str, Any] | None, lab_path: str | os.PathLike) -> list[str]:

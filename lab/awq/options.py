@@ -63,9 +63,15 @@ def conflict(settings: Any) -> str | None:
     ``RunConfig`` (the CLI) or the Run page's ``RunSettings``, both with ``transform``. GPTQ
     composes: the analysis's GPTQ figures are the unsmoothed weights', and a checkpoint runs each
     balance layer's GPTQ on its folded weight (``lab.export.checkpoint``). AWQ rides a layer-by-layer
-    pass (``lab.awq.run``), which a whole-model capture is not."""
+    pass (``lab.awq.run``), which a whole-model capture is not, and decides what each next block
+    receives, which propagation would too."""
     if settings.transform is not None:
         return "AWQ searches its scales on the model as it is: leave out the transform (rotation, smoothing) or AWQ"
+    if settings.propagate:
+        return (
+            "AWQ hands each next block its smoothed block's float outputs, as llm-compressor's pipeline does: "
+            "leave out the quantized propagation (--propagate)"
+        )
     if settings.sequential is False:
         return "AWQ walks the blocks one at a time as llm-compressor's pipeline does: leave out the whole-model capture"
     return None

@@ -59,8 +59,9 @@ class AWQWalk:
     observer (``{name: knobs}``) under every ``Variant`` as the pass reaches its block, its picks
     measured on ``held_out`` text (default: the built-in held-out paragraphs, windowed as the
     calibration set by ``samples``, ``seq_len`` and ``batch_size``); ``result`` once the pass is
-    over. A group size that does not divide a balance layer, or a model without mappings, is one
-    ``ValueError`` before anything runs."""
+    over, also handed to ``searched`` as soon as the last mapping's block is done. A group size
+    that does not divide a balance layer, or a model without mappings, is one ``ValueError`` before
+    anything runs."""
 
     def __init__(
         self,
@@ -77,19 +78,20 @@ class AWQWalk:
         progress: Progress | None = None,
         gptq: ob.GPTQSpec | None = None,
         max_memory: int | None = None,
+        searched: Callable[[AWQRun], None] | None = None,
     ) -> None:
         if not model.supports_activations:
             raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
         if not observers:
             raise ValueError("AWQ needs at least one weight observer")
-        searched = searched_mappings(model, layers)
-        self.wanted = list(searched.found)
+        mappings = searched_mappings(model, layers)
+        self.wanted = list(mappings.found)
         _check_shapes(model, self.wanted, spec)
         self.spec, self.awq, self.observers, self.gptq = spec, awq or ob.AWQSpec(), dict(observers), gptq
-        self.progress = progress
+        self.progress, self.searched = progress, searched
         self.last = max(m.block for m in self.wanted)
         self.results: list[MappingResult] = []
-        self.left_out = list(searched.left_out)
+        self.left_out = list(mappings.left_out)
         self.tokens = 0
         held_texts = list(held_out_texts() if held_out is None else held_out)
         held_batches = calibration_batches(model, held_texts, samples, seq_len, batch_size)
@@ -134,6 +136,8 @@ class AWQWalk:
                 self.progress(len(self.results), len(self.wanted), mapping.name)
         self.checking.advance(index, changed)
         self._inputs = BlockInputs()
+        if index == self.last and self.searched is not None:
+            self.searched(self.result())
         return lambda module: _running_as(block, changed)
 
     def result(self) -> AWQRun:
@@ -212,28 +216,42 @@ def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
     return Mappings(wanted, found.left_out)
 
 
-def run_of_config(
-    model: Model, layers: Collection[str], config: Any, awq: ob.AWQSpec, progress: Progress | None = None
-) -> AWQRun:
-    """``run_awq`` beside a run: its layers, and its ``RunConfig``'s weight spec, weight observers
-    (with their knobs), calibration set and how it holds the model (whole, or a block at a time)
-    (the CLI's ``run --awq`` and the app's Run page)."""
+def walk_of_config(
+    model: Model,
+    layers: Collection[str],
+    config: Any,
+    awq: ob.AWQSpec,
+    progress: Progress | None = None,
+    searched: Callable[[AWQRun], None] | None = None,
+) -> AWQWalk:
+    """``AWQWalk`` beside a run: its layers, and its ``RunConfig``'s weight spec, weight observers
+    (with their knobs), calibration windows and memory budget (the CLI's ``run --awq``, which hands
+    it to the analysis's pass, and ``run_of_config``)."""
     observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
-    texts = config.dataset if config.dataset is not None else (list(config.texts) if config.texts else None)
-    return run_awq(
+    return AWQWalk(
         model,
         config.specs["weight"],
         observers,
         awq,
         layers=layers,
-        texts=texts,
         samples=config.samples,
         seq_len=config.seq_len,
         batch_size=config.batch_size,
         progress=progress,
         gptq=config.gptq,
         max_memory=config.max_memory,
+        searched=searched,
     )
+
+
+def run_of_config(
+    model: Model, layers: Collection[str], config: Any, awq: ob.AWQSpec, progress: Progress | None = None
+) -> AWQRun:
+    """``walk_of_config`` on a pass of its own over the run's calibration set (the app's Run page,
+    which runs AWQ after the analysis it shows)."""
+    walk = walk_of_config(model, layers, config, awq, progress)
+    model.capture([], tap=walk, **config.capture_options())
+    return walk.result()
 
 
 class _HeldOut:

@@ -34,7 +34,7 @@ from observers.shared import Op
 from observers.suite import SuiteResult
 from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
-from sample_models.capture import Done, Key, Propagation
+from sample_models.capture import BlockTap, Done, Key, Propagation
 from sample_models.layers import inputs_are_columns, io_widths
 
 
@@ -95,10 +95,12 @@ def calibrate(
     ranks: Ranks,
     extra: str,
     settled: Settled | None = None,
+    tap: BlockTap | None = None,
 ) -> Calibrated:
     """Stream the calibration batches through the observers of every activation tensor of the run
     (and gather the input statistics its weight observers take). ``extra`` completes the cache keys
-    (calibration, share, transform)."""
+    (calibration, share, transform). ``tap`` rides the layers' pass (made for it alone when nothing
+    else needs one)."""
     across = ranks.reduce if ranks.world_size > 1 else None
     keys = activation_keys(layers, attention, config)
     out = Calibrated(results={key: _plan(model, key, config, cache, extra) for key in keys})
@@ -141,7 +143,7 @@ def calibrate(
             return None
         return settled(list(dict.fromkeys(key[0] for key in done)), out)
 
-    _capture(model, layers, attention, config, ranks, stream, settle)
+    _capture(model, layers, attention, config, ranks, stream, settle, tap)
     return out
 
 
@@ -297,6 +299,7 @@ def _capture(
     ranks: Ranks,
     stream: ObserverStream,
     done: Done,
+    tap: BlockTap | None = None,
 ) -> None:
     """Run the calibration pass(es); ``done`` gets each group of keys with their kept tokens and the
     real tokens each saw. The sample is meant to be a sample (the observers see every token), so
@@ -307,8 +310,11 @@ def _capture(
     busy = stream if any(stream.observations.values()) or stream.statistics else None  # else: a memo will do
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureSubsampledWarning)
+        riding = {} if tap is None else {"tap": tap}
         if layers and (wants_input or wants_output):
-            model.capture(list(layers), outputs=wants_output, stream=busy, done=done, **options)
+            model.capture(list(layers), outputs=wants_output, stream=busy, done=done, **options, **riding)
+        elif tap is not None:
+            model.capture([], tap=tap, **options)
         if attention:
             model.capture_kv(list(attention), stream=busy, done=done, **options)
 
