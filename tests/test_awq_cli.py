@@ -67,6 +67,29 @@ def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_mo
     assert sum(line.startswith("deploy\tmodel.layers.1.") for line in out.splitlines()) == 3
 
 
+@pytest.mark.parametrize(("observers", "captured"), [("minmax,imatrix_mse", 2), ("minmax", 0)])
+def test_awq_rides_the_analysis_calibration_pass(tmp_path, monkeypatch, observers, captured) -> None:
+    # one calibration pass: the analysis's (imatrix_mse takes its inputs' statistics from it), with
+    # AWQ riding it; without such an observer the pass is made for AWQ alone, capturing no layer
+    from sample_models.model import Model
+
+    passes = []
+    capture = Model.capture
+
+    def counted(self, names, *args, **kwargs):
+        passes.append((len(names), kwargs.get("tap") is not None))
+        return capture(self, names, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "capture", counted)
+    layers = r"re:model\.layers\.0\.mlp\.(gate|up)_proj"
+    flags = ("--observers", observers, "--awq", "--awq-n-grid", "3")
+    code, out, err = _cli("run", "tiny-llama", "--layers", layers, *BASE, *flags, "--out", str(tmp_path / "x.json"))
+    assert code == 0, err
+    assert passes == [(captured, True)]
+    written = json.loads((tmp_path / "x.awq.json").read_text())
+    assert written["tokens"] > 0 and len(written["mappings"]) == 1
+
+
 @pytest.mark.parametrize(
     ("model", "flags", "message"),
     [
