@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from lab.awq.mappings import Mapping, Mappings, resolve
 from lab.awq.parent import ParentCalls
 from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
+from sample_models.capture import Propagation
 from sample_models.effect import held_out_texts
 from sample_models.replay import BlockInputs, blocks_name, calibration_batches, recording, replay_of, structure
 
@@ -100,7 +101,7 @@ class AWQWalk:
             self.checking = _HeldOut(replay.record(held_batches), held_batches)
         self._inputs, self._valid = BlockInputs(), []
 
-    def hooks(self, index: int, block: nn.Module):
+    def hooks(self, index: int, block: nn.Module) -> AbstractContextManager:
         """What block ``index`` receives for each batch, kept while it runs (blocks after the last
         mapping's are not kept)."""
         self._inputs, self._valid = BlockInputs(), []
@@ -109,14 +110,15 @@ class AWQWalk:
     def start(self, batch: Any) -> None:
         self._valid.append(batch.valid)
 
-    def finished(self, index: int, block: nn.Module):
+    @torch.no_grad()
+    def finished(self, index: int, block: nn.Module) -> Propagation | None:
         """Block ``index`` has had every batch: its mappings searched and smoothed in its copy, and
         the copy's outputs what the next block receives (``None``: the block's own)."""
         if index == 0:
             self.tokens = int(sum(int(v.sum()) for v in self._valid))
-        own = [m for m in self.wanted if m.block == index]
         if index > self.last:
             return None
+        own = [m for m in self.wanted if m.block == index]
         if not own:
             self.checking.advance(index, block)
             return None
