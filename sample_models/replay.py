@@ -70,13 +70,12 @@ class BlockCalls:
 
 
 class Replay:
-    """A model's blocks for a stage that walks them: where they live, how many, and each set of
-    batches' block calls (``record``)."""
+    """A model's blocks for a stage that walks them: where they live, and each set of batches'
+    block calls (``record``)."""
 
     def __init__(self, backend: _Resident | _Streamed) -> None:
         self._backend = backend
         self.blocks_name = backend.blocks_name
-        self.num_blocks = len(backend.blocks)
 
     def record(self, batches: list[Batch]) -> BlockCalls:
         """One float pass over ``batches`` recording what each block was called with (streamed: the
