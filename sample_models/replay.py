@@ -5,9 +5,8 @@ a capture's pass (``recording``, for a stage riding it). A stage that changes a 
 (AWQ's smoothing) runs the batches through the changed block and hands the outputs to the next
 one, as llm-compressor's sequential pipeline does.
 
-``replay_of`` takes the model whole or, where ``Model.capture`` would capture it block by block
-(a model larger than the memory budget, or ``sequential=True``), as a skeleton whose blocks stand
-aside while the pass records (``sample_models.effect``'s two backends): nothing is loaded whole.
+``replay_of`` takes the model as the layer-by-layer capture does, a skeleton whose blocks stand
+aside while the pass records (``sample_models.effect``'s streamed backend): nothing is loaded whole.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from .calibration import Batch, make_batches
-from .effect import _Resident, _Streamed
+from .effect import _Streamed
 from .model import Model
 from .sequential import _Call, _find_blocks, _split_call
 
@@ -73,7 +72,7 @@ class Replay:
     """A model's blocks for a stage that walks them: where they live, and each set of batches'
     block calls (``record``)."""
 
-    def __init__(self, backend: _Resident | _Streamed) -> None:
+    def __init__(self, backend: _Streamed) -> None:
         self._backend = backend
         self.blocks_name = backend.blocks_name
 
@@ -85,13 +84,12 @@ class Replay:
 
 
 @contextmanager
-def replay_of(model: Model, sequential: bool | None = None, max_memory: int | None = None) -> Iterator[Replay]:
-    """The model's blocks to walk, whole or streamed by ``Model.capture``'s rule (``sequential``,
-    ``max_memory``); the model's capture lock is held for the walk, since a streamed skeleton is
-    shared by every sequential run of the model."""
+def replay_of(model: Model, max_memory: int | None = None) -> Iterator[Replay]:
+    """The model's blocks to walk as the layer-by-layer capture walks them, under ``max_memory``
+    (``Model.capture``'s budget); the model's capture lock is held for the walk, since the skeleton
+    is shared by every sequential run of the model."""
     with model._capture_lock:
-        budget = model._sequential_budget(sequential, max_memory)
-        yield Replay(_Resident(model) if budget is None else _Streamed(model, budget))
+        yield Replay(_Streamed(model, model._sequential_budget(True, max_memory)))
 
 
 def calibration_batches(model: Model, texts, samples: int, seq_len: int, batch_size: int) -> list[Batch]:

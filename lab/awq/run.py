@@ -34,7 +34,15 @@ from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
 from sample_models.capture import Propagation
 from sample_models.effect import held_out_texts
-from sample_models.replay import BlockInputs, blocks_name, calibration_batches, recording, replay_of, structure
+from sample_models.replay import (
+    BlockCalls,
+    BlockInputs,
+    blocks_name,
+    calibration_batches,
+    recording,
+    replay_of,
+    structure,
+)
 
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, what)``: called after each mapping."""
@@ -96,7 +104,7 @@ class AWQWalk:
         self.tokens = 0
         held_texts = list(held_out_texts() if held_out is None else held_out)
         held_batches = calibration_batches(model, held_texts, samples, seq_len, batch_size)
-        with replay_of(model, True, max_memory) as replay:
+        with replay_of(model, max_memory) as replay:
             self.blocks_name = replay.blocks_name
             self.checking = _HeldOut(replay.record(held_batches), held_batches)
         self._inputs, self._valid = BlockInputs(), []
@@ -260,7 +268,7 @@ class _HeldOut:
     """The held-out batches walked through the blocks: the float model's block calls, recorded once,
     and each block's hidden states as the smoothed blocks before it hand them on."""
 
-    def __init__(self, calls: Any, batches: list) -> None:
+    def __init__(self, calls: BlockCalls, batches: list) -> None:
         self.calls = calls
         self.valid = [b.valid for b in batches]
         self.hidden = calls.first
