@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from transformers import PretrainedConfig
 
 from .calibration import Batch
 from .layers import LayerRef
@@ -362,6 +363,35 @@ def _inputs_then_stop(recorder: _Recorder, refs: dict[str, LayerRef]) -> Iterato
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def eager_attention(module: nn.Module) -> Iterator[None]:
+    """``module``'s attention computed eagerly (``softmax(q·kᵀ + mask)·v`` as plain products) while
+    the ``with`` runs, as llm-compressor's calibration forwards compute it
+    (``calibration_forward_context``): a calibration pass then sees the activations its modifiers
+    see, to the bit. sdpa's fused kernel gives the same attention a few float32 ulps apart, and
+    AWQ's grid search on int4 turns such ulps into another grid point on a flat loss curve.
+    Every configuration the modules read, and its sub-configurations, is switched and put back on
+    exit, whatever happens. Callers hold the model's capture lock, under which every pass the lab
+    makes over the model runs (a forward of the module made outside the lab meanwhile would
+    compute its attention eagerly too). A module without a transformers configuration is left as
+    it is."""
+    found = [c for m in module.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)]
+    configs: dict[int, PretrainedConfig] = {}
+    while found:
+        config = found.pop()
+        if id(config) not in configs:
+            configs[id(config)] = config
+            found += [c for key in config.sub_configs if isinstance(c := getattr(config, key, None), PretrainedConfig)]
+    before = {key: config._attn_implementation_internal for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation_internal = "eager"
+        yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation_internal = before[key]
 
 
 def forward_kwargs(model: nn.Module, batch: Batch) -> dict:

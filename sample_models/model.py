@@ -21,7 +21,15 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .calibration import Batch, check_knobs, make_batches, plan_batches, rounds, share_of, token_windows
 from .calibration_sets import CalibrationSamples, CalibrationSource, calibration_samples, calibration_stamp
-from .capture import Activations, BlockTap, Done, Stream, capture_activations, capture_sequential
+from .capture import (
+    Activations,
+    BlockTap,
+    Done,
+    Stream,
+    capture_activations,
+    capture_sequential,
+    eager_attention,
+)
 from .errors import ActivationsUnavailableError, LayerNotFoundError, SequentialUnsupportedError
 from .kv import (
     KVStates,
@@ -245,10 +253,11 @@ class Model:
             widths = [io_widths(ref.info(name)) for name, ref in refs.items()]
             per_token = _element_size(self.dtype) * sum(w_in + (w_out if outputs else 0) for w_in, w_out in widths)
             batches, fraction, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
-            if budget is None:
-                return capture_activations(module, refs, batches, outputs, fraction, stream, calls, done)
-            with self._runner(batches, budget, progress) as runner:
-                return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done, tap)
+            with eager_attention(module):
+                if budget is None:
+                    return capture_activations(module, refs, batches, outputs, fraction, stream, calls, done)
+                with self._runner(batches, budget, progress) as runner:
+                    return capture_sequential(runner, refs, batches, outputs, fraction, stream, calls, done, tap)
 
     def calibration_set(
         self, texts: list[str] | str | CalibrationSource | None = None, samples: int = 32, seq_len: int = 128
@@ -314,10 +323,11 @@ class Model:
             found = {name: self._attention_block(module, name) for name in blocks}
             per_token = 2 * _element_size(self.dtype) * sum(_kv_width(block) for block in found.values())
             batches, _, calls = self._batches(texts, samples, seq_len, batch_size, per_token, max_bytes, share)
-            if budget is None:
-                return capture_kv_states(module, self.config, found, batches, stream, calls, done)
-            with self._runner(batches, budget, progress) as runner:
-                return capture_kv_sequential(runner, self.config, found, batches, stream, calls, done)
+            with eager_attention(module):
+                if budget is None:
+                    return capture_kv_states(module, self.config, found, batches, stream, calls, done)
+                with self._runner(batches, budget, progress) as runner:
+                    return capture_kv_sequential(runner, self.config, found, batches, stream, calls, done)
 
     def kv_shape(self, block: str) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of an attention block's keys and values (``kv_heads`` <

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .calibration import Batch, make_batches
+from .capture import eager_attention
 from .effect import _Streamed
 from .model import Model
 from .sequential import _Call, _find_blocks, _split_call
@@ -79,7 +80,8 @@ class Replay:
     def record(self, batches: list[Batch]) -> BlockCalls:
         """One float pass over ``batches`` recording what each block was called with (streamed: the
         blocks replaced by stand-ins, so no block is loaded)."""
-        calls, first, _ = self._backend.record(batches, threading.get_ident())
+        with eager_attention(self._backend.module):
+            calls, first, _ = self._backend.record(batches, threading.get_ident())
         return BlockCalls(calls, first)
 
 

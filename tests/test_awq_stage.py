@@ -279,8 +279,10 @@ def _reference_awq(model: nn.Module, batches: list[torch.Tensor], spec: ob.Quant
     Llama: per block, every batch through the block with hooks (|x| sums on the first balance
     layer, the parent's calls), then per mapping the grid loop one candidate at a time with
     ``F.linear`` weights swapped in, the winner folded in; the next block fed by the smoothed one.
-    Returns each mapping's winning grid index and the smoothed state dict."""
+    Attention is eager, as llm-compressor's ``calibration_forward_context`` forces it. Returns each
+    mapping's winning grid index and the smoothed state dict."""
     model = copy.deepcopy(model)
+    model.config._attn_implementation = "eager"
     layers = model.model.layers
     inputs: list[tuple] = []
 

@@ -1,6 +1,7 @@
 """Calibration capture: shapes, padding, outliers, MoE routing, KV states, memory cap, hook
 cleanup, concurrent captures and the layer-output error."""
 
+import copy
 import math
 import threading
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from sample_models import CaptureSubsampledWarning, builtin_texts, layer_output_error, open_model, split_heads
 from sample_models.builtin import DEAD_EXPERT, MASSIVE_CHANNELS
+from sample_models.calibration import Batch
+from sample_models.replay import replay_of
 
 FFN = "encoder.layer.0.intermediate.dense"
 QUERY = "encoder.layer.0.attention.self.query"
@@ -264,3 +267,62 @@ def test_layer_output_error_of_an_expert():
     quantized = moe.weight(name).to(torch.bfloat16).float()
     metrics = layer_output_error(moe, name, x, quantized)
     assert 30 < metrics["sqnr_db"] < 80
+
+
+def _eager_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose attention is eager, as llm-compressor's calibration forces it
+    (``calibration_forward_context`` sets the configuration's attention implementation)."""
+    twin = copy.deepcopy(module)
+    twin.config._attn_implementation = "eager"
+    return twin
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_capture_computes_attention_eagerly_as_llm_compressor_calibrates(llama, sequential):
+    """The activations a capture records behind attention are those of an eager-attention forward to
+    the bit (what llm-compressor's modifiers see), and the model's attention implementation is what
+    it was once the capture is over, or has failed."""
+    module = llama.module()
+    before = module.config._attn_implementation
+    name = "model.layers.1.mlp.gate_proj"  # behind two attentions
+    windows = llama.calibration_set(None, 4, 32).windows
+    found = llama.capture([name], samples=4, seq_len=32, batch_size=1, sequential=sequential)
+    twin, rows = _eager_twin(module), []
+    handle = twin.get_submodule(name).register_forward_hook(lambda m, args, out: rows.append(args[0][0]))
+    with torch.no_grad():
+        for window in windows:
+            twin(input_ids=torch.tensor([list(window)]), use_cache=False)
+    handle.remove()
+    assert torch.equal(found[name], torch.cat(rows))
+    assert module.config._attn_implementation == before and before != "eager"
+
+    def explode(stream_keys, rows):
+        raise RuntimeError("boom in the stream")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        llama.capture([name], samples=4, seq_len=32, batch_size=1, sequential=sequential, stream=explode)
+    assert module.config._attn_implementation == before
+
+
+def test_replayed_block_calls_are_recorded_under_eager_attention(llama):
+    """A stage walking blocks again (AWQ's held-out walk) replays calls recorded as the capture's pass
+    makes them: an eager copy of block 0 run on them gives the eager model's block-0 outputs to the
+    bit (calls recorded under sdpa carry no causal mask, and eager attention would then look ahead)."""
+    windows = llama.calibration_set(None, 3, 32).windows
+    batches = [
+        Batch(ids, mask, mask.bool())
+        for ids, mask in [(torch.tensor([list(w)]), torch.ones(1, len(w), dtype=torch.long)) for w in windows]
+    ]
+    with replay_of(llama) as replay:
+        calls = replay.record(batches)
+    twin, outputs = _eager_twin(llama.module()), []
+    handle = twin.model.layers[0].register_forward_hook(
+        lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        for batch in batches:
+            twin(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    handle.remove()
+    replayed = calls.inputs(0, calls.first).run(twin.model.layers[0])
+    replayed = [r[0] if isinstance(r, tuple) else r for r in replayed]
+    assert all(torch.equal(r, o) for r, o in zip(replayed, outputs, strict=True))
