@@ -9,13 +9,13 @@ layers.
   (``lab.awq.deploy``: the scales folded into the weights, ``memoryless_minmax`` on the final
   smoothed weights) against oneshot of the lab's own recipe for it (``AWQModifier`` with the
   run's exact mappings, then ``QuantizationModifier``): the smoothed norms and balance weights,
-  and the int4 codes of every balance layer against oneshot's ``weight_scale``. Symmetric int4
-  with llm-compressor's half-range scale puts each group's negative extreme exactly on a rounding
-  tie (``-7.5`` steps), so a candidate's loss moves by a percent when the activations move by one float32 ulp: where two
-  forwards compute the activations a few ulps apart (the lab runs the model's own forward,
-  oneshot a traced graph of it), a mapping whose grid losses are close can pick another point.
-  The row shows llm-compressor against itself with the calibration batches in reverse order
-  (the same statistics up to summation order) beside it.
+  and the int4 codes of every balance layer against oneshot's ``weight_scale``. The lab's
+  calibration computes attention eagerly, as oneshot's calibration does, and the two agree to the
+  bit. Symmetric int4 with llm-compressor's half-range scale puts each group's negative extreme
+  exactly on a rounding tie (``-7.5`` steps), so a candidate's loss moves by a percent when the
+  activations move by one float32 ulp, and a mapping whose grid losses are close then picks
+  another point: the row shows llm-compressor against itself with the calibration batches in
+  reverse order (the same statistics up to summation order) beside it.
 - **Speed**: the lab's CLI (``run --awq``, every default int4 weight observer, the four variants,
   held-out figures, and the run's own analysis) against a fresh process running oneshot with one
   observer, imports and loading included on both sides.
@@ -98,6 +98,36 @@ def lab_process(model_dir: Path, scratch: Path) -> tuple[float, str]:
     return seconds, "" if done.returncode == 0 else f"lab CLI failed: {done.stderr.strip()[-300:]}"
 
 
+def lab_variant(model_dir: Path, scratch: Path, device: str = "cpu") -> tuple:
+    """The lab's ``llm-compressor`` variant on ``model_dir`` (``run_awq`` with ``memoryless_minmax``,
+    then its deployment): the run, the smoothed tensors it folds, each balance layer's int4 codes,
+    and the recipe file that reproduces it in ``oneshot`` (written under ``scratch``)."""
+    import observers as ob
+    from lab.analyse.model_facts import ModelFacts
+    from lab.awq.deploy import of_run
+    from lab.awq.run import run_awq
+    from lab.awq.search import SEARCH_OBSERVER, Variant
+    from lab.export import recipe
+    from lab.export.chosen import Chosen
+    from sample_models import open_model
+
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=GROUP, symmetric=True)
+    model = open_model(str(model_dir), device=device)
+    run = run_awq(model, spec, {SEARCH_OBSERVER: {}}, samples=SAMPLES, seq_len=SEQ_LEN, batch_size=1)
+    deployed = of_run(model, run, Variant.LLM_COMPRESSOR, {r.mapping.name: SEARCH_OBSERVER for r in run.results})
+    stored = set(model.stored_keys())
+    ours = {k: deployed.fold(k, model.stored(k)).float().cpu() for k in deployed.touched() if k in stored}
+    codes = {
+        layer: ob.quantize(ours[f"{layer}.weight"], qparams, spec).float().reshape(ours[f"{layer}.weight"].shape)
+        for layer, qparams in deployed.qparams.items()
+    }
+    linears = [i.name for i in model.layers() if i.type == "Linear" and ".layers." in i.name]
+    recipe_file = scratch / "recipe.yaml"
+    chosen = [Chosen(name, "weight", spec, SEARCH_OBSERVER) for name in linears]
+    recipe.of_chosen(chosen, ModelFacts.of(model), awq=deployed).write(recipe_file)
+    return run, ours, codes, recipe_file
+
+
 def codes_of(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Symmetric int4 codes of ``weight`` under per-group ``scale`` (compressed-tensors' rounding)."""
     grouped = weight.reshape(weight.shape[0], -1, GROUP) / scale.unsqueeze(-1)
@@ -126,36 +156,14 @@ def cases(device: str) -> list[dict]:
     label = "AWQ of tiny-llama (int4 g16, memoryless_minmax) vs llm-compressor oneshot"
     if missing:
         return [case(label, 0.0, agreement="; ".join(missing))]
-    import observers as ob
-    from lab.analyse.model_facts import ModelFacts
-    from lab.awq.deploy import of_run
-    from lab.awq.run import run_awq
-    from lab.awq.search import SEARCH_OBSERVER, Variant
-    from lab.export import recipe
-    from lab.export.chosen import Chosen
-    from sample_models import open_model
-
     rows = []
-    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=GROUP, symmetric=True)
     with tempfile.TemporaryDirectory(prefix="bench-awq-") as scratch_name:
         scratch = Path(scratch_name)
         model_dir = write_model("tiny-llama", scratch / "tiny-llama")
         batches = calibration_batches(model_dir)
-        model = open_model(str(model_dir), device=device)
         start = time.perf_counter()
-        run = run_awq(model, spec, {SEARCH_OBSERVER: {}}, samples=SAMPLES, seq_len=SEQ_LEN, batch_size=1)
+        run, ours, ours_codes, recipe_file = lab_variant(model_dir, scratch, device)
         lab_s = time.perf_counter() - start
-        deployed = of_run(model, run, Variant.LLM_COMPRESSOR, {r.mapping.name: SEARCH_OBSERVER for r in run.results})
-        stored = set(model.stored_keys())
-        ours = {k: deployed.fold(k, model.stored(k)).float().cpu() for k in deployed.touched() if k in stored}
-        ours_codes = {
-            layer: ob.quantize(ours[f"{layer}.weight"], qparams, spec).float().reshape(ours[f"{layer}.weight"].shape)
-            for layer, qparams in deployed.qparams.items()
-        }
-        linears = [i.name for i in model.layers() if i.type == "Linear" and ".layers." in i.name]
-        chosen = [Chosen(name, "weight", spec, SEARCH_OBSERVER) for name in linears]
-        recipe_file = scratch / "recipe.yaml"
-        recipe.of_chosen(chosen, ModelFacts.of(model), awq=deployed).write(recipe_file)
         theirs_s, theirs = oneshot_process(model_dir, batches, recipe_file, scratch, "oneshot")
         _, itself = oneshot_process(model_dir, batches[::-1], recipe_file, scratch, "reversed")
         against = compare(ours, ours_codes, theirs)

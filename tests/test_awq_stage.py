@@ -5,6 +5,7 @@ blocks, the four variants' guarantees, the folded weights and the one-line refus
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -380,6 +381,21 @@ def test_the_llm_compressor_variant_is_llm_compressors_search(tiny_llama, minmax
     assert len(changed) == 4 * (2 + 3 + 2 + 1)  # per block: 2 norms, q/k/v, gate/up (up twice), down
     for key, tensor in changed.items():
         assert torch.allclose(tensor, smoothed[key], rtol=1e-6, atol=1e-7), key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None, reason="llm-compressor is not installed")
+def test_the_llm_compressor_variant_equals_llm_compressors_oneshot(tmp_path) -> None:
+    """Parity with the installed llm-compressor (the bench environment has it): ``oneshot`` of the
+    lab's recipe on tiny-llama, on the same 32 × 128 records, folds every smoothed norm and balance
+    weight the lab's deployment folds, to the bit, and every balance layer's codes are the lab's."""
+    from bench.bench_awq_oneshot import calibration_batches, compare, lab_variant, oneshot_process, write_model
+
+    model_dir = write_model("tiny-llama", tmp_path / "tiny-llama")
+    _, ours, codes, recipe_file = lab_variant(model_dir, tmp_path)
+    _, theirs = oneshot_process(model_dir, calibration_batches(model_dir), recipe_file, tmp_path, "oneshot")
+    assert len(ours) == 4 * 8 and all(torch.equal(tensor, theirs[key]) for key, tensor in ours.items())
+    found = compare(ours, codes, theirs)
+    assert found["close"] == 32 and set(found["shares"].values()) == {1.0}
 
 
 # --------------------------------------------------------------------------------- the four variants
