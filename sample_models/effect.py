@@ -40,6 +40,7 @@ import observers as ob
 from .calibration import Batch, make_batches
 from .capture import forward_kwargs
 from .kv import CACHE_ARGUMENTS, attention_kind, cache_argument
+from .layers import LayerRef, expert_weight, resolve_layer
 from .model import Model
 from .sequential import _Call, _find_blocks, _LastBlockReached, _Loader, _split_call, _StandIn
 
@@ -360,7 +361,11 @@ class EffectRunner:
         for layer, tensor in quantization:
             module = self._module(layer)
             if module is None:
-                problems.append(f"{layer}: not a module of the loaded model (fused MoE experts cannot be evaluated)")
+                ref = resolve_layer(self._backend.module, layer)
+                if ref is None:
+                    problems.append(f"{layer}: not a layer of the loaded model")
+                elif tensor != "weight":
+                    problems.append(f"{layer} {tensor}: a fused MoE expert; only its weight can be evaluated")
             elif tensor in ("k", "v"):
                 if attention_kind(module) is None:
                     problems.append(f"{layer} {tensor}: not an attention block with key/value states")
@@ -530,9 +535,12 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
     """Forward hooks on ``root``'s modules that fake-quantize the chosen tensors of linear layers
     (weight, input, output) and the key/value projections of encoder attention blocks (``heads``
     per projection), for the thread ``owner`` only; removed on exit, whatever happens. Key/value
-    states read from a decoder's cache are quantized by the cache instead (``_QuantizingCache``)."""
+    states read from a decoder's cache are quantized by the cache instead (``_QuantizingCache``).
+    The weights of fused MoE experts (``experts.3.up_proj``) are quantized by their experts
+    module, which runs again with them (``_experts_hook``)."""
+    experts, rest = _experts_split(root, quantization)
     by_module: dict[str, dict[str, TensorQuant]] = {}
-    for (name, tensor), quant in quantization.items():
+    for (name, tensor), quant in rest.items():
         module = root.get_submodule(name)
         if tensor in ("k", "v"):
             if attention_kind(module) == "projection":
@@ -545,6 +553,8 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
         for name, chosen in by_module.items():
             hook = _linear_hook(chosen, heads, owner)
             handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+        for module, chosen in experts.items():
+            handles.append(module.register_forward_hook(_experts_hook([chosen], owner), with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -554,13 +564,18 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
 @contextmanager
 def _stacked_hooks(root: nn.Module, variants: Sequence[Quantization], owner: int) -> Iterator[None]:
     """``quantizing_hooks`` for stacked variants: a chosen linear layer's input and output are cut
-    into one share per variant along the batch, and each share goes through that variant's hook."""
-    names = dict.fromkeys(name for name, _ in variants[0])
+    into one share per variant along the batch, and each share goes through that variant's hook
+    (a fused experts module runs each share again with that variant's expert weights)."""
+    split = [_experts_split(root, variant) for variant in variants]
+    names = dict.fromkeys(name for name, _ in split[0][1])
     handles = []
     try:
         for name in names:
-            hooks = [_linear_hook({t: q for (m, t), q in v.items() if m == name}, 1, owner) for v in variants]
+            hooks = [_linear_hook({t: q for (m, t), q in rest.items() if m == name}, 1, owner) for _, rest in split]
             handles.append(root.get_submodule(name).register_forward_hook(_share_hook(hooks), with_kwargs=True))
+        for module in split[0][0]:
+            hook = _experts_hook([experts.get(module, {}) for experts, _ in split], owner)
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -575,6 +590,75 @@ def _share_hook(hooks: list[Callable]) -> Callable:
         return torch.cat([out if f is None else f for f, (_, out) in zip(found, shares, strict=True)])
 
     return hook
+
+
+ExpertWeights = dict[tuple[int, str], TensorQuant]
+"""A fused experts module's chosen weights: ``{(expert, "gate_proj"|"up_proj"|"down_proj"): ...}``."""
+
+
+def _experts_split(root: nn.Module, quantization: Quantization) -> tuple[dict[nn.Module, ExpertWeights], dict]:
+    """``quantization``'s fused-expert weights by experts module, and the rest as it is."""
+    experts: dict[nn.Module, ExpertWeights] = {}
+    rest = {}
+    for (name, tensor), quant in quantization.items():
+        ref = resolve_layer(root, name) if tensor == "weight" else None
+        if ref is not None and ref.expert is not None:
+            experts.setdefault(ref.module, {})[(ref.expert, ref.projection)] = quant
+        else:
+            rest[(name, tensor)] = quant
+    return experts, rest
+
+
+def _experts_hook(shares: list[ExpertWeights], owner: int) -> Callable:
+    """A forward hook on a fused experts module that runs it again on each variant's share of the
+    tokens (one share: all of them) with that variant's chosen expert weights quantized, the
+    module's own parameters put back after each share. Its inputs (hidden states, routing) are
+    token-major, so a stacked batch's shares are contiguous rows. The quantized copies are made per
+    call and let go after it: one extra copy of the module's weights at a time."""
+
+    def hook(mod, args, kwargs, output):
+        if threading.get_ident() != owner:
+            return None
+        n, rows = len(shares), output.shape[0]
+        parts = []
+        for index, chosen in enumerate(shares):
+            if not chosen:
+                parts.append(output.chunk(n)[index])
+                continue
+            shared_args = [_share_of(a, index, n, rows) for a in args]
+            shared_kwargs = {k: _share_of(v, index, n, rows) for k, v in kwargs.items()}
+            with _parameters_swapped(mod, _quantized_experts(mod, chosen)):
+                parts.append(mod.forward(*shared_args, **shared_kwargs))
+        return parts[0] if n == 1 else torch.cat(parts)
+
+    return hook
+
+
+def _share_of(value, index: int, n: int, rows: int):
+    """Share ``index`` of ``n`` of a token-major tensor with ``rows`` rows; anything else as it is."""
+    if n > 1 and isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+        return value.chunk(n)[index]
+    return value
+
+
+def _quantized_experts(mod: nn.Module, chosen: ExpertWeights) -> dict[str, torch.Tensor]:
+    """Copies of a fused experts module's 3-D weights with the chosen experts' projections quantized."""
+    copies = {name: getattr(mod, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    for (expert, projection), quant in chosen.items():
+        view = expert_weight(copies, LayerRef(mod, expert, projection))
+        view.copy_(quant(view, "weight"))
+    return copies
+
+
+@contextmanager
+def _parameters_swapped(mod: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``mod``'s parameters named in ``tensors`` replaced by them while the ``with`` runs."""
+    saved = {name: mod._parameters[name] for name in tensors}
+    try:
+        mod._parameters.update(tensors)
+        yield
+    finally:
+        mod._parameters.update(saved)
 
 
 def _repeated(value, batch: int, n: int):

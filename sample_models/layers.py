@@ -83,6 +83,16 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
+def expert_weight(experts: dict[str, torch.Tensor], ref: LayerRef) -> torch.Tensor:
+    """One expert's projection ``(out, in)`` as a view of fused experts tensors (``gate_up_proj``:
+    gate rows then up rows; ``down_proj``): the module's own, or copies of them the same shape."""
+    if ref.projection == "down_proj":
+        return experts["down_proj"][ref.expert]
+    gate_up = experts["gate_up_proj"][ref.expert]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if ref.projection == "gate_proj" else gate_up[half:]
+
+
 @dataclass(frozen=True)
 class LayerRef:
     """Where a listed layer lives in a built module: a module, or one projection of one expert of
@@ -101,11 +111,7 @@ class LayerRef:
         if self.expert is None:
             weight = self.module.weight
             return weight.t() if isinstance(self.module, Conv1D) else weight
-        if self.projection == "down_proj":
-            return self.module.down_proj[self.expert]
-        gate_up = self.module.gate_up_proj[self.expert]
-        half = gate_up.shape[0] // 2
-        return gate_up[:half] if self.projection == "gate_proj" else gate_up[half:]
+        return expert_weight({"gate_up_proj": self.module.gate_up_proj, "down_proj": self.module.down_proj}, self)
 
     def bias(self) -> torch.Tensor | None:
         """The bias vector, or None when the layer has none."""

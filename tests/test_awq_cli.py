@@ -135,7 +135,8 @@ def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded(tmp_
     rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
     assert len(rows) == 4  # q/k/v, the experts' gate/up, up -> down of experts 0 and 1
     assert "gate_proj, up_proj of 4 experts" in rows[1][0]
-    assert "# model-level: not measured (the model-level runner cannot quantize every balance layer: " in out
+    assert "# model-level, held-out text, every balance layer quantized by the variant" in out  # experts included
+    assert sum(line.startswith("best model-level\t") for line in out.splitlines()) == 4
     assert "deploy\tAWQ llm-compressor" in out
     # q/k/v packed; the experts stay dense (compressed-tensors packs Linear layers), their 3-D
     # weights and the router folded

@@ -237,6 +237,42 @@ def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights
         assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 
+def test_tiny_moes_model_level_effect_is_the_folded_and_quantized_models(tiny_moe) -> None:
+    """A fused MoE's experts run at model level inside their fused module: the runner's outputs with
+    the deployment's weights in the model's coordinates are the folded model's with every balance
+    layer (the experts' views of the 3-D weights included) quantized by the observer on its folded
+    weight, and ``model_effect`` measures every pair."""
+    from lab.awq.deploy import of_run
+    from lab.awq.effect import model_effect, variant_weights
+    from lab.effect.evaluate import Evaluator
+    from sample_models.effect import TensorQuant
+    from sample_models.layers import resolve_layer
+
+    layers = [f"model.layers.0.mlp.experts.{e}.{p}" for e in (0, 1) for p in ("gate_proj", "down_proj")]
+    observers = {SEARCH_OBSERVER: {}, "mse_grid": {}}
+    run = run_awq(tiny_moe, INT4_G16, observers, ob.AWQSpec(n_grid=3), layers=layers, samples=2, seq_len=32)
+    evaluator = Evaluator(tiny_moe, samples=4)
+    weights = variant_weights(tiny_moe, run, Variant.LLM_COMPRESSOR, "mse_grid")
+    assert any(".experts." in name for name in weights)
+    ours = evaluator.runner.run({(n, "weight"): TensorQuant(INT4_G16, None, w) for n, w in weights.items()}).outputs
+    deployed = of_run(tiny_moe, run, Variant.LLM_COMPRESSOR, {r.mapping.name: "mse_grid" for r in run.results})
+    model = copy.deepcopy(tiny_moe.module())
+    model.load_state_dict({key: deployed.fold(key, tiny_moe.stored(key)) for key in tiny_moe.stored_keys()})
+    with torch.no_grad():
+        for name in weights:
+            view = resolve_layer(model, name).weight()
+            found = ob.run_one("mse_grid", view.detach().clone(), INT4_G16, "weight").qparams
+            view.copy_(ob.fake_quantize(view.detach().clone(), found, INT4_G16))
+        folded_model = [
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits for b in evaluator.runner.batches
+        ]
+    apart = max(float((a - b).abs().max()) for a, b in zip(ours, folded_model, strict=True))
+    effect = max(float((a - b).abs().max()) for a, b in zip(evaluator.runner.float_outputs, folded_model, strict=True))
+    assert effect > 0 and apart <= 1e-4 * effect
+    table = model_effect(tiny_moe, run, evaluator)
+    assert len(table) == len(observers) * len(Variant) and (table["kl"] > 0).all()
+
+
 def test_an_encoder_is_one_line() -> None:
     model = open_model("minilm")
     with pytest.raises(ValueError) as raised:

@@ -361,10 +361,3 @@ def test_cli_sensitivity_rejects_an_unknown_metric():
     argv = ["sensitivity", "minilm", "--layers", "x", "--format", "int4", "--metric", "speed", "--out", "x.json"]
     code, _, stderr = _run_cli(argv)
     assert code == 2 and "not a model-level metric" in stderr
-
-
-def test_fused_moe_experts_are_refused_by_name():
-    runner = EffectRunner(open_model("tiny-moe"), samples=2, seq_len=32)
-    expert = ("model.layers.0.mlp.experts.0.gate_proj", "weight")
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj: .*fused MoE experts cannot be evaluated"):
-        runner.check({expert: TensorQuant(INT4_G)})

@@ -4,12 +4,16 @@ decoder's rotary position embeddings and masks repeated along)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import observers as ob
 from sample_models import open_model
+from sample_models.capture import forward_kwargs
 from sample_models.effect import EffectRunner, TensorQuant
+from sample_models.layers import resolve_layer
 
 
 def _variants(model, layer: str) -> list[dict]:
@@ -51,3 +55,51 @@ def test_stacked_variants_must_quantize_the_same_tensors():
     other = {("model.layers.1.mlp.up_proj", "weight"): first[("model.layers.0.self_attn.q_proj", "weight")]}
     with pytest.raises(ValueError, match="same tensors"):
         runner.run_stacked([first, other])
+
+
+def test_fused_moe_expert_weights_run_as_the_model_holding_them():
+    """Weights of single experts of a fused experts module (transformers 5 stores Mixtral's as 3-D
+    parameters, no module per expert), alone and stacked, give the outputs of a copy of the model
+    whose 3-D parameters hold those quantized slices; the model's own parameters are untouched."""
+    model = open_model("tiny-moe")
+    runner = EffectRunner(model, samples=6, seq_len=32)
+    spec = ob.QuantSpec("int4", strategy="group", group_size=16)
+    layers = [
+        "model.layers.0.mlp.experts.1.up_proj",
+        "model.layers.1.mlp.experts.2.gate_proj",
+        "model.layers.1.mlp.experts.2.down_proj",
+    ]
+    before = {name: p.detach().clone() for name, p in model.module().named_parameters() if "experts" in name}
+    variants = []
+    for name in ("minmax", "mse_grid"):
+        variant = {}
+        for layer in layers:
+            observer = ob.create(name, spec, kind="weight")
+            observer.observe(model.weight(layer))
+            variant[(layer, "weight")] = TensorQuant(spec, observer.qparams())
+        variants.append(variant)
+    stacked = runner.run_stacked(variants)
+    for variant, together in zip(variants, stacked, strict=True):
+        alone = runner.run(variant, sqnr=False)
+        hand = copy.deepcopy(model.module())
+        with torch.no_grad():
+            for (layer, _), quant in variant.items():
+                view = resolve_layer(hand, layer).weight()
+                view.copy_(quant(view, "weight"))
+            expected = [hand(**forward_kwargs(hand, batch)).logits.float() for batch in runner.batches]
+        for mine, theirs, ours in zip(alone.outputs, together.outputs, expected, strict=True):
+            torch.testing.assert_close(mine, ours, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert float((stacked[0].outputs[0] - stacked[1].outputs[0]).abs().max()) > 0
+    assert float((stacked[0].outputs[0] - runner.float_outputs[0]).abs().max()) > 0
+    after = dict(model.module().named_parameters())
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_only_the_weights_of_fused_moe_experts_can_be_evaluated():
+    runner = EffectRunner(open_model("tiny-moe"), samples=2, seq_len=32)
+    spec = ob.QuantSpec("int8", strategy="token", dynamic=True)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj input: a fused MoE expert; only its weight"):
+        runner.check({("model.layers.0.mlp.experts.0.gate_proj", "input"): TensorQuant(spec)})
+    with pytest.raises(ValueError, match=r"experts\.9\.gate_proj: not a layer of the loaded model"):
+        runner.check({("model.layers.0.mlp.experts.9.gate_proj", "weight"): TensorQuant(spec)})

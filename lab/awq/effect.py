@@ -49,9 +49,9 @@ def model_effect(
     model: Model, run: AWQRun, evaluator: Evaluator, variants: Sequence[Variant] = tuple(Variant)
 ) -> pd.DataFrame:
     """One row per (observer, variant) with the evaluator's metrics; a pair without a row on some
-    mapping is left out. Balance layers the effect runner cannot quantize (a fused MoE's experts,
-    not modules of the loaded model) are one ``ValueError``. The pairs' weights are made as they
-    are run, ``STACKED_VARIANTS`` distinct ones held at a time."""
+    mapping is left out. Balance layers the effect runner cannot quantize are one ``ValueError``
+    (a fused MoE's experts run inside their fused module, ``EffectRunner``). The pairs' weights are
+    made as they are run, ``STACKED_VARIANTS`` distinct ones held at a time."""
     keys: list[tuple[str, Variant, str]] = []
     waiting: dict[str, dict] = {}
     metrics: dict[str, dict[str, float]] = {}
