@@ -79,7 +79,9 @@ class Replay:
 
     def record(self, batches: list[Batch]) -> BlockCalls:
         """One float pass over ``batches`` recording what each block was called with (streamed: the
-        blocks replaced by stand-ins, so no block is loaded)."""
+        blocks replaced by stand-ins, so no block is loaded), attention computed eagerly as in a
+        capture's pass (``eager_attention``), so the calls carry the masks a block copy made during
+        that pass is replayed with."""
         with eager_attention(self._backend.module):
             calls, first, _ = self._backend.record(batches, threading.get_ident())
         return BlockCalls(calls, first)
