@@ -361,3 +361,37 @@ def test_cli_sensitivity_rejects_an_unknown_metric():
     argv = ["sensitivity", "minilm", "--layers", "x", "--format", "int4", "--metric", "speed", "--out", "x.json"]
     code, _, stderr = _run_cli(argv)
     assert code == 2 and "not a model-level metric" in stderr
+
+
+def test_decoder_metrics_of_several_models_are_each_ones_alone_and_the_formulas():
+    """The float side of each held-out batch is computed once for several quantized models: each
+    model's figures are those it gets alone, bit for bit, and the formulas in float64 by hand (KL
+    over real positions, top-1 agreement, perplexity over real next tokens)."""
+    from lab.effect.evaluate import decoder_metrics, decoder_metrics_of
+    from sample_models.calibration import Batch
+
+    g = torch.Generator().manual_seed(3)
+    masks = [torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]), torch.ones(2, 6, dtype=torch.long)]
+    batches = [Batch(torch.randint(0, 11, (2, 6), generator=g), m, m.bool()) for m in masks]
+    float_logits = [torch.randn(2, 6, 11, generator=g) for _ in batches]
+    runs = [[f + scale * torch.randn(f.shape, generator=g) for f in float_logits] for scale in (0.05, 0.3, 1.0)]
+    together = decoder_metrics_of(float_logits, runs, batches)
+    assert together == [decoder_metrics(float_logits, run, batches) for run in runs]
+    for found, run in zip(together, runs, strict=True):
+        kl = agree = count = nll_p = nll_q = predicted = 0.0
+        for f, q, batch in zip(float_logits, run, batches, strict=True):
+            log_p, log_q = torch.log_softmax(f.double(), -1), torch.log_softmax(q.double(), -1)
+            valid = batch.valid
+            kl += float((log_p.exp() * (log_p - log_q)).sum(-1)[valid].sum())
+            agree += float((f.argmax(-1) == q.argmax(-1))[valid].sum())
+            count += float(valid.sum())
+            following = valid[:, :-1] & valid[:, 1:]
+            target = batch.input_ids[:, 1:].unsqueeze(-1)
+            nll_p -= float(log_p[:, :-1].gather(-1, target).squeeze(-1)[following].sum())
+            nll_q -= float(log_q[:, :-1].gather(-1, target).squeeze(-1)[following].sum())
+            predicted += float(following.sum())
+        assert found["kl"] == pytest.approx(kl / count, rel=1e-5)
+        assert found["top1_agreement"] == agree / count
+        assert found["perplexity"] == pytest.approx(math.exp(nll_q / predicted), rel=1e-5)
+        assert found["float_perplexity"] == pytest.approx(math.exp(nll_p / predicted), rel=1e-5)
+    assert together[0]["kl"] < together[1]["kl"] < together[2]["kl"]

@@ -164,8 +164,9 @@ def _run_all(evaluator: Evaluator, planned: dict[tuple, dict], progress: Progres
             if progress is not None:
                 progress(len(done), len(planned), f"{chunk[0][1]} · {chunk[0][0]} · {len(chunk)} observer(s)")
             runs = evaluator.runner.run_stacked([planned[key] for key in chunk])
+            metrics = evaluator.metrics_of(runs)
             done |= {
-                key: evaluator.metrics(run) | {"first_block": run.start} for key, run in zip(chunk, runs, strict=True)
+                key: found | {"first_block": run.start} for key, run, found in zip(chunk, runs, metrics, strict=True)
             }
     if progress is not None:
         progress(len(planned), len(planned), "scored")

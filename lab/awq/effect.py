@@ -58,7 +58,7 @@ def model_effect(
 
     def measure() -> None:
         results = evaluator.runner.run_stacked(list(waiting.values()))
-        metrics.update({key: evaluator.metrics(result) for key, result in zip(waiting, results, strict=True)})
+        metrics.update(zip(waiting, evaluator.metrics_of(results), strict=True))
         waiting.clear()
 
     for observer in run.observers:

@@ -199,35 +199,74 @@ class Evaluation:
         )
 
 
-def _kl_top1_nll(float_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor):
-    """Sums over real positions: KL(float || quantized), top-1 agreements, and the negative log
-    likelihood of the next token under both (positions whose next token is real)."""
-    log_p = torch.log_softmax(float_logits.float(), dim=-1)
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    agree = log_p.max(-1).indices == log_q.max(-1).indices  # argmax's first maximum, twice as fast on CPU
-    nxt = (valid[:, :-1] & valid[:, 1:]).float()
-    target = ids[:, 1:].unsqueeze(-1)
-    nll_p = -(log_p[:, :-1].gather(-1, target).squeeze(-1) * nxt).sum()
-    nll_q = -(log_q[:, :-1].gather(-1, target).squeeze(-1) * nxt).sum()
-    v = valid.float()
-    return float((kl * v).sum()), float((agree.float() * v).sum()), float(nll_p), float(nll_q), float(nxt.sum())
+@dataclass(frozen=True)
+class _FloatSide:
+    """What every quantized model's figures on one held-out batch compare with: the float model's
+    log-probabilities and probabilities, its top-1 token, its summed negative log likelihood of the
+    next token, and which positions count (real ones; real ones whose next token is real)."""
+
+    log_p: torch.Tensor
+    p: torch.Tensor
+    top1: torch.Tensor
+    nll: float
+    valid: torch.Tensor
+    following: torch.Tensor
+    target: torch.Tensor
+
+    @classmethod
+    def of(cls, float_logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> _FloatSide:
+        log_p = torch.log_softmax(float_logits.float(), dim=-1)
+        following = (valid[:, :-1] & valid[:, 1:]).float()
+        target = ids[:, 1:].unsqueeze(-1)
+        nll = -(log_p[:, :-1].gather(-1, target).squeeze(-1) * following).sum()
+        top1 = log_p.max(-1).indices  # argmax's first maximum, twice as fast on CPU
+        return cls(log_p, log_p.exp(), top1, float(nll), valid.float(), following, target)
+
+    def against(self, logits: torch.Tensor) -> tuple[float, float, float, float]:
+        """Sums over real positions: KL(float || quantized), top-1 agreements, the quantized
+        model's negative log likelihood of the next token, and the positions predicted."""
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        kl = (self.p * (self.log_p - log_q)).sum(-1)
+        agree = self.top1 == log_q.max(-1).indices
+        nll_q = -(log_q[:, :-1].gather(-1, self.target).squeeze(-1) * self.following).sum()
+        return (
+            float((kl * self.valid).sum()),
+            float((agree.float() * self.valid).sum()),
+            float(nll_q),
+            float(self.following.sum()),
+        )
 
 
 def decoder_metrics(float_logits: Sequence[torch.Tensor], logits: Sequence[torch.Tensor], batches) -> dict[str, float]:
     """``kl`` (mean over real positions), ``top1_agreement``, ``perplexity`` of the quantized model
     and ``float_perplexity``, all in fp32."""
-    kl = agree = nll_p = nll_q = count = predicted = 0.0
-    for f, q, batch in zip(float_logits, logits, batches, strict=True):
-        a, b, c, d, e = _kl_top1_nll(f, q, batch.input_ids, batch.valid)
-        kl, agree, nll_p, nll_q, predicted = kl + a, agree + b, nll_p + c, nll_q + d, predicted + e
+    return decoder_metrics_of(float_logits, [logits], batches)[0]
+
+
+def decoder_metrics_of(
+    float_logits: Sequence[torch.Tensor], runs: Sequence[Sequence[torch.Tensor]], batches
+) -> list[dict[str, float]]:
+    """``decoder_metrics`` of several quantized models' logits (``runs``, each per batch), the
+    float side of each batch computed once for all of them: each model's figures are the ones
+    ``decoder_metrics`` gives it alone, bit for bit."""
+    sums = [[0.0] * 4 for _ in runs]
+    nll_p = count = 0.0
+    for index, (f, batch) in enumerate(zip(float_logits, batches, strict=True)):
+        side = _FloatSide.of(f, batch.input_ids, batch.valid)
+        for total, logits in zip(sums, runs, strict=True):
+            for i, value in enumerate(side.against(logits[index])):
+                total[i] += value
+        nll_p += side.nll
         count += float(batch.valid.sum())
-    return {
-        "kl": max(kl / count, 0.0),
-        "top1_agreement": agree / count,
-        "perplexity": math.exp(nll_q / predicted),
-        "float_perplexity": math.exp(nll_p / predicted),
-    }
+    return [
+        {
+            "kl": max(kl / count, 0.0),
+            "top1_agreement": agree / count,
+            "perplexity": math.exp(nll_q / predicted),
+            "float_perplexity": math.exp(nll_p / predicted),
+        }
+        for kl, agree, nll_q, predicted in sums
+    ]
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -299,9 +338,14 @@ class Evaluator:
         return self.metric_names[0]
 
     def metrics(self, run: RunResult) -> dict[str, float]:
+        return self.metrics_of([run])[0]
+
+    def metrics_of(self, runs: Sequence[RunResult]) -> list[dict[str, float]]:
+        """``metrics`` of each of ``runs`` (a stacked run's variants), a decoder's float side of each
+        held-out batch computed once for all of them."""
         if self.kind == "decoder":
-            return decoder_metrics(self.runner.float_outputs, run.outputs, self.runner.batches)
-        return encoder_metrics(self.runner.float_outputs, run.outputs)
+            return decoder_metrics_of(self.runner.float_outputs, [run.outputs for run in runs], self.runner.batches)
+        return [encoder_metrics(self.runner.float_outputs, run.outputs) for run in runs]
 
     def float_metrics(self) -> dict[str, float]:
         """The metrics of the float model against itself (KL 0, cosine 1; the float perplexity)."""
