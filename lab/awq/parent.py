@@ -11,8 +11,8 @@ summed over the real tokens of every batch, divided by the element count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
@@ -136,16 +136,24 @@ def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
 
         return forward
 
-    previous = {}
     for name, module in balance.items():
         if type(module).forward is not nn.Linear.forward:
             raise TypeError(f"{name}: a balance layer must compute a plain linear map, not {type(module).__name__}")
-        previous[name] = module.__dict__.get("forward")
-        module.forward = forward_for(module, name)
+    with ExitStack() as swapped:
+        for name, module in balance.items():
+            swapped.enter_context(forward_swapped(module, forward_for(module, name)))
+        yield
+
+
+@contextmanager
+def forward_swapped(module: nn.Module, forward: Callable) -> Iterator[None]:
+    """``module`` computing ``forward`` while the ``with`` runs; an instance ``forward`` that was
+    there before (accelerate's offloading hooks set one) is put back after."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
     try:
         yield
     finally:
-        for name, module in balance.items():
-            del module.forward
-            if previous[name] is not None:
-                module.forward = previous[name]
+        del module.forward
+        if previous is not None:
+            module.forward = previous

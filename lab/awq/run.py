@@ -17,8 +17,8 @@ copies.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import observers as ob
 from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
 from lab.awq.mappings import Mapping, Mappings, resolve
-from lab.awq.parent import ParentCalls
+from lab.awq.parent import ParentCalls, forward_swapped
 from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
 from sample_models.capture import Propagation
@@ -148,7 +148,7 @@ class AWQWalk:
         self._inputs = BlockInputs()
         if index == self.last and self.searched is not None:
             self.searched(self.result())
-        return lambda module: _running_as(block, changed)
+        return lambda module: forward_swapped(block, changed.forward)
 
     def result(self) -> AWQRun:
         """What the walk found (after the pass)."""
@@ -161,19 +161,6 @@ class AWQWalk:
             self.tokens,
             self.checking.tokens,
         )
-
-
-@contextmanager
-def _running_as(block: nn.Module, changed: nn.Module) -> Iterator[None]:
-    """``block`` computing what ``changed`` (its smoothed copy) computes, while the ``with`` runs."""
-    previous = block.__dict__.get("forward")
-    block.forward = changed.forward
-    try:
-        yield
-    finally:
-        del block.forward
-        if previous is not None:
-            block.forward = previous
 
 
 @torch.no_grad()
