@@ -40,7 +40,7 @@ import observers as ob
 from .calibration import Batch, make_batches
 from .capture import forward_kwargs
 from .kv import CACHE_ARGUMENTS, attention_kind, cache_argument
-from .layers import LayerRef, expert_weight, resolve_layer
+from .layers import expert_weight, resolve_layer
 from .model import Model
 from .sequential import _Call, _find_blocks, _LastBlockReached, _Loader, _split_call, _StandIn
 
@@ -645,7 +645,7 @@ def _quantized_experts(mod: nn.Module, chosen: ExpertWeights) -> dict[str, torch
     """Copies of a fused experts module's 3-D weights with the chosen experts' projections quantized."""
     copies = {name: getattr(mod, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
     for (expert, projection), quant in chosen.items():
-        view = expert_weight(copies, LayerRef(mod, expert, projection))
+        view = expert_weight(copies, expert, projection)
         view.copy_(quant(view, "weight"))
     return copies
 

@@ -83,14 +83,67 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def expert_weight(experts: dict[str, torch.Tensor], ref: LayerRef) -> torch.Tensor:
+def expert_weight(experts: dict[str, torch.Tensor], expert: int, projection: str) -> torch.Tensor:
     """One expert's projection ``(out, in)`` as a view of fused experts tensors (``gate_up_proj``:
-    gate rows then up rows; ``down_proj``): the module's own, or copies of them the same shape."""
-    if ref.projection == "down_proj":
-        return experts["down_proj"][ref.expert]
-    gate_up = experts["gate_up_proj"][ref.expert]
+    gate rows then up rows; ``down_proj``): the module's own, copies of them the same shape, or
+    the one of them that holds ``projection``."""
+    if projection == "down_proj":
+        return experts["down_proj"][expert]
+    gate_up = experts["gate_up_proj"][expert]
     half = gate_up.shape[0] // 2
-    return gate_up[:half] if ref.projection == "gate_proj" else gate_up[half:]
+    return gate_up[:half] if projection == "gate_proj" else gate_up[half:]
+
+
+def expert_of(name: str) -> tuple[str, str, int, str] | None:
+    """``(experts module, fused parameter, expert, projection)`` of an expert projection's layer
+    name (``<experts>.<index>.<gate_proj|up_proj|down_proj>``), or None for any other name."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    fused = "down_proj" if match["proj"] == "down_proj" else "gate_up_proj"
+    return match["block"], fused, int(match["expert"]), match["proj"]
+
+
+def saved_expert_names(root: nn.Module) -> dict[str, str]:
+    """Every expert projection of ``root``'s fused experts modules, by the name its own 2-D weight
+    takes where transformers saves the model (``save_pretrained`` undoes the checkpoint conversion
+    it loaded through: Mixtral's ``experts.gate_up_proj`` is written as ``block_sparse_moe.experts.
+    <e>.w1`` and ``w3``): ``{view name: saved layer name}``. Found by saving row tags of each
+    fused tensor through transformers' own ``revert_weight_conversion``, so no architecture's
+    layout is restated here; an architecture saved fused, or split some other way, gives no names
+    for its experts. ``root`` may be a skeleton (its parameters on the meta device)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names: dict[str, str] = {}
+    for name, module in root.named_modules():
+        if not is_fused_experts(module):
+            continue
+        for fused in ("gate_up_proj", "down_proj"):
+            experts, rows = getattr(module, fused).shape[:2]
+            tags = torch.arange(experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
+            saved = revert_weight_conversion(root, {f"{name}.{fused}": tags})
+            placed = {_tagged_view(fused, rows, tag): key for key, tag in saved.items()}
+            if None in placed or len(placed) != experts * (2 if fused == "gate_up_proj" else 1):
+                continue
+            names |= {f"{name}.{expert}.{proj}": key.removesuffix(".weight") for (expert, proj), key in placed.items()}
+    return names
+
+
+def _tagged_view(fused: str, rows: int, tag: torch.Tensor) -> tuple[int, str] | None:
+    """The (expert, projection) whose rows a saved tensor of row tags holds whole and in order, or
+    None when it holds anything else (part of a projection, rows of two, a transposed layout)."""
+    if tag.ndim != 2 or tag.shape[1] != 1 or tag.shape[0] == 0:
+        return None
+    values = tag[:, 0].long()
+    expert, first = divmod(int(values[0]), rows)
+    if not torch.equal(values, torch.arange(values[0], values[0] + len(values))):
+        return None
+    if fused == "down_proj":
+        return (expert, "down_proj") if first == 0 and len(values) == rows else None
+    half = rows // 2
+    if len(values) != half or first not in (0, half):
+        return None
+    return expert, "gate_proj" if first == 0 else "up_proj"
 
 
 @dataclass(frozen=True)
@@ -111,7 +164,8 @@ class LayerRef:
         if self.expert is None:
             weight = self.module.weight
             return weight.t() if isinstance(self.module, Conv1D) else weight
-        return expert_weight({"gate_up_proj": self.module.gate_up_proj, "down_proj": self.module.down_proj}, self)
+        experts = {"gate_up_proj": self.module.gate_up_proj, "down_proj": self.module.down_proj}
+        return expert_weight(experts, self.expert, self.projection)
 
     def bias(self) -> torch.Tensor | None:
         """The bias vector, or None when the layer has none."""

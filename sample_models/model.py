@@ -40,7 +40,7 @@ from .kv import (
     head_dim_of,
     split_heads,
 )
-from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer
+from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer, saved_expert_names
 from .sequential import Progress, SequentialModel, SequentialRunner, SequentialStats, default_max_memory
 from .stores import WeightStore
 
@@ -191,6 +191,12 @@ class Model:
     def module(self) -> nn.Module:
         """The executable model (built or loaded on first call). Treat it as read-only."""
         return self._require_runtime().module.get()
+
+    def saved_expert_names(self) -> dict[str, str]:
+        """``{expert projection: its layer name where transformers saves the model}`` for the
+        model's fused experts (``layers.saved_expert_names``, read from the skeleton); empty for a
+        model without fused experts or without a runtime."""
+        return {} if self._runtime is None else saved_expert_names(self._structure())
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer that turns calibration text into tokens (loaded on first call)."""

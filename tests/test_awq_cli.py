@@ -10,7 +10,9 @@ import re
 import pytest
 import torch
 from helpers import save_checkpoint, tiny_llama
+from safetensors import safe_open
 
+import observers as ob
 import sample_models
 from lab.awq.mappings import NOT_A_DECODER
 from lab.cli import main
@@ -118,14 +120,16 @@ def test_a_sweep_with_awq_is_refused(tmp_path) -> None:
     assert code == 2 and "not a sweep" in err
 
 
-def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded(tmp_path) -> None:
+def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded_and_packed(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lab.awq.deploy import AWQDeploy
+    from lab.awq.command import deployed as awq_deployed
+    from lab.export import lab_json
     from sample_models import open_model
+    from sample_models.layers import expert_of, expert_weight
 
     target, directory = tmp_path / "moe.json", tmp_path / "ck"
-    layers = r"re:model\.layers\.0\.(self_attn\.q_proj|mlp\.experts\.[01]\.(gate|down)_proj)"
+    layers = r"re:model\.layers\.0\.(self_attn\.q_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)"
     flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
     code, out, err = _cli(
         "run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint", str(directory),
@@ -133,20 +137,33 @@ def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded(tmp_
     )  # fmt: skip
     assert code == 0, err
     rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
-    assert len(rows) == 4  # q/k/v, the experts' gate/up, up -> down of experts 0 and 1
+    assert len(rows) == 4  # q/k/v, the experts' gate/up, up -> down of the routed experts 0 and 1
     assert "gate_proj, up_proj of 4 experts" in rows[1][0]
     assert "# model-level, held-out text, every balance layer quantized by the variant" in out  # experts included
     assert sum(line.startswith("best model-level\t") for line in out.splitlines()) == 4
     assert "deploy\tAWQ llm-compressor" in out
-    # q/k/v packed; the experts stay dense (compressed-tensors packs Linear layers), their 3-D
-    # weights and the router folded
-    deployed = AWQDeploy.from_dict(json.loads((tmp_path / "moe.awq.json").read_text())["deployed"])
+    # The experts are packed one projection per expert, as transformers saves Mixtral
+    # (block_sparse_moe.experts.<e>.w1/w3/w2), and load into the fused weights as the lab's
+    # quantized folded weights; the router (not chosen) is folded and dense.
+    lab_file, deployed = awq_deployed(lab_json.load_file(target), target)
+    entries = {e.layer: e for e in lab_file.entries if e.tensor == "weight"}
     model = open_model("tiny-moe")
     loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
-    for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
-        stored = model.stored(key)
-        assert torch.equal(loaded[key], deployed.fold(key, stored)) and not torch.equal(loaded[key], stored), key
-    assert "stays dense (compressed-tensors compresses Linear layers, this is a ExpertLinear)" in err
+    keys = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj")
+    folded = {key.rpartition(".")[2]: deployed.fold(key, model.stored(key)).float() for key in keys}
+    fused = {key.rpartition(".")[2]: loaded[key].float() for key in keys}
+    experts = [name for name in entries if expert_of(name) is not None]
+    assert len(experts) == 12
+    for name in experts:
+        _, _, expert, projection = expert_of(name)
+        entry = entries[name]
+        expected = ob.fake_quantize(expert_weight(folded, expert, projection), entry.qparams, entry.spec)
+        assert torch.equal(expert_weight(fused, expert, projection), expected), name
+    assert not torch.equal(folded["gate_up_proj"], fused["gate_up_proj"])  # quantized, not the dense weight
+    weights = {key for part in directory.glob("*.safetensors") for key in safe_open(part, "pt").keys()}
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight_packed" in weights
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in weights)
+    assert "stays dense" not in err
 
 
 def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, monkeypatch) -> None:

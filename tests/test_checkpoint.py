@@ -22,7 +22,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 import observers as ob
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
-from lab.export import checkpoint, lab_json, model_dir
+from lab.export import checkpoint, lab_json, model_dir, packing
 from lab.provenance import made_by
 from sample_models import open_model
 
@@ -294,7 +294,7 @@ def test_weights_are_written_in_files_of_bounded_size_with_an_index(minilm, tmp_
 def test_a_weight_packed_a_slice_of_rows_at_a_time_is_the_same(minilm, tmp_path, monkeypatch, spec, dtype):
     lab_file = _lab_file(minilm, spec, {ATTENTION_OUT: "minmax", FFN: "minmax"})
     checkpoint.write(lab_file, minilm, tmp_path / "whole")
-    monkeypatch.setattr(checkpoint, "CHUNK_ELEMENTS", 7 * 384)  # 7 rows of the attention output, 18 of the FFN's 1536
+    monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 7 * 384)  # 7 rows of the attention output, 18 of the FFN's 1536
     _round_trip(minilm, lab_file, tmp_path / "sliced", dtype=dtype)
     whole = safetensors_torch.load_file(str(tmp_path / "whole" / "model.safetensors"))
     sliced = safetensors_torch.load_file(str(tmp_path / "sliced" / "model.safetensors"))

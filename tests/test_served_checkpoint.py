@@ -3,8 +3,8 @@ compressed-tensors loader reads it (``tests/vllm_loader.py``: fused shards' NVFP
 collapsed with ``max()``, FP8 per-tensor weights requantized with the largest shard scale, static
 input scales at the largest), every layer is the weight the lab chose, and no layer is rescaled.
 
-For every preset on tiny-llama and tiny-moe (its attention; its experts stay dense, as the
-checkpoint leaves non-``Linear`` layers), a dense checkpoint whose fused members chose different
+For every preset on tiny-llama and tiny-moe (its attention; its packed experts are
+``tests/test_checkpoint_experts.py``'s), a dense checkpoint whose fused members chose different
 observers where they could; with GPTQ for the presets it serves; and mixed-precision checkpoints
 from an allocation. A checkpoint with per-layer global scales, written past the lab's refusal,
 shows what the loader does to it, so these tests can fail."""
@@ -137,7 +137,7 @@ def test_per_layer_global_scales_are_rescaled_where_served_so_the_lab_refuses_th
     forced = replace(lab_file, entries=[replace(e, qparams=own[e.layer]) for e in lab_file.entries])
     with pytest.raises(checkpoint.CheckpointError, match="self_attn qkv_proj: weight global scales differ"):
         checkpoint.write(forced, model, tmp_path / "refused")
-    monkeypatch.setattr(checkpoint, "check_served", lambda layers, facts: None)
+    monkeypatch.setattr(checkpoint, "check_served", lambda layers, facts, experts=(): None)
     checkpoint.write(forced, model, tmp_path / "out")
     served, alone = vllm_loader.served(tmp_path / "out"), vllm_loader.own(tmp_path / "out")
     ratios = {}

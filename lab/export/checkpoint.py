@@ -7,8 +7,10 @@ directory:
 
 - the model's weights, read one tensor at a time and written in files of at most ``FILE_BYTES``: a
   chosen layer's weight is replaced by the compressor's packed form of the lab's fake-quantized
-  weight, with its scales; the chosen input, output and key/value scales are added; everything else
-  is copied as stored (an AWQ run's scales folded in, ``lab.awq.deploy``);
+  weight, with its scales (``lab.export.packing``); fused MoE experts are written one projection
+  per expert, each packed, under the names transformers saves them by (``lab.export.experts``); the
+  chosen input, output and key/value scales are added; everything else is copied as stored (an AWQ
+  run's scales folded in, ``lab.awq.deploy``);
 - ``config.json`` with a ``quantization_config`` (status ``compressed``; one config group per
   (scheme, observer, knobs), targeting the exact layer names, the model's other ``Linear`` layers in
   ``ignore``), the tokenizer and generation files, and ``observer_lab_checkpoint.txt`` (what was
@@ -27,7 +29,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,19 @@ import torch
 import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.export.chosen import Chosen, of_lab_file
-from lab.export.compressed_tensors import CT_ARG_NAMES, CtLayer, ct_layers, ct_tensors, ct_zero_point, kv_cache_scheme
+from lab.export.compressed_tensors import CtLayer, ct_layers, kv_cache_scheme
+from lab.export.experts import (
+    by_fused_tensor,
+    expert_dense_reason,
+    expert_target,
+    packed_experts,
+    saved_layers,
+    target_experts,
+)
 from lab.export.lab_apply import apply_choices
 from lab.export.lab_json import LabFile
 from lab.export.model_dir import NOTES_FILE, files_section, move_into_place, name_weight_files
+from lab.export.packing import compress_layer
 from lab.export.recipe import config_groups_of
 from lab.gptq.deploy import GPTQDeploy
 from lab.gptq.hessians import HessianOf
@@ -47,11 +58,9 @@ from lab.provenance import provenance_lines
 from lab.results import unusable_scales
 from lab.runtime.scales import load_problems
 from lab.vocab import KV_TENSORS
+from sample_models.layers import EXPERT_TYPE
 from sample_models.sequential import return_freed_memory
 
-CHUNK_ELEMENTS = 4 << 20
-"""Weight elements packed at once: a bigger weight (a head, an embedding-sized layer) is packed a
-slice of rows at a time, so the fp32 copies fake-quantization and packing make stay small."""
 FILE_BYTES = 256 << 20
 """Largest weight file the checkpoint gets (a bigger tensor gets one of its own): what a write
 holds in memory at once, twice (safetensors copies a file's tensors into bytes to write them)."""
@@ -123,6 +132,8 @@ def dense_reason(spec: ob.QuantSpec, tensor: str, layer_type: str | None) -> str
             "stays dense, unquantized (compressed-tensors 0.20 packs asymmetric integer zero points "
             "when it saves, but does not expect them packed when it loads)"
         )
+    if layer_type == EXPERT_TYPE:
+        return expert_dense_reason(spec, tensor)
     if tensor not in KV_TENSORS and layer_type != "Linear":
         return f"stays dense (compressed-tensors compresses Linear layers, this is a {layer_type})"
     return None
@@ -146,10 +157,11 @@ def _plan(chosen: list[Chosen], facts: ModelFacts, notes: list[str]) -> list[CtL
     return layers
 
 
-def check_served(layers: list[CtLayer], facts: ModelFacts) -> None:
+def check_served(layers: list[CtLayer], facts: ModelFacts, experts: Iterable[str] = ()) -> None:
     """The packed layers must load as the lab computed them in a server that fuses layers (vLLM,
     SGLang: ``lab.runtime``): every fused group packed whole, in one scheme, sharing the scales the
-    server keeps one of. One ``CheckpointError`` line per group that would not; nothing is written."""
+    server keeps one of; ``experts`` (saved expert layers) run as one kernel per experts module.
+    One ``CheckpointError`` line per group that would not; nothing is written."""
     packed = {
         layer.layer: {
             tensor: (entry.spec, entry.qparams) for tensor, entry in layer.entries.items() if tensor in layer.args
@@ -157,7 +169,7 @@ def check_served(layers: list[CtLayer], facts: ModelFacts) -> None:
         for layer in layers
     }
     linear = [name for name, kind in facts.layer_types.items() if kind == "Linear"]
-    problems = load_problems(packed, linear)
+    problems = load_problems(packed, [*linear, *experts])
     if problems:
         raise CheckpointError(
             "a server that fuses layers (vLLM, SGLang) would load this checkpoint wrong:\n  - "
@@ -166,21 +178,29 @@ def check_served(layers: list[CtLayer], facts: ModelFacts) -> None:
 
 
 def quantization_config(
-    lab_file: LabFile, facts: ModelFacts
+    lab_file: LabFile, facts: ModelFacts, saved_experts: dict[str, str] | None = None
 ) -> tuple[dict[str, Any], list[CtLayer], dict[str, torch.Tensor], list[str]]:
     """The ``quantization_config`` the checkpoint's ``config.json`` gets, the layers it packs, the
     key/value scale tensors and the notes (what stays dense and why). Groups are the recipe's
     (``lab.export.recipe``): one per scheme, observer and knobs, exact layer names; each group's
-    ``format`` is the compressor compressed-tensors itself picks for a Linear layer with that scheme."""
+    ``format`` is the compressor compressed-tensors itself picks for a Linear layer with that scheme.
+    Fused experts' projections are packed under the names transformers saves them by
+    (``saved_experts``, ``Model.saved_expert_names``; ``lab.export.experts``)."""
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationScheme
 
     notes: list[str] = []
+    saved_experts = saved_experts or {}
     chosen = of_lab_file(lab_file.entries)
-    layers = _plan(chosen, facts, notes)
-    config_groups, _ = config_groups_of(layers, facts.layer_shapes, notes)
+    layers = saved_layers(_plan(chosen, facts, notes), saved_experts, notes)
+    shapes = facts.layer_shapes | {saved: facts.layer_shapes[view] for view, saved in saved_experts.items()}
+    config_groups, _ = config_groups_of(layers, shapes, notes)
     layers = [layer for layer in layers if layer.args]
-    check_served(layers, facts)
+    check_served(layers, facts, saved_experts.values())
+    try:
+        target_experts(config_groups, set(saved_experts.values()))
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     formats = set()
     for scheme in config_groups.values():
         scheme["format"] = infer_module_format(torch.nn.Linear, QuantizationScheme(**scheme)).value
@@ -201,87 +221,24 @@ def quantization_config(
     return config, layers, kv_tensors, list(dict.fromkeys(notes))
 
 
-def _compress_layer(
-    layer: CtLayer,
-    scheme: dict[str, Any],
-    weight: torch.Tensor | None,
-    gptq: GPTQDeploy | None = None,
-    input_scales: torch.Tensor | None = None,
+def _converted(
+    read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None, awq: Any, experts: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The layer's tensors under local names: the weight packed by the compressor of the group's
-    format (from the lab's fake-quantized weight, or its GPTQ weight: on inputs AWQ divided by
-    ``input_scales`` when AWQ ran first), and every chosen scale."""
-    args = {kind: scheme[CT_ARG_NAMES[kind]] for kind in layer.args}
-    prefix = f"{layer.layer}."
-    state = {name.removeprefix(prefix): value for name, value in ct_tensors(layer, args).items()}
-    if weight is None or "weight" not in layer.args:
-        return state
-    entry = layer.entries["weight"]
-    qparams = entry.qparams
-    if gptq is not None:
-        weight, qparams = gptq.apply(entry, weight, input_scales)
-    qparams = qparams.to("cpu")
-    rows = weight.shape[0]
-    per_row = entry.spec.strategy != "block" and qparams.scale.dim() >= 1 and qparams.scale.shape[0] == rows > 1
-    step = max(1, CHUNK_ELEMENTS // max(1, weight[0].numel())) if per_row else rows
-    pieces = [
-        _compress_rows(weight[start : start + step], _row_slice(qparams, start, step, per_row), entry, scheme)
-        for start in range(0, rows, step)
-    ]
-    stacked = {"weight_packed", "weight"} | ({"weight_scale", "weight_zero_point"} if per_row else set())
-    for name in pieces[0]:
-        parts = [piece[name] for piece in pieces]
-        state[name] = torch.cat(parts) if name in stacked and len(parts) > 1 else parts[0]
-    state["weight_shape"] = torch.tensor(weight.shape)
-    return {name: tensor.contiguous() for name, tensor in state.items()}
-
-
-def _row_slice(qparams: ob.QParams, start: int, count: int, per_row: bool) -> ob.QParams:
-    """The qparams of weight rows ``start`` to ``start + count`` (all of them when not per row)."""
-    if not per_row:
-        return qparams
-    rows = qparams.scale.shape[0]
-
-    def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None or tensor.dim() == 0 or tensor.shape[0] != rows:
-            return tensor
-        return tensor[start : start + count]
-
-    extras = {name: part(value) for name, value in qparams.extras.items()}
-    fields = {name: part(getattr(qparams, name)) for name in ("scale", "zero_point", "min_val", "max_val")}
-    return replace(qparams, extras=extras, **fields)
-
-
-def _compress_rows(
-    weight: torch.Tensor, qparams: ob.QParams, entry: Any, scheme: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """Some rows of a weight, fake-quantized by the lab and packed by compressed-tensors' compressor
-    of the group's format: a big weight (a head) is packed a slice at a time, never whole in fp32."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-
-    args = scheme[CT_ARG_NAMES["weight"]]
-    state = {"weight": ob.fake_quantize(weight.float(), qparams, entry.spec)}
-    # Every compressor takes the scale as a float; the block formats' store it in their own form
-    # (E8M0 exponents, FP8) themselves.
-    state["weight_scale"] = qparams.scale.float()
-    if qparams.global_scale is not None:
-        state["weight_global_scale"] = qparams.global_scale.float().reshape(1)
-    if not args["symmetric"]:
-        state["weight_zero_point"] = ct_zero_point(qparams, entry.spec, args["num_bits"])
-    compressor = BaseCompressor.get_value_from_registry(scheme["format"])
-    return compressor.compress(state, QuantizationScheme(**scheme))
-
-
-def _converted(read: Read, key: str, pending: Pending, gptq: GPTQDeploy | None, awq: Any) -> dict[str, torch.Tensor]:
     """One stored tensor as the checkpoint holds it: a chosen layer's weight packed with its
-    scales, anything else as ``read`` gives it (as stored, or with AWQ's scales folded in)."""
+    scales, fused experts (``experts``: ``by_fused_tensor``) as their projections packed, anything
+    else as ``read`` gives it (as stored, or with AWQ's scales folded in)."""
     name, _, local = key.rpartition(".")
     tensor = read(key)
+    if key in experts:
+        def compress(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor) -> dict[str, torch.Tensor]:
+            scales = None if awq is None else awq.input_scales(layer.entries["weight"].layer)
+            return compress_layer(layer, scheme, weight, gptq, scales)
+
+        return packed_experts(key, tensor, experts[key], pending, compress)
     if local == "weight" and name in pending:
         layer, scheme = pending.pop(name)
         scales = None if awq is None else awq.input_scales(name)
-        return {f"{name}.{k}": v for k, v in _compress_layer(layer, scheme, tensor, gptq, scales).items()}
+        return {f"{name}.{k}": v for k, v in compress_layer(layer, scheme, tensor, gptq, scales).items()}
     return {key: tensor.contiguous()}
 
 
@@ -297,13 +254,14 @@ def _files(
     progress: Progress | None,
     gptq: GPTQDeploy | None,
     awq: Any,
+    experts: dict[str, Any],
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The checkpoint's tensors, ``first`` then every stored one, in files of at most
     ``FILE_BYTES`` (a bigger tensor alone): what is held at once is one file being written."""
     keys = model.stored_keys()
     current, size = dict(first), _bytes(first)
     for done, key in enumerate(keys, start=1):
-        converted = _converted(read, key, pending, gptq, awq)
+        converted = _converted(read, key, pending, gptq, awq, experts)
         added = _bytes(converted)
         if current and size + added > FILE_BYTES:
             yield current
@@ -392,11 +350,14 @@ def write(
         gptq = GPTQDeploy.of_config(lab_file.config, hessians)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
-    config, layers, kv_tensors, notes = quantization_config(lab_file, facts)
+    saved_experts = model.saved_expert_names()
+    config, layers, kv_tensors, notes = quantization_config(lab_file, facts, saved_experts)
     read = model.stored if awq is None else lambda key: awq.fold(key, model.stored(key))
     notes = notes if awq is None else [*awq.lines(), *notes]
-    scheme_of = {name: scheme for scheme in config["config_groups"].values() for name in scheme["targets"]}
+    layer_of = {expert_target(name): name for name in saved_experts.values()}
+    scheme_of = {layer_of.get(t, t): scheme for scheme in config["config_groups"].values() for t in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
+    experts = by_fused_tensor(saved_experts, pending)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model_config = _side_files(model, staging)
@@ -405,9 +366,9 @@ def write(
         first = dict(kv_tensors)
         for key in [k for k, (layer, _) in pending.items() if "weight" not in layer.args]:
             layer, scheme = pending.pop(key)
-            first |= {f"{key}.{k}": v for k, v in _compress_layer(layer, scheme, None).items()}
+            first |= {f"{key}.{k}": v for k, v in compress_layer(layer, scheme, None).items()}
         parts: list[tuple[Path, list[str]]] = []
-        for tensors in _files(model, read, pending, first, progress, gptq, awq):
+        for tensors in _files(model, read, pending, first, progress, gptq, awq, experts):
             part = staging / f"part-{len(parts)}.safetensors"
             save_file(tensors, str(part), metadata={"format": "pt"})
             parts.append((part, list(tensors)))

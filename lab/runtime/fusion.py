@@ -83,6 +83,11 @@ def _kernel_unit(layer: str) -> str | None:
     return _linear_unit(layer)
 
 
+def member_name(layer: str) -> str:
+    """How a fused group's line names one member: ``q_proj``; an expert's ``0.w1``."""
+    return ".".join(layer.split(".")[-2:]) if _EXPERT.match(layer) else layer.rpartition(".")[2]
+
+
 def unit(layer: str, level: Level = Level.LINEAR) -> str:
     """The fused unit ``layer`` belongs to at ``level`` (``model.layers.0.self_attn qkv_proj``), or
     the layer itself when no server fuses it."""

@@ -28,7 +28,7 @@ from enum import StrEnum
 import torch
 
 import observers as ob
-from lab.runtime.fusion import Level, fused_groups, missing_members
+from lab.runtime.fusion import Level, fused_groups, member_name, missing_members
 
 
 class Collapse(StrEnum):
@@ -153,5 +153,5 @@ def _unshared(packed: Packed, members: Sequence[str], tensor: str) -> list[str]:
 
 
 def _short(layers: Sequence[str]) -> str:
-    """``q_proj, k_proj`` for layers of one parent."""
-    return ", ".join(layer.rpartition(".")[2] for layer in layers)
+    """``q_proj, k_proj`` for layers of one parent; ``0.w1, 1.w1`` for experts' layers."""
+    return ", ".join(member_name(layer) for layer in layers)
