@@ -36,6 +36,7 @@ from lab.serve.uploads import SessionUploads, UploadError
 from lab.settings import CalibrationForm, RunSettings, SpecSettings
 from lab.vocab import DEFAULT_METRIC
 from sample_models.calibration_sets import CalibrationSource, CalibrationSourceError, calibration_stamp, preview
+from sample_models.capture import BlockTap
 
 DEMO_MODEL = "minilm"
 DEMO_LAYERS = 6
@@ -96,8 +97,7 @@ class RunOutcome:
 
 @dataclass
 class ImportState:
-    """The last imported Observer Lab file: its digest (so a re-run does not import it again),
-    what it restored and the notes on what it did not."""
+    """The last imported lab file: its digest (so it is imported once), what it restored, the rest noted."""
 
     digest: str = ""
     name: str = ""
@@ -240,16 +240,16 @@ class Workspace:
         shared: SharedRuns | None = None,
         waiting: Waiting | None = None,
         keep: Keep | None = None,
+        tap: BlockTap | None = None,
     ) -> RunOutcome:
-        """``analyse`` ``self.layers`` with this session's result cache and capture memo; the
-        outcome replaces the analysis, and choices made on the old one are dropped. Capture
-        warnings (e.g. tokens subsampled to stay under the memory cap) are returned, not printed.
-
+        """``analyse`` ``self.layers`` with this session's result cache and capture memo (``tap``
+        riding the pass it computes: the Run page's AWQ); the outcome replaces the analysis, and
+        choices made on the old one are dropped. Capture warnings are returned, not printed.
         With ``shared`` (the server's ``SharedRuns``), a run another session computes or computed
         with the same model, layers and settings is read from there instead of computed again, and
         a different run waits for a free slot; ``waiting`` is told what this session waits for.
         ``keep`` keeps a computed run in the team's history (``lab.history``)."""
-        session = SessionRun(model, list(self.layers), config, attention, self.result_cache, self.capture_memo)
+        session = SessionRun(model, list(self.layers), config, attention, self.result_cache, self.capture_memo, tap)
         request = asdict(self.request) if self.request is not None else {}
         if shared is None:
             computed, how = session.compute(progress), "computed"

@@ -133,18 +133,30 @@ def awq_knob_editor(values: dict) -> None:
     ui.knob_widgets(ob.AWQ_KNOBS, values, "awq")
 
 
-def awq_with_status() -> None:
-    """AWQ beside the analysis just made, in a status box with a progress bar (mappings searched,
-    seconds, the mapping just searched), inside the server's heavy-run slot."""
+def awq_walk(config) -> tuple[awq_session.AWQWalk | None, str | None]:
+    """AWQ's walk for the analysis's calibration pass to carry, with a progress bar of its own
+    (mappings searched, seconds, the mapping just searched), made inside the server's heavy-run
+    slot (it records the held-out text's block calls); or, when AWQ refuses, the one line saying why."""
+    bar, timer = st.progress(0.0, text="AWQ: recording the held-out text"), ui.Timer()
+
+    def progress(done: int, total: int, mapping: str) -> None:
+        bar.progress(done / total, text=f"AWQ: {done}/{total} mappings · {timer.elapsed:.1f} s · {mapping}")
+
+    try:
+        with serving.heavy_slot(bar):
+            return awq.walk(model, list(ws.layers), config, progress), None
+    except ValueError as refused:
+        bar.empty()
+        return None, str(refused)
+
+
+def awq_with_status(walk) -> None:
+    """AWQ's results beside the analysis just made, in a status box: the walk rode the analysis's
+    pass, or (a run read from another session or the caches) walks a pass of its own."""
     with st.status("Searching AWQ's scales for each weight observer…", expanded=True) as status:
-        bar, timer = st.progress(0.0, text="starting"), ui.Timer()
-
-        def progress(done: int, total: int, mapping: str) -> None:
-            bar.progress(done / total, text=f"{done}/{total} mappings · {timer.elapsed:.1f} s · {mapping}")
-
         try:
-            with serving.heavy_slot(bar):
-                searched = awq.run(model, ws.request, ws.analysis, progress)
+            with serving.heavy_slot():
+                searched = awq.finish(model, ws.request, ws.analysis, walk)
         except Exception:
             status.update(label="AWQ did not run", state="error", expanded=False)
             raise
@@ -295,12 +307,12 @@ if st.button("Run", type="primary", disabled=bool(blocked), help=blocked or None
     awq.result = None
     with ui.guard("The run"):
         config = run.config(**scope)
-        ui.run_with_status(ws, model, config, attention)
-        if awq.on:
-            try:
-                awq_with_status()
-            except ValueError as refused:
-                st.error(ui.plain(f"{refused}."))
+        walk, refused = awq_walk(config) if awq.on else (None, None)
+        ui.run_with_status(ws, model, config, attention, walk)
+        if walk is not None:
+            awq_with_status(walk)
+        if refused:
+            st.error(ui.plain(f"{refused}."))
 elif blocked:
     st.caption(f"Run is off: {blocked}.")
 

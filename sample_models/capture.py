@@ -60,7 +60,10 @@ class BlockTap(Protocol):
     """A stage that rides a sequential capture block by block, as llm-compressor's modifiers ride
     its sequential pipeline (AWQ): its hooks are on each block while the block runs its batches,
     it hears of each batch before the batch runs, and once the block has had every batch (its
-    weights still loaded) it may change what the next block receives."""
+    weights still loaded) it may change what the next block receives. ``key`` says what it changes
+    there, so results a pass made with it are never taken for a plain pass's ('' when nothing)."""
+
+    key: str
 
     def hooks(self, index: int, block: nn.Module) -> AbstractContextManager: ...
 

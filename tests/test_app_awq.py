@@ -362,3 +362,43 @@ def test_awq_then_gptq_shows_calibration_and_held_out_figures_on_the_error_page(
     figures = shown[["gptq_error", "gptq_held_out_error"]]
     assert figures.notna().all().all() and (figures["gptq_error"] != figures["gptq_held_out_error"]).all()
     assert set(shown["gptq_held_out_rank"]) <= {1, 2} and (shown["gptq_held_out_rank"] == 1).any()
+
+
+def test_awq_rides_the_runs_calibration_pass_and_a_run_read_from_the_server_walks_its_own(monkeypatch):
+    # imatrix_mse takes its importance from the layers' inputs, so the analysis makes a pass of its
+    # own; AWQ rides it (one pass where there were two), and finds what it finds on a pass of its own
+    from sample_models.model import Model
+
+    passes = []
+    capture = Model.capture
+
+    def counted(self, names, **kwargs):
+        passes.append((list(names), kwargs.get("tap")))
+        return capture(self, names, **kwargs)
+
+    monkeypatch.setattr(Model, "capture", counted)
+    at = _run_page("tiny-llama", LAYERS)
+    at.multiselect(key="w:observers").set_value(["memoryless_minmax", "imatrix_mse"]).run()
+    at.selectbox(key="w:weight_dtype").set_value("int4").run()
+    at.selectbox(key="w:weight_strategy").set_value("group").run()
+    at.number_input(key="w:weight_group_size").set_value(16).run()
+    at.toggle(key="w:awq").set_value(True).run()
+    at.number_input(key="w:awq:n_grid").set_value(3).run()
+    _button(at, "Run").click().run()
+    _ok(at)
+    ws = _ws(at)
+    ridden = ws.awq.shown_with(ws.analysis)
+    assert [names for names, _ in passes] == [LAYERS] and passes[0][1] is not None  # the analysis's pass
+    assert ridden.run.tokens > 0 and ridden.frame["mapping_error"].notna().all()
+    analysis, request = ws.analysis, ws.request
+    own = ws.awq.run(_model(), request, analysis)  # the same walk on a pass of its own
+    pd.testing.assert_frame_equal(ridden.frame, own.frame)
+    # the same Run again is read from the server's recent results: no pass of this session carries
+    # AWQ, so it walks one of its own (a capture of no layers), and the result is the same
+    passes.clear()
+    _button(at, "Run").click().run()
+    _ok(at)
+    assert _ws(at).last_run.shared == "cached"
+    assert [names for names, _ in passes] == [[]] and passes[0][1] is not None
+    again = _ws(at).awq.shown_with(_ws(at).analysis)
+    pd.testing.assert_frame_equal(again.frame, ridden.frame)

@@ -85,6 +85,35 @@ def test_actorder_groups_weight_columns_by_input_importance():
     assert torch.equal(entry.results[0].qparams.extras["g_idx"], entry.g_idx)
 
 
+class _Tap:
+    """A block tap that changes nothing, saying it does by its ``key``."""
+
+    key = "smoothed upstream"
+
+    def hooks(self, index, block):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def start(self, batch) -> None:
+        pass
+
+    def finished(self, index, block):
+        return None
+
+
+def test_results_made_on_a_pass_a_tap_changes_are_cached_apart_from_a_plain_pass():
+    model = _Model()
+    cache = ResultCache()
+    config = RunConfig(specs={"weight": ob.QuantSpec("int8"), "input": ob.QuantSpec("int8")}, observers=("minmax",))
+    analyse(model, ["fc"], config, cache=cache, tap=_Tap())
+    assert (cache.hits, cache.misses) == (0, 2)
+    analyse(model, ["fc"], config, cache=cache)  # a plain pass: nothing of the tapped one is taken
+    assert (cache.hits, cache.misses) == (0, 4)
+    analyse(model, ["fc"], config, cache=cache, tap=_Tap())
+    assert (cache.hits, cache.misses) == (2, 4)
+
+
 def test_cache_reruns_only_changed_observer_and_choose_picks_best():
     model = _Model()
     cache = ResultCache()

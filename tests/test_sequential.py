@@ -71,6 +71,7 @@ class _BlockInputs:
     def __init__(self, double: bool) -> None:
         self.double, self.sums, self.batches, self.loaded = double, {}, 0, []
         self.valid = None
+        self.key = "doubled block 0" if double else ""
 
     def hooks(self, index, block):
         def hook(module, args, kwargs):

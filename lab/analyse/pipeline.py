@@ -89,7 +89,8 @@ def analyse(
     run exports).
 
     ``tap``: a stage that rides the calibration pass block by block (``run --awq``'s
-    ``lab.awq.run.AWQWalk``): the pass is then made, and made layer by layer, whatever else needs it.
+    ``lab.awq.run.AWQWalk``): the pass is then made, and made layer by layer, whatever else needs it;
+    what it changes (``tap.key``) is in every result's cache key.
 
     ``progress(done, total, label)`` is called before each (layer, tensor, observer) step.
     Errors of one observer land in its ``SuiteResult.error``; a bad layer name or a missing
@@ -117,6 +118,7 @@ def analyse(
     extra = config.calibration_key()
     extra += f"|share {ranks.rank}/{ranks.world_size}" if split else ""
     extra += f"|{json.dumps(config.transform.to_dict(), sort_keys=True)}" if config.transform else ""
+    extra += f"|tap {tap.key}" if tap is not None and tap.key else ""
     jobs = [(layer, tensor) for layer in layers for tensor in layer_kinds]
     jobs += [(block, which) for block in attention for which in KV_TENSORS]
     order = {job: index for index, job in enumerate(jobs)}

@@ -17,6 +17,8 @@ copies.
 from __future__ import annotations
 
 import copy
+import json
+import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -70,7 +72,8 @@ class AWQWalk:
     calibration set by ``samples``, ``seq_len`` and ``batch_size``); ``result`` once the pass is
     over, also handed to ``searched`` as soon as the last mapping's block is done. A group size
     that does not divide a balance layer, or a model without mappings, is one ``ValueError`` before
-    anything runs."""
+    anything runs. ``passed`` says whether a pass has walked its last mapping's block, ``seconds``
+    how long the walk itself took (recording the held-out calls, searching), not the pass it rode."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class AWQWalk:
             raise ValueError(f"AWQ needs calibration activations: {model.weights_only_reason}")
         if not observers:
             raise ValueError("AWQ needs at least one weight observer")
+        start = time.perf_counter()
         mappings = searched_mappings(model, layers)
         self.wanted = list(mappings.found)
         _check_shapes(model, self.wanted, spec)
@@ -101,13 +105,18 @@ class AWQWalk:
         self.last = max(m.block for m in self.wanted)
         self.results: list[MappingResult] = []
         self.left_out = list(mappings.left_out)
-        self.tokens = 0
+        self.tokens, self.passed = 0, False
+        # The blocks after the first smoothed one receive the smoothed copies' outputs: equal in float
+        # up to rounding, yet not the plain pass's, so results made on this pass are keyed apart.
+        chosen = {"spec": spec.to_dict(), "awq": self.awq.to_dict(), "observers": self.observers}
+        self.key = json.dumps({**chosen, "mappings": [m.name for m in self.wanted]}, sort_keys=True, default=str)
         held_texts = list(held_out_texts() if held_out is None else held_out)
         held_batches = calibration_batches(model, held_texts, samples, seq_len, batch_size)
         with replay_of(model, max_memory) as replay:
             self.blocks_name = replay.blocks_name
             self.checking = _HeldOut(replay.record(held_batches), held_batches)
         self._inputs, self._valid = BlockInputs(), []
+        self.seconds = time.perf_counter() - start
 
     def hooks(self, index: int, block: nn.Module) -> AbstractContextManager:
         """What block ``index`` receives for each batch, kept while it runs (blocks after the last
@@ -126,6 +135,15 @@ class AWQWalk:
             self.tokens = int(sum(int(v.sum()) for v in self._valid))
         if index > self.last:
             return None
+        start = time.perf_counter()
+        try:
+            propagation = self._search_block(index, block)
+        finally:
+            self.seconds += time.perf_counter() - start
+        self.passed = index == self.last
+        return propagation
+
+    def _search_block(self, index: int, block: nn.Module) -> Propagation | None:
         own = [m for m in self.wanted if m.block == index]
         if not own:
             self.checking.advance(index, block)
@@ -223,7 +241,7 @@ def walk_of_config(
 ) -> AWQWalk:
     """``AWQWalk`` beside a run: its layers, and its ``RunConfig``'s weight spec, weight observers
     (with their knobs), calibration windows and memory budget (the CLI's ``run --awq``, which hands
-    it to the analysis's pass, and ``run_of_config``)."""
+    it to the analysis's pass, and the app's Run page, ``lab.awq.session``)."""
     observers = {name: dict(config.knobs.get(name, {})) for name in config.observers_for("weight")}
     return AWQWalk(
         model,
@@ -239,16 +257,6 @@ def walk_of_config(
         max_memory=config.max_memory,
         searched=searched,
     )
-
-
-def run_of_config(
-    model: Model, layers: Collection[str], config: Any, awq: ob.AWQSpec, progress: Progress | None = None
-) -> AWQRun:
-    """``walk_of_config`` on a pass of its own over the run's calibration set (the app's Run page,
-    which runs AWQ after the analysis it shows)."""
-    walk = walk_of_config(model, layers, config, awq, progress)
-    model.capture([], tap=walk, **config.capture_options())
-    return walk.result()
 
 
 class _HeldOut:

@@ -1,8 +1,8 @@
 """The app's AWQ state and steps, without streamlit (issue 41): what the Run page's switch asks (on
 or off, and AWQ's knobs, declared once in ``observers.AWQ_KNOBS``), why it cannot run beside the
-page's settings (one line, before anything runs), ``run_awq`` beside the analysis the Run button
-just made (its model, weight layers, weight spec, weight observers with their knobs and the Model
-page's calibration set, taken from its ``RunConfig`` as ``run --awq`` takes them), and what the
+page's settings (one line, before anything runs), the AWQ walk the Run button hands the analysis's
+calibration pass to ride (its model, layers, weight spec, weight observers with their knobs and the
+Model page's calibration set, taken from its ``RunConfig`` as ``run --awq`` takes them), and what the
 Error and Ranges pages read of the run: a layer's mapping, its rows of ``awq_frame``, where the
 ranking turns over between variants, a balance layer's smoothed weight with an observer's range,
 and the model-level effect, measured once when asked."""
@@ -24,7 +24,7 @@ import observers as ob
 from lab.awq import candidates
 from lab.awq.mappings import NOT_A_DECODER
 from lab.awq.options import conflict
-from lab.awq.run import AWQRun, Progress, run_of_config
+from lab.awq.run import AWQRun, AWQWalk, Progress, walk_of_config
 from lab.awq.search import MappingResult, Variant
 from lab.awq.table import awq_frame, best_model_level, best_observers
 from lab.settings import RunSettings
@@ -164,26 +164,41 @@ class AWQState:
         why = conflict(settings)
         return None if why is None else f"{why}."
 
-    def run(self, model: Any, request: Any, analysis: Any, progress: Progress | None = None) -> AWQResult:
-        """``run_awq`` beside ``analysis``, on ``model``, the analysed weights' layers and the weight
-        spec, weight observers (with their knobs) and calibration set of its ``RunConfig``; the
-        result replaces the last one. What AWQ refuses is one ``ValueError`` line."""
+    def walk(self, model: Any, layers: list[str], config: Any, progress: Progress | None = None) -> AWQWalk:
+        """The walk the Run button hands the analysis's calibration pass (``Workspace.run``'s ``tap``):
+        ``layers`` and the weight spec, weight observers (with their knobs), calibration windows and
+        memory budget of the run's ``RunConfig``, as ``run --awq`` rides its analysis. What AWQ
+        refuses (switched off, no weights, an encoder, a group size that does not divide) is one
+        ``ValueError`` line, before anything runs; the last result is dropped."""
         self.result = None
         awq = self.asked()
-        config = analysis.config
         if awq is None:
             raise ValueError("AWQ is switched off: switch it on on the Run page")
         if "weight" not in config.specs:
             raise ValueError("AWQ smooths weights: tick Weights on the Model page")
-        layers = [e.layer for e in analysis.entries if e.tensor == "weight"]
-        start = time.perf_counter()
         try:
-            found = run_of_config(model, layers, config, awq, progress)
+            return walk_of_config(model, layers, config, awq, progress)
         except ValueError as err:
             raise ValueError(app_words(str(err))) from None
-        seconds = time.perf_counter() - start
+
+    def finish(self, model: Any, request: Any, analysis: Any, walk: AWQWalk) -> AWQResult:
+        """The walk's result beside ``analysis``. When no pass of this session carried it (the
+        analysis was another session's run, or every result came from a cache) it walks a pass of
+        its own over the run's calibration set."""
+        seconds = walk.seconds
+        if not walk.passed:
+            start = time.perf_counter()
+            model.capture([], tap=walk, **analysis.config.capture_options())
+            seconds += time.perf_counter() - start
+        found = walk.result()
         self.result = AWQResult(found, awq_frame(found), request, seconds, weakref.ref(analysis))
         return self.result
+
+    def run(self, model: Any, request: Any, analysis: Any, progress: Progress | None = None) -> AWQResult:
+        """``finish`` of a walk on a pass of its own, beside an ``analysis`` already made (its weight
+        layers and ``RunConfig``)."""
+        layers = [e.layer for e in analysis.entries if e.tensor == "weight"]
+        return self.finish(model, request, analysis, self.walk(model, layers, analysis.config, progress))
 
     def shown_with(self, analysis: Any) -> AWQResult | None:
         """The last run when it ran beside ``analysis`` (the session's results), else None."""

@@ -20,6 +20,7 @@ from lab.analyse.run_config import RunConfig
 from lab.calibrate.capture_memo import CapturingModel
 from lab.history.index import RunRecord
 from lab.history.run_file import KeptRun
+from sample_models.capture import BlockTap
 
 ProgressFn = Callable[[int, int, str], None]
 Keep = Callable[[KeptRun], RunRecord]
@@ -45,7 +46,9 @@ class ComputedRun:
 @dataclass(frozen=True)
 class SessionRun:
     """One press of Run: the model, layers, settings and attention blocks, with the session's own
-    result cache and capture memo (so a session changing one knob recomputes one observer)."""
+    result cache and capture memo (so a session changing one knob recomputes one observer), and a
+    stage riding the analysis's calibration pass (``tap``: the Run page's AWQ; it rides only a run
+    this session computes)."""
 
     model: Any
     layers: list[str]
@@ -53,12 +56,13 @@ class SessionRun:
     attention: Sequence[str]
     cache: ResultCache
     capture_memo: dict[str, Any]
+    tap: BlockTap | None = None
 
     def key(self) -> str:
         """The same for two runs exactly when they compute the same: the model (its weight files'
         paths, sizes and modification times, dtype, device), the layers and attention blocks, the
         settings (specs, observers, knobs, transform, tools, propagation), the calibration set's
-        fingerprint and how it is captured."""
+        fingerprint and how it is captured, and what a riding stage changes in the pass."""
         payload = {
             "model": source_stamp(self.model),
             "dtype": str(getattr(self.model, "dtype", "")),
@@ -68,6 +72,7 @@ class SessionRun:
             "config": self.config.to_dict(),
             "calibration": self.config.calibration_key(),
             "capture": [self.config.sequential, self.config.max_memory],
+            "tap": "" if self.tap is None else self.tap.key,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -79,7 +84,7 @@ class SessionRun:
         run = partial(analyse, wrapped, self.layers, progress=progress, cache=cache, attention=self.attention)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            analysis = run(replace(config, transform=None))
+            analysis = run(replace(config, transform=None), tap=self.tap)
             transformed = None if config.transform is None else run(config)
             unpropagated = run(replace(config, transform=None, propagate=False)) if config.propagate else None
         notes = (

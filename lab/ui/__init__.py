@@ -36,6 +36,7 @@ from lab.settings import SpecSettings, dtype_label, dtype_options, strategies
 from lab.ui import serving
 from lab.vocab import DEFAULT_METRIC
 from lab.workspace import ModelRequest, RunOutcome, Workspace
+from sample_models.capture import BlockTap
 
 WORKSPACE = "workspace"
 WIDGET_PAGES = "widget_pages"
@@ -279,9 +280,12 @@ def knob_widgets(knobs: dict[str, ob.Knob], values: dict[str, Any], prefix: str)
     return values
 
 
-def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence[str] = ()) -> RunOutcome:
+def run_with_status(
+    ws: Workspace, model, config: RunConfig, attention: Sequence[str] = (), tap: BlockTap | None = None
+) -> RunOutcome:
     """``Workspace.run`` inside an ``st.status`` box with a progress bar (steps done, elapsed
-    seconds, current layer · tensor · observer); a computed run is kept in the team's history."""
+    seconds, current layer · tensor · observer), ``tap`` riding its pass; a computed run is kept in
+    the team's history."""
     with st.status("Capturing activations and running observers…", expanded=True) as status:
         bar = st.progress(0.0, text="starting")
         timer = Timer()
@@ -296,7 +300,7 @@ def run_with_status(ws: Workspace, model, config: RunConfig, attention: Sequence
 
         try:
             shared, keep = serving.shared_runs(), serving.keeper(ws)
-            outcome = ws.run(model, config, attention, progress, shared=shared, waiting=waiting, keep=keep)
+            outcome = ws.run(model, config, attention, progress, shared=shared, waiting=waiting, keep=keep, tap=tap)
         except Exception:
             status.update(label="Run failed", state="error")
             raise
