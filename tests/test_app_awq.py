@@ -315,18 +315,23 @@ def test_running_again_without_awq_drops_the_sections(ran):
     assert not any(h.value == "Under AWQ" for h in ran.subheader)
 
 
-def test_tiny_moes_experts_run_under_awq_in_the_app():
-    # the fused experts' gate/up of experts 0 and 1 (the float model routes block 0's tokens there):
-    # the gate/up mapping of all four experts, under the four variants, on the Error page
-    experts = [f"{BLOCK}.mlp.experts.{e}.gate_proj" for e in (0, 1)]
-    at = _run_page("tiny-moe", experts)
+def _run_with_awq(at: AppTest, n_grid: int) -> AppTest:
+    """``at``'s Run page set to int4 symmetric groups of 16 with AWQ on at ``n_grid`` strengths, run."""
     at.selectbox(key="w:weight_dtype").set_value("int4").run()
     at.selectbox(key="w:weight_strategy").set_value("group").run()
     at.number_input(key="w:weight_group_size").set_value(16).run()
     at.toggle(key="w:awq").set_value(True).run()
-    at.number_input(key="w:awq:n_grid").set_value(3).run()
+    at.number_input(key="w:awq:n_grid").set_value(n_grid).run()
     _button(at, "Run").click().run()
     _ok(at)
+    return at
+
+
+def test_tiny_moes_experts_run_under_awq_in_the_app():
+    # the fused experts' gate/up of experts 0 and 1 (the float model routes block 0's tokens there):
+    # the gate/up mapping of all four experts, under the four variants, on the Error page
+    experts = [f"{BLOCK}.mlp.experts.{e}.gate_proj" for e in (0, 1)]
+    at = _run_with_awq(_run_page("tiny-moe", experts), 3)
     ws = _ws(at)
     searched = ws.awq.shown_with(ws.analysis)
     mapping = searched.mapping_of(experts[1])
@@ -377,15 +382,8 @@ def test_awq_rides_the_runs_calibration_pass_and_a_run_read_from_the_server_walk
         return capture(self, names, **kwargs)
 
     monkeypatch.setattr(Model, "capture", counted)
-    at = _run_page("tiny-llama", LAYERS)
-    at.multiselect(key="w:observers").set_value(["memoryless_minmax", "imatrix_mse"]).run()
-    at.selectbox(key="w:weight_dtype").set_value("int4").run()
-    at.selectbox(key="w:weight_strategy").set_value("group").run()
-    at.number_input(key="w:weight_group_size").set_value(16).run()
-    at.toggle(key="w:awq").set_value(True).run()
-    at.number_input(key="w:awq:n_grid").set_value(3).run()
-    _button(at, "Run").click().run()
-    _ok(at)
+    at = app_run_page(APP, LAYERS, ["memoryless_minmax", "imatrix_mse"], "tiny-llama", TIMEOUT)
+    at = _run_with_awq(at, 3)
     ws = _ws(at)
     ridden = ws.awq.shown_with(ws.analysis)
     assert [names for names, _ in passes] == [LAYERS] and passes[0][1] is not None  # the analysis's pass
