@@ -41,6 +41,7 @@ from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CtLayer, ct_layers, kv_cache_scheme
 from lab.export.experts import (
     by_fused_tensor,
+    dense_stored_experts_note,
     expert_dense_reason,
     expert_target,
     packed_experts,
@@ -169,7 +170,7 @@ def check_served(layers: list[CtLayer], facts: ModelFacts, experts: Iterable[str
         for layer in layers
     }
     linear = [name for name, kind in facts.layer_types.items() if kind == "Linear"]
-    problems = load_problems(packed, [*linear, *experts])
+    problems = load_problems(packed, list(dict.fromkeys([*linear, *experts])))
     if problems:
         raise CheckpointError(
             "a server that fuses layers (vLLM, SGLang) would load this checkpoint wrong:\n  - "
@@ -184,19 +185,23 @@ def quantization_config(
     key/value scale tensors and the notes (what stays dense and why). Groups are the recipe's
     (``lab.export.recipe``): one per scheme, observer and knobs, exact layer names; each group's
     ``format`` is the compressor compressed-tensors itself picks for a Linear layer with that scheme.
-    Fused experts' projections are packed under the names transformers saves them by
-    (``saved_experts``, ``Model.saved_expert_names``; ``lab.export.experts``)."""
+    Experts are packed under the names transformers saves them by (``saved_experts``,
+    ``Model.saved_expert_names``; ``lab.export.experts``): fused experts' projections renamed, a
+    checkpoint that stores them so (listed under those names) as it is; either targeted as experts."""
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationScheme
 
     notes: list[str] = []
     saved_experts = saved_experts or {}
     chosen = of_lab_file(lab_file.entries)
-    layers = saved_layers(_plan(chosen, facts, notes), saved_experts, notes)
-    shapes = facts.layer_shapes | {saved: facts.layer_shapes[view] for view, saved in saved_experts.items()}
+    renamed = {view: saved for view, saved in saved_experts.items() if view in facts.layer_shapes}
+    layers = saved_layers(_plan(chosen, facts, notes), renamed, notes)
+    shapes = facts.layer_shapes | {saved: facts.layer_shapes[view] for view, saved in renamed.items()}
     config_groups, _ = config_groups_of(layers, shapes, notes)
     layers = [layer for layer in layers if layer.args]
     check_served(layers, facts, saved_experts.values())
+    unloadable = dense_stored_experts_note(saved_experts, facts.layer_types, {layer.layer for layer in layers})
+    notes += [] if unloadable is None else [unloadable]
     try:
         target_experts(config_groups, set(saved_experts.values()))
     except ValueError as err:
@@ -230,6 +235,7 @@ def _converted(
     name, _, local = key.rpartition(".")
     tensor = read(key)
     if key in experts:
+
         def compress(layer: CtLayer, scheme: dict[str, Any], weight: torch.Tensor) -> dict[str, torch.Tensor]:
             scales = None if awq is None else awq.input_scales(layer.entries["weight"].layer)
             return compress_layer(layer, scheme, weight, gptq, scales)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -80,6 +80,23 @@ def target_experts(config_groups: dict[str, dict[str, Any]], saved_experts: set[
             "the experts were chosen in different weight schemes; transformers loads every expert of a checkpoint "
             f"with one: {'; '.join(sorted(schemes))}"
         )
+
+
+def dense_stored_experts_note(
+    saved_experts: dict[str, str], listed: Collection[str], packed: Collection[str]
+) -> str | None:
+    """A note when the model stores its experts one projection per expert (listed under their saved
+    names) and some stay dense in the checkpoint: transformers 5.23's compressed-tensors loader
+    dequantizes every expert it merges and merges nothing from a dense one, so it cannot load such
+    a checkpoint (vLLM reads it). None when there is nothing to say."""
+    dense = [name for name in saved_experts.values() if name in listed and name not in packed]
+    if not dense or not packed:
+        return None
+    return (
+        f"{len(dense)} expert projection(s) stored one per expert stay dense ({dense[0]}, …): transformers 5.23 "
+        "cannot load this checkpoint (its compressed-tensors loader merges only packed experts); vLLM reads it. "
+        "Choose every expert to load it in transformers"
+    )
 
 
 def by_fused_tensor(saved_names: dict[str, str], pending: Pending) -> dict[str, list[tuple[str, int, str]]]:
