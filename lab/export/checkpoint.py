@@ -45,6 +45,7 @@ from lab.export.experts import (
     expert_dense_reason,
     expert_target,
     packed_experts,
+    renamed_experts,
     saved_layers,
     target_experts,
 )
@@ -194,7 +195,7 @@ def quantization_config(
     notes: list[str] = []
     saved_experts = saved_experts or {}
     chosen = of_lab_file(lab_file.entries)
-    renamed = {view: saved for view, saved in saved_experts.items() if view in facts.layer_shapes}
+    renamed = renamed_experts(saved_experts, facts.layer_shapes)
     layers = saved_layers(_plan(chosen, facts, notes), renamed, notes)
     shapes = facts.layer_shapes | {saved: facts.layer_shapes[view] for view, saved in renamed.items()}
     config_groups, _ = config_groups_of(layers, shapes, notes)
@@ -363,7 +364,7 @@ def write(
     layer_of = {expert_target(name): name for name in saved_experts.values()}
     scheme_of = {layer_of.get(t, t): scheme for scheme in config["config_groups"].values() for t in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
-    experts = by_fused_tensor(saved_experts, pending)
+    experts = by_fused_tensor(renamed_experts(saved_experts, facts.layer_types), pending)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model_config = _side_files(model, staging)

@@ -47,6 +47,13 @@ def expert_dense_reason(spec: ob.QuantSpec, tensor: str) -> str | None:
     return f"stays dense (transformers' loader of packed experts reads int4/int8 or MXFP4 weights, not {spec.dtype})"
 
 
+def renamed_experts(saved_experts: dict[str, str], listed: Collection[str]) -> dict[str, str]:
+    """The expert projections the model lists fused (``{view: saved name}``), which the checkpoint
+    writes under their saved names; a model that stores them one per expert lists the saved names
+    themselves, and writes them as stored."""
+    return {view: saved for view, saved in saved_experts.items() if view in listed}
+
+
 def saved_layers(layers: list[CtLayer], saved_names: dict[str, str], notes: list[str]) -> list[CtLayer]:
     """``layers`` with every expert projection renamed to the layer it is saved as; a projection
     transformers saves fused (no saved name) stays dense, with a note."""
