@@ -152,7 +152,7 @@ def awq_walk(config) -> tuple[awq_session.AWQWalk | None, str | None]:
 
 def awq_with_status(walk) -> None:
     """AWQ's results beside the analysis just made, in a status box: the walk rode the analysis's
-    pass, or (a run read from another session or the caches) walks a pass of its own."""
+    pass, or (a run read from another session or the server's recent results) walks a pass of its own."""
     with st.status("Searching AWQ's scales for each weight observer…", expanded=True) as status:
         try:
             with serving.heavy_slot():

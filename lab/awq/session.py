@@ -183,8 +183,8 @@ class AWQState:
 
     def finish(self, model: Any, request: Any, analysis: Any, walk: AWQWalk) -> AWQResult:
         """The walk's result beside ``analysis``. When no pass of this session carried it (the
-        analysis was another session's run, or every result came from a cache) it walks a pass of
-        its own over the run's calibration set."""
+        analysis was read from another session's run or the server's recent results) it walks a
+        pass of its own over the run's calibration set."""
         seconds = walk.seconds
         if not walk.passed:
             start = time.perf_counter()
