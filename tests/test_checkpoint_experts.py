@@ -164,3 +164,41 @@ def test_a_checkpoint_in_the_saved_layout_packs_its_expert_layers_as_they_are_st
     assert any(note.startswith("24 expert projection(s) stored one per expert stay dense") for note in written.notes)
     with pytest.raises(RuntimeError, match="conversion"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "attention")
+
+
+def test_gptq_packs_the_experts_no_token_reached_round_to_nearest_and_says_so(moe, tmp_path) -> None:
+    # block 0's experts under GPTQ on 4 short windows: experts 2 and 3 see no token, so the run keeps
+    # that (an empty Hessian, not a missing one) and the checkpoint packs them with their chosen
+    # qparams, as llm-compressor leaves a module its GPTQ never saw; the others get their GPTQ codes
+    import io
+
+    from lab.cli import main
+    from lab.gptq import hessians
+    from lab.gptq.deploy import GPTQDeploy
+
+    target, directory = tmp_path / "x.json", tmp_path / "ck"
+    argv = ["run", "tiny-moe", "--layers", r"re:model\.layers\.0\.mlp\.experts\.\d+\.(gate|up|down)_proj"]
+    argv += ["--format", "int4", "--strategy", "group", "--group-size", "16", "--observers", "minmax", "--gptq"]
+    argv += ["--samples", "4", "--seq-len", "32", "--out", str(target), "--checkpoint", str(directory), "--quiet"]
+    err = io.StringIO()
+    assert main(argv, out=io.StringIO(), err=err) == 0, err.getvalue()
+    lab_file = lab_json.load_file(target)
+    kept = hessians.read(hessians.directory_for(target))
+    deploy = GPTQDeploy.of_config(lab_file.config, kept)
+    unreached = {e.layer for e in lab_file.entries if deploy.unreached(e.layer)}
+    assert {name.split(".")[-2] for name in unreached} == {"2", "3"} and len(unreached) == 6
+    assert all(kept(e.layer).numel() for e in lab_file.entries if e.layer not in unreached)
+    notes = (directory / "observer_lab_checkpoint.txt").read_text()
+    assert all(f"{name} weight: {checkpoint.UNREACHED_BY_GPTQ}" in notes for name in unreached)
+    loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    fused = {p: loaded[f"model.layers.0.mlp.experts.{p}"].float() for p in ("gate_up_proj", "down_proj")}
+    for entry in lab_file.entries:
+        _, _, expert, projection = expert_of(entry.layer)
+        rounded = ob.fake_quantize(moe.weight(entry.layer).float(), entry.qparams, entry.spec)
+        expected = rounded if entry.layer in unreached else deploy.apply(entry, moe.weight(entry.layer))[0]
+        assert torch.equal(expert_weight(fused, expert, projection), expected), entry.layer
+        assert (entry.layer in unreached) == torch.equal(expert_weight(fused, expert, projection), rounded)
+    # a Hessian file that is missing is not taken for a layer no token reached
+    first = lab_file.entries[0]
+    with pytest.raises(ValueError, match="its run kept no GPTQ Hessian"):
+        GPTQDeploy(deploy.gptq, lambda layer: None).apply(first, moe.weight(first.layer))

@@ -86,6 +86,12 @@ Read = Callable[[str], torch.Tensor]
 Pending = dict[str, tuple[CtLayer, dict[str, Any]]]
 
 
+UNREACHED_BY_GPTQ = (
+    "no calibration token reached it, so its run has no GPTQ for it: packed round-to-nearest with its chosen qparams "
+    "(as llm-compressor leaves a module its GPTQ never saw)"
+)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written as asked; nothing was written."""
 
@@ -344,7 +350,8 @@ def write(
     non-finite scale. ``progress(done, total, key)`` is called after each stored tensor.
     ``facts`` is ``check_fits``'s answer for this file and model when the caller already has it
     (it hashes every weight file). A run made with GPTQ packs each chosen weight's GPTQ codes, made
-    again from ``hessians`` (``lab.gptq.hessians``). An AWQ deployment (``awq``, ``lab.awq.deploy``'s, read
+    again from ``hessians`` (``lab.gptq.hessians``; a layer no token reached round-to-nearest, with a
+    note). An AWQ deployment (``awq``, ``lab.awq.deploy``'s, read
     by its ``fold``, ``input_scales`` and ``lines``; ``lab_file`` with its choices in it) folds its
     scales into each stored tensor as it is read; with GPTQ, a balance layer's GPTQ runs on its
     folded weight and smoothed inputs' Hessian."""
@@ -361,6 +368,9 @@ def write(
     config, layers, kv_tensors, notes = quantization_config(lab_file, facts, saved_experts)
     read = model.stored if awq is None else lambda key: awq.fold(key, model.stored(key))
     notes = notes if awq is None else [*awq.lines(), *notes]
+    weights = [layer.entries["weight"].layer for layer in layers if "weight" in layer.args]
+    unreached = [name for name in weights if gptq is not None and gptq.unreached(name)]
+    notes += [f"{name} weight: {UNREACHED_BY_GPTQ}" for name in unreached]
     layer_of = {expert_target(name): name for name in saved_experts.values()}
     scheme_of = {layer_of.get(t, t): scheme for scheme in config["config_groups"].values() for t in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}

@@ -42,16 +42,26 @@ class GPTQDeploy:
             raise ValueError("a GPTQ choice is deployed from its run's Hessians, and none were given")
         return cls(gptq, hessian_of)
 
+    def unreached(self, layer: str) -> bool:
+        """Whether the run recorded that no calibration token reached ``layer`` (its GPTQ weight is
+        then its round-to-nearest one)."""
+        hessian = self.hessian_of(layer)
+        return hessian is not None and not hessian.numel()
+
     def apply(
         self, chosen: Any, weight: torch.Tensor, input_scales: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ob.QParams]:
         """``chosen``'s (a ``lab.export.chosen.Chosen`` weight) GPTQ weight in fp32 and the qparams
         its codes were rounded with. ``input_scales``: AWQ's scales ``s`` folded into ``weight``'s
-        columns (AWQ then GPTQ): its inputs are ``x/s``, whose Hessian is ``diag(1/s)·H·diag(1/s)``."""
+        columns (AWQ then GPTQ): its inputs are ``x/s``, whose Hessian is ``diag(1/s)·H·diag(1/s)``.
+        A layer no calibration token reached is rounded to nearest with its chosen qparams
+        (``unreached``)."""
         hessian = self.hessian_of(chosen.layer)
         if hessian is None:
             why = "no calibration token reached it, or it is fed token ids"
             raise ValueError(f"{chosen.layer}: its run kept no GPTQ Hessian ({why})")
+        if not hessian.numel():
+            return ob.fake_quantize(weight.float(), chosen.qparams, chosen.spec), chosen.qparams
         if input_scales is not None:
             inverse = 1.0 / input_scales.to(hessian.device, torch.float64)
             hessian = (hessian.double() * inverse.unsqueeze(0) * inverse.unsqueeze(1)).to(hessian.dtype)

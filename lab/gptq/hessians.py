@@ -21,7 +21,26 @@ SUFFIX = ".gptq-hessians"
 KEY = "hessian"
 
 HessianOf = Callable[[str], torch.Tensor | None]
-"""A layer's Hessian by name, or None when none was kept for it."""
+"""A layer's Hessian by name, or None when none was kept for it; an empty tensor (``unreached``)
+when the run recorded that no calibration token reached the layer (an expert the router never
+chose), which GPTQ leaves round-to-nearest, as llm-compressor leaves a module its GPTQ never saw."""
+
+
+def unreached() -> torch.Tensor:
+    """The Hessian kept for a layer no calibration token reached: an empty tensor, so that it is
+    recorded (a missing file is not taken for it)."""
+    return torch.empty(0)
+
+
+def _kept(entry: Any) -> torch.Tensor | None:
+    """What is kept of an entry: its Hessian, ``unreached()`` for a weight whose GPTQ had none
+    because no token reached it (``lab.gptq.layer.NO_HESSIAN``), else None."""
+    from lab.gptq.layer import NO_HESSIAN
+
+    if getattr(entry, "hessian", None) is not None:
+        return entry.hessian
+    rows = getattr(entry, "gptq", None) or []
+    return unreached() if any(row.error == NO_HESSIAN for row in rows) else None
 
 
 def directory_for(lab_path: str | os.PathLike) -> Path:
@@ -37,19 +56,21 @@ def _file(directory: Path, layer: str) -> Path:
 
 
 def save(directory: str | os.PathLike, entries: Iterable[Any]) -> int:
-    """Write the kept Hessian of every entry that has one (``TensorAnalysis.hessian``) into
-    ``directory``; returns how many. Each file goes in whole (written beside it, then renamed)."""
+    """Write what is kept of every entry (``_kept``: its ``TensorAnalysis.hessian``, or that no
+    token reached it) into ``directory``; returns how many. Each file goes in whole (written beside
+    it, then renamed)."""
     from safetensors.torch import save_file
 
     folder = Path(directory)
     count = 0
     for entry in entries:
-        if getattr(entry, "hessian", None) is None:
+        kept = _kept(entry)
+        if kept is None:
             continue
         folder.mkdir(parents=True, exist_ok=True)
         target = _file(folder, entry.layer)
         staging = target.with_name(f".{target.name}.{os.getpid()}")
-        save_file({KEY: entry.hessian.detach().float().cpu().contiguous()}, str(staging))
+        save_file({KEY: kept.detach().float().cpu().contiguous()}, str(staging))
         staging.replace(target)
         count += 1
     return count
@@ -57,7 +78,7 @@ def save(directory: str | os.PathLike, entries: Iterable[Any]) -> int:
 
 def of_analysis(entries: Iterable[Any]) -> HessianOf:
     """The Hessians an analysis holds in memory (the app's session, a run before it is saved)."""
-    kept = {e.layer: e.hessian for e in entries if getattr(e, "hessian", None) is not None}
+    kept = {e.layer: found for e in entries if (found := _kept(e)) is not None}
     return kept.get
 
 
