@@ -110,8 +110,9 @@ def saved_expert_names(root: nn.Module) -> dict[str, str]:
     it loaded through: Mixtral's ``experts.gate_up_proj`` is written as ``block_sparse_moe.experts.
     <e>.w1`` and ``w3``): ``{view name: saved layer name}``. Found by saving row tags of each
     fused tensor through transformers' own ``revert_weight_conversion``, so no architecture's
-    layout is restated here; an architecture saved fused, or split some other way, gives no names
-    for its experts. ``root`` may be a skeleton (its parameters on the meta device)."""
+    layout is restated here; an architecture saved fused, split some other way, or whose conversion
+    cannot run on the tags, gives no names for its experts. ``root`` may be a skeleton (its
+    parameters on the meta device)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     names: dict[str, str] = {}
@@ -121,7 +122,10 @@ def saved_expert_names(root: nn.Module) -> dict[str, str]:
         for fused in ("gate_up_proj", "down_proj"):
             experts, rows = getattr(module, fused).shape[:2]
             tags = torch.arange(experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
-            saved = revert_weight_conversion(root, {f"{name}.{fused}": tags})
+            try:
+                saved = revert_weight_conversion(root, {f"{name}.{fused}": tags})
+            except Exception:  # a conversion transformers cannot run on row tags: these experts get no names
+                continue
             placed = {_tagged_view(fused, rows, tag): key for key, tag in saved.items()}
             if None in placed or len(placed) != experts * (2 if fused == "gate_up_proj" else 1):
                 continue

@@ -18,7 +18,7 @@ from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import checkpoint, lab_json
 from lab.export.compressed_tensors import CtLayer
-from lab.export.experts import saved_layers
+from lab.export.experts import UNPLACED, saved_layers
 from sample_models import open_model
 from sample_models.layers import _tagged_view, expert_of, expert_weight, saved_expert_names
 
@@ -53,6 +53,16 @@ def test_saved_names_are_where_transformers_saves_each_expert(moe, tmp_path) -> 
             assert torch.equal(saved.get_tensor(f"{name}.weight"), moe.weight(view)), view
     assert moe.saved_expert_names() == names  # from the skeleton, without the weights
     assert open_model("tiny-llama").saved_expert_names() == {}
+
+
+def test_experts_whose_conversion_cannot_run_on_the_tags_get_no_names(moe, monkeypatch) -> None:
+    import transformers.core_model_loading as loading
+
+    def refuses(model, state_dict):
+        raise RuntimeError("this conversion needs the real weights")
+
+    monkeypatch.setattr(loading, "revert_weight_conversion", refuses)
+    assert saved_expert_names(moe.module()) == {}
 
 
 def test_a_saved_tensor_is_placed_only_when_it_holds_one_projection_whole() -> None:
@@ -133,8 +143,7 @@ def test_experts_transformers_saves_fused_stay_dense_with_a_note() -> None:
     layers = [CtLayer("model.layers.0.mlp.experts.0.gate_proj", {"weight": {}}, {}), CtLayer("lm_head", {}, {})]
     notes: list[str] = []
     assert [layer.layer for layer in saved_layers(layers, {}, notes)] == ["lm_head"]
-    why = "stays dense (transformers saves these experts fused, not one per expert)"
-    assert notes == [f"model.layers.0.mlp.experts.0.gate_proj: {why}"]
+    assert notes == [f"model.layers.0.mlp.experts.0.gate_proj: stays dense ({UNPLACED})"]
 
 
 def test_a_checkpoint_in_the_saved_layout_packs_its_expert_layers_as_they_are_stored(moe, tmp_path) -> None:

@@ -47,6 +47,9 @@ def expert_dense_reason(spec: ob.QuantSpec, tensor: str) -> str | None:
     return f"stays dense (transformers' loader of packed experts reads int4/int8 or MXFP4 weights, not {spec.dtype})"
 
 
+UNPLACED = "transformers does not save these experts one projection per expert in a layout the lab can place"
+
+
 def renamed_experts(saved_experts: dict[str, str], listed: Collection[str]) -> dict[str, str]:
     """The expert projections the model lists fused (``{view: saved name}``), which the checkpoint
     writes under their saved names; a model that stores them one per expert lists the saved names
@@ -56,7 +59,7 @@ def renamed_experts(saved_experts: dict[str, str], listed: Collection[str]) -> d
 
 def saved_layers(layers: list[CtLayer], saved_names: dict[str, str], notes: list[str]) -> list[CtLayer]:
     """``layers`` with every expert projection renamed to the layer it is saved as; a projection
-    transformers saves fused (no saved name) stays dense, with a note."""
+    without a saved name (``UNPLACED``) stays dense, with a note."""
     placed = []
     for layer in layers:
         if expert_of(layer.layer) is None:
@@ -64,7 +67,7 @@ def saved_layers(layers: list[CtLayer], saved_names: dict[str, str], notes: list
         elif layer.layer in saved_names:
             placed.append(replace(layer, layer=saved_names[layer.layer]))
         else:
-            notes.append(f"{layer.layer}: stays dense (transformers saves these experts fused, not one per expert)")
+            notes.append(f"{layer.layer}: stays dense ({UNPLACED})")
     return placed
 
 
