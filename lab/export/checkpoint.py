@@ -324,6 +324,20 @@ def _notes_text(lab_file: LabFile, config: dict[str, Any], notes: Iterable[str],
     return "\n".join(lines) + "\n"
 
 
+def _noting(hessians: HessianOf, rounded: list[str]) -> HessianOf:
+    """``hessians``, noting in ``rounded`` each layer it answers with the empty Hessian of a layer no
+    token reached (``lab.gptq.hessians.unreached``: GPTQ packs it round-to-nearest) as the weights
+    are packed, so each Hessian is read once."""
+
+    def hessian(layer: str) -> torch.Tensor | None:
+        kept = hessians(layer)
+        if kept is not None and not kept.numel():
+            rounded.append(layer)
+        return kept
+
+    return hessian
+
+
 def _prepare(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir} exists and is not a directory")
@@ -360,17 +374,15 @@ def write(
     out = Path(out_dir)
     _prepare(out, overwrite)
     facts = check_fits(lab_file, model) if facts is None else facts
+    rounded: list[str] = []
     try:
-        gptq = GPTQDeploy.of_config(lab_file.config, hessians)
+        gptq = GPTQDeploy.of_config(lab_file.config, None if hessians is None else _noting(hessians, rounded))
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     saved_experts = model.saved_expert_names()
     config, layers, kv_tensors, notes = quantization_config(lab_file, facts, saved_experts)
     read = model.stored if awq is None else lambda key: awq.fold(key, model.stored(key))
     notes = notes if awq is None else [*awq.lines(), *notes]
-    weights = [layer.entries["weight"].layer for layer in layers if "weight" in layer.args]
-    unreached = [name for name in weights if gptq is not None and gptq.unreached(name)]
-    notes += [f"{name} weight: {UNREACHED_BY_GPTQ}" for name in unreached]
     layer_of = {expert_target(name): name for name in saved_experts.values()}
     scheme_of = {layer_of.get(t, t): scheme for scheme in config["config_groups"].values() for t in scheme["targets"]}
     pending = {layer.layer: (layer, scheme_of[layer.layer]) for layer in layers}
@@ -393,6 +405,7 @@ def write(
             return_freed_memory()
         if pending:
             raise CheckpointError(f"layers without a stored weight: {', '.join(pending)}")
+        notes += [f"{name} weight: {UNREACHED_BY_GPTQ}" for name in rounded]
         name_weight_files(staging, parts)
         model_config["quantization_config"] = config
         (staging / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True), encoding="utf-8")

@@ -42,20 +42,14 @@ class GPTQDeploy:
             raise ValueError("a GPTQ choice is deployed from its run's Hessians, and none were given")
         return cls(gptq, hessian_of)
 
-    def unreached(self, layer: str) -> bool:
-        """Whether the run recorded that no calibration token reached ``layer`` (its GPTQ weight is
-        then its round-to-nearest one)."""
-        hessian = self.hessian_of(layer)
-        return hessian is not None and not hessian.numel()
-
     def apply(
         self, chosen: Any, weight: torch.Tensor, input_scales: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ob.QParams]:
         """``chosen``'s (a ``lab.export.chosen.Chosen`` weight) GPTQ weight in fp32 and the qparams
         its codes were rounded with. ``input_scales``: AWQ's scales ``s`` folded into ``weight``'s
         columns (AWQ then GPTQ): its inputs are ``x/s``, whose Hessian is ``diag(1/s)·H·diag(1/s)``.
-        A layer no calibration token reached is rounded to nearest with its chosen qparams
-        (``unreached``)."""
+        A layer no calibration token reached (``lab.gptq.hessians.unreached``) is rounded to nearest
+        with its chosen qparams."""
         hessian = self.hessian_of(chosen.layer)
         if hessian is None:
             why = "no calibration token reached it, or it is fed token ids"
