@@ -201,7 +201,7 @@ def quantization_config(
     notes: list[str] = []
     saved_experts = saved_experts or {}
     chosen = of_lab_file(lab_file.entries)
-    renamed = renamed_experts(saved_experts, facts.layer_shapes)
+    renamed = renamed_experts(saved_experts, facts.layer_types)
     layers = saved_layers(_plan(chosen, facts, notes), renamed, notes)
     shapes = facts.layer_shapes | {saved: facts.layer_shapes[view] for view, saved in renamed.items()}
     config_groups, _ = config_groups_of(layers, shapes, notes)
