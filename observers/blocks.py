@@ -41,6 +41,7 @@ from observers.base import Observer, register
 from observers.formats import ElementFormat
 from observers.granularity import Flat
 from observers.knobs import Knob
+from observers.pick import first_least
 from observers.qparams import SCALE_RULES, QParams, exact_divisor
 from observers.quantize import element_codes
 from observers.shared import EXACT_MIN_MAX, Op, part_min_max, shared_min_max
@@ -257,7 +258,7 @@ class MXExponentSearchObserver(Observer):
         offsets = torch.arange(self.scope + 1, device=base.device, dtype=torch.int32)
         candidates = (base.unsqueeze(0) - offsets.reshape(-1, *([1] * base.ndim))).clamp(min=E8M0_MIN_EXPONENT)
         sse = self._reduce(self._candidate_sse(flat, candidates), Op.SUM)
-        best = sse.argmin(dim=0, keepdim=True)
+        best = first_least(sse, 0, keepdim=True)
         self.exponent = candidates.gather(0, best).squeeze(0)
 
     def _candidate_sse(self, flat: Flat, candidates: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import functools
 import torch
 
 from observers.hist_state import RowHistogram
+from observers.pick import first_least
 
 PAIR_BUDGET = 1 << 22
 """Bounds the exact-error polish of the L2 search (cells per round ~ 4x this)."""
@@ -200,7 +201,7 @@ def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tup
     edges, score, end = _screen_grid(terms, step, levels)
     start = edges.unsqueeze(0).expand(rows, -1)
     while step > 1:
-        best = score.argmin(dim=1, keepdim=True)
+        best = first_least(score, 1, keepdim=True)
         radius, step = step, max(1, step // 8)
         start, end = _window_pairs(start.gather(1, best).squeeze(1), end.gather(1, best).squeeze(1), radius, step)
         score = _screen_pairs(terms, start, end, levels)
@@ -209,7 +210,7 @@ def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tup
     top_start, top_end = start.gather(1, top_idx), end.gather(1, top_idx)
     exact = _exact_l2_chunked(counts, moments, top_start, top_end, levels)
     exact = torch.where(torch.isfinite(score.gather(1, top_idx)), exact, torch.inf)
-    pick = exact.argmin(dim=1, keepdim=True)
+    pick = first_least(exact, 1, keepdim=True)
     best_start, best_end = top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
     return _refine_exact(counts, moments, best_start, best_end, exact.gather(1, pick).squeeze(1), levels)
 

@@ -17,6 +17,7 @@ from observers.hist_search import kl_divergences, l2_range_search, quantile
 from observers.hist_state import RowHistogram, rows_of, update_histogram
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES, fake_quant_batched
+from observers.pick import first_least
 from observers.qparams import calculate_qparams
 from observers.shared import EXACT_HISTOGRAM
 from observers.vocab import Strategy
@@ -201,7 +202,7 @@ class HistogramMSEObserver(HistogramBase):
                 values, qp.effective_scale.unsqueeze(-1), qp.zero_point.unsqueeze(-1).float(), self.spec
             )
             errors.append(((x_hat - values).double().square() * weights).sum(dim=-1))
-        pick = torch.cat(errors, dim=1).argmin(dim=1, keepdim=True)
+        pick = first_least(torch.cat(errors, dim=1), 1, keepdim=True)
         return low.gather(1, pick).squeeze(1), high.gather(1, pick).squeeze(1)
 
 
@@ -251,5 +252,5 @@ class EntropyObserver(HistogramBase):
         if self.flatten_zero_bin:
             counts = torch.cat([counts[:, 1:2], counts[:, 1:]], dim=1)
         candidates, divergence = kl_divergences(counts, self.quant_bins, self.start_bin, self.stride)
-        best = candidates[divergence.argmin(dim=1)]
+        best = candidates[first_least(divergence, 1)]
         return _symmetric_range(hist.lo + best.double() * hist.width)

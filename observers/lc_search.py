@@ -30,6 +30,7 @@ import torch
 
 from observers import float_grid_kernel, mse_kernel
 from observers.granularity import Flat, as_groups
+from observers.pick import first_least
 from observers.qparams import QParams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce, part_min_max, shared_min_max
@@ -125,7 +126,7 @@ def replay_chunk(
     one host read (``_replay_patience``)."""
     used, stale, stopped = _replay_patience(errors, best, stale, patience)
     stacked = torch.cat([best.unsqueeze(0), errors[:used]])
-    pick = stacked.argmin(dim=0)
+    pick = first_least(stacked, 0)
     chosen = torch.cat([torch.ones(1, dtype=factors.dtype, device=factors.device), factors[:used]])[pick]
     best_factor = torch.where(pick > 0, chosen, best_factor)
     return stacked.gather(0, pick.unsqueeze(0)).squeeze(0), best_factor, stale, stopped

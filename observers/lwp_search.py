@@ -16,6 +16,7 @@ from observers.base import register
 from observers.hist_state import RowHistogram
 from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
+from observers.pick import first_least
 
 DEFAULT_CANDIDATES = "99.99,99.999,99.99999"
 
@@ -122,11 +123,11 @@ class LayerWisePercentileObserver(HistogramBase):
     def _pick(self) -> torch.Tensor:
         low, high = percentile_ranges(self.hist, self._percentiles, self.spec.symmetric)
         qmin, qmax = self.spec.int_range
-        return range_errors(self.hist, low, high, qmin, qmax, self.metric).argmin(dim=1)
+        return first_least(range_errors(self.hist, low, high, qmin, qmax, self.metric), 1)
 
     def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         low, high = percentile_ranges(self.hist, self._percentiles, self.spec.symmetric)
         qmin, qmax = self.spec.int_range
-        pick = range_errors(self.hist, low, high, qmin, qmax, self.metric).argmin(dim=1, keepdim=True)
+        pick = first_least(range_errors(self.hist, low, high, qmin, qmax, self.metric), 1, keepdim=True)
         shape = self._qparam_shape
         return low.gather(1, pick).reshape(shape), high.gather(1, pick).reshape(shape)

@@ -41,6 +41,7 @@ from observers.fused import GROUP_GLOBAL_SCALE, check_group_global_scale
 from observers.granularity import Flat, all_finite, group_rows, reduce_min_max
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
+from observers.pick import first_least
 from observers.qparams import QParams, calculate_qparams, range_rule
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce
@@ -139,7 +140,7 @@ def best_candidates(
     max_working_bytes: int,
     hessian: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``candidate_errors(...).argmin(dim=0)``: each group's first candidate of least error,
+    """``first_least(candidate_errors(...), 0)``: each group's first candidate of least error,
     ``(*qparam_shape)``. Float element grids on one observation of fp32 CPU data take the kernel's
     pick (``float_grid_kernel.candidate_picks``), which never writes the ``(C, Q)`` errors: for the
     FP8 sweep's 126 candidates that table and its scan cost more than the errors. With a Hessian
@@ -156,7 +157,7 @@ def best_candidates(
         picked = float_grid_kernel.candidate_picks(data, weight, step, spec.format, 2.0, direct=True)
         if picked is not None:
             return picked[1].reshape(flat.qparam_shape)
-    return candidate_errors(flat, spec, scale, zero_point, max_working_bytes, hessian).argmin(dim=0)
+    return first_least(candidate_errors(flat, spec, scale, zero_point, max_working_bytes, hessian), 0)
 
 
 def _native_hessian_picks(

@@ -24,6 +24,7 @@ from observers.base import register
 from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
+from observers.pick import first_least
 from observers.qparams import QParams, exact_divisor
 
 MINIMUM_SCALE = float(torch.finfo(torch.float32).eps)
@@ -143,7 +144,7 @@ class SQNRObserver(HistogramBase):
             d = delta[rows]
             o = offset[rows].expand_as(d)
             noise = sqnr_noise(centers[rows], counts[rows], d, o, steps, self.gamma).flatten(1)
-            pick = noise.argmin(dim=1, keepdim=True)
+            pick = first_least(noise, 1, keepdim=True)
             best_delta.append(d.flatten(1).gather(1, pick).squeeze(1))
             best_offset.append(o.flatten(1).gather(1, pick).squeeze(1))
         return torch.cat(best_delta), torch.cat(best_offset)
