@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from observers import clip_kernel
 from observers.knobs import Knob
 from observers.qparams import QParams, range_rule
+from observers.quantize import fake_quantize
 from observers.spec import QuantSpec
 
 DUO_SCALING = ("on", "off", "both")
@@ -202,3 +204,43 @@ def group_output_errors(difference: torch.Tensor, block_moment: torch.Tensor) ->
     h = block_moment.float().reshape(n * groups, size, size).to(d.device)
     errors = (torch.bmm(d, h) * d).sum(-1)
     return errors.reshape(n, groups, k, rows).permute(2, 0, 3, 1)
+
+
+def clip_picks(
+    weights: torch.Tensor, shrunk_ranges: Sequence[QParams], block_moment: torch.Tensor, spec: QuantSpec
+) -> torch.Tensor:
+    """Per row and group of ``weights`` ``(n, rows, in)`` the index into ``shrunk_ranges`` (qparams of
+    the ``n·rows`` rows, one per clip ratio: ``shrunk``) whose part of the layer's output error
+    (``group_output_errors`` with weight ``i``'s blocks ``block_moment[i]``) is least: the first,
+    then a ratio only when strictly less, as ModelOpt's ``awq_clip`` keeps one. ``(n·rows, groups)``
+    int64, from ``clip_kernel`` where it takes the data (the same codes, the errors summed in another
+    order), else eager: one fake-quantized copy of the weights per ratio."""
+    n, rows, columns = weights.shape
+    groups, size = block_moment.shape[1], block_moment.shape[2]
+    flat = weights.reshape(n * rows, columns)
+    if weights.dtype == torch.float32 and spec.format.kind == "int":
+        qmin, qmax = spec.int_range
+        picked = clip_kernel.group_clip_picks(
+            weights.reshape(n, rows, groups, size).contiguous(),
+            block_moment.float().contiguous(),
+            torch.stack(
+                [qp.effective_scale.float().reshape(n * rows, -1).expand(-1, groups) for qp in shrunk_ranges]
+            ).contiguous(),
+            torch.stack(
+                [qp.zero_point.float().reshape(n * rows, -1).expand(-1, groups) for qp in shrunk_ranges]
+            ).contiguous(),
+            float(qmin),
+            float(qmax),
+        )
+        if picked is not None:
+            return picked
+    least = best = None
+    for index, shrunk_range in enumerate(shrunk_ranges):
+        difference = (flat.float() - fake_quantize(flat, shrunk_range, spec).float()).reshape(1, n, rows, columns)
+        errors = group_output_errors(difference, block_moment)[0].reshape(n * rows, groups)
+        if least is None:
+            least, best = errors, torch.zeros_like(errors, dtype=torch.long)
+            continue
+        better = errors < least
+        least, best = torch.where(better, errors, least), torch.where(better, index, best)
+    return best

@@ -151,29 +151,33 @@ def make(
     knobs: dict[str, Any],
     moment: torch.Tensor,
     clip: list[float] | None = None,
-    memo: dict[str, ob.QParams] | None = None,
+    memo: dict[str, Any] | None = None,
 ) -> list[Candidate]:
     """One candidate per row of ``scales`` (``(n, in)``; None: one, unsmoothed), ``observer``'s
     qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
-    ratios when given. ``memo`` remembers an observer's qparams (by observer, layer and scales) and
-    clip searches (by layer, scales and the qparams searched from) across calls: the clip search's
-    pass runs no observer again, and observers that agree search once."""
+    ratios when given. ``memo`` remembers the smoothed weights (by layer and scales), an observer's
+    qparams (by observer, layer and scales) and clip searches (by layer, scales and the qparams
+    searched from) across calls: each grid point is smoothed once, the clip search's pass runs no
+    observer again, and observers that agree search once."""
     memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
     made = [Candidate(s, {}, {}) for s in rows]
     together = stackable(observer, spec)
     for name, weight in weights.items():
+        smooth = _smoothed_rows(name, weight, rows, memo)
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
-            found = _qparams(name, weight, rows[start : start + step], observer, spec, knobs, moment, clip, memo)
-            for candidate, qp in zip(made[start : start + step], found, strict=True):
+            chunk = slice(start, start + step)
+            found = _qparams(name, smooth[chunk], rows[chunk], observer, spec, knobs, moment, clip, memo)
+            for candidate, qp in zip(made[chunk], found, strict=True):
                 candidate.qparams[name] = qp
     _share_fused(made, list(weights), spec)
     for name, weight in weights.items():
+        smooth = _smoothed_rows(name, weight, rows, memo)
         step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
         for start in range(0, len(made), step):
             part = made[start : start + step]
-            stacked = torch.stack([smoothed(weight, c.scales) for c in part])
+            stacked = torch.stack(smooth[start : start + step])
             joined = _joined([c.qparams[name] for c in part])
             quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
             for candidate, q in zip(part, quantized, strict=True):
@@ -209,17 +213,30 @@ def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda size: diagonal_blocks(moment, size)
 
 
-def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
-    """A chunk of candidates' qparams of one layer: the observer's (one stacked call where
-    ``stackable``, else one each; remembered in ``memo``, so the clip search's pass over the same
-    grid points does not run the observer again), then clip-searched when ``clip`` is given."""
+def _smoothed_rows(name: str, weight: torch.Tensor, rows: list, memo: dict) -> list[torch.Tensor]:
+    """``smoothed(weight, s)`` for each of ``rows``, each made once per layer and scales (``memo``):
+    every observer and pass of a search smooths the same grid points."""
+    found = []
+    for scales in rows:
+        key = f"smoothed:{name}:{digest(Candidate(scales, {}, {}))}"
+        if key not in memo:
+            memo[key] = smoothed(weight, scales)
+        found.append(memo[key])
+    return found
+
+
+def _qparams(name, smooth, chunk, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
+    """A chunk of candidates' qparams of one layer (``smooth``: its weight smoothed by each of the
+    chunk's scales): the observer's (one stacked call where ``stackable``, else one each;
+    remembered in ``memo``, so the clip search's pass over the same grid points does not run the
+    observer again), then clip-searched when ``clip`` is given."""
     keys = [f"{observer}:{name}:{digest(Candidate(s, {}, {}))}" for s in chunk]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         part = [chunk[i] for i in missing]
-        weights = torch.stack([smoothed(weight, s) for s in part])
+        weights = torch.stack([smooth[i] for i in missing])
         if len(part) > 1 and stackable(observer, spec):
-            found = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(part), weight.shape[0])
+            found = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(part), weights.shape[1])
         else:
             blocks = _blocks_of(moment)
             found = [
@@ -230,17 +247,22 @@ def _qparams(name, weight, chunk, observer, spec, knobs, moment, clip, memo) -> 
     qps = [memo[key] for key in keys]
     if clip is None:
         return qps
-    weights = torch.stack([smoothed(weight, s) for s in chunk])
-    return _clipped(name, weights, qps, spec, clip, chunk, moment, memo)
+    return _clipped(name, smooth, qps, spec, clip, chunk, moment, memo)
 
 
-def _clipped(name, weights, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:
-    """``_clip_search`` of the candidates ``memo`` has not seen (by layer, scales and qparams)."""
+def _clipped(name, smooth, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:
+    """``_clip_search`` of the candidates ``memo`` has not seen (by layer, scales and qparams);
+    ``smooth``: the layer's weight smoothed by each of ``scales``."""
     keys = [f"{name}:{digest(Candidate(s, {name: qp}, {}))}" for s, qp in zip(scales, qps, strict=True)]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         found = _clip_search(
-            weights[missing], [qps[i] for i in missing], spec, ratios, [scales[i] for i in missing], moment
+            torch.stack([smooth[i] for i in missing]),
+            [qps[i] for i in missing],
+            spec,
+            ratios,
+            [scales[i] for i in missing],
+            moment,
         )
         memo.update({keys[i]: qp for i, qp in zip(missing, found, strict=True)})
     return [memo[key] for key in keys]
@@ -263,24 +285,13 @@ def _clip_search(
     ratios' order, as ModelOpt's ``awq_clip`` keeps a ratio only when strictly better).
     ``weights`` are the candidates' smoothed weights ``(n, out, in)``.
 
-    The ratios are walked one at a time, every candidate, row and group at once in each step, with
-    the least error so far kept: all ratios' differences in one tensor are ``len(ratios)`` times
-    the candidates' weights, and moving them through memory cost twice the arithmetic."""
+    The pick is ``ob.awq.clip_picks``' (a native kernel over every ratio where it takes the data)."""
     n, rows, columns = weights.shape
     size = spec.group_size if spec.strategy == "group" else columns
     joined = _joined(qps)
-    flat = weights.reshape(n * rows, columns)
     unscaled = diagonal_blocks(moment, size)
     blocks = torch.stack([scaled_blocks(unscaled, s) for s in scales]).float()
-    least = best = None
-    for index, shrunk in enumerate(ob.awq.shrunk(joined, spec, ratios)):
-        difference = (flat.float() - ob.fake_quantize(flat, shrunk, spec).float()).reshape(1, n, rows, columns)
-        errors = ob.awq.group_output_errors(difference, blocks)[0]
-        if least is None:
-            least, best = errors, torch.zeros_like(errors, dtype=torch.long)
-            continue
-        better = errors < least
-        least, best = torch.where(better, errors, least), torch.where(better, index, best)
+    best = ob.awq.clip_picks(weights, ob.awq.shrunk(joined, spec, ratios), blocks, spec)
     chosen = torch.tensor(ratios, dtype=torch.float32, device=weights.device)[best].reshape(joined.min_val.shape)
     found = ob.qparams.range_rule(joined.min_val * chosen, joined.max_val * chosen, spec)
     return _rows(found, n, rows)

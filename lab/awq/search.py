@@ -131,7 +131,7 @@ class _Judge:
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
         self._seen: dict[str, float] = {}
-        self._memo: dict[str, ob.QParams] = {}
+        self._memo: dict[str, Any] = {}
         size = sum(w.numel() * w.element_size() for w in weights.values())
         self.step = max(1, CANDIDATE_BYTES // max(size, 1))
 

@@ -226,9 +226,11 @@ class _FloatSide:
         """Sums over real positions: KL(float || quantized), top-1 agreements, the quantized
         model's negative log likelihood of the next token, and the positions predicted."""
         log_q = torch.log_softmax(logits.float(), dim=-1)
-        kl = (self.p * (self.log_p - log_q)).sum(-1)
         agree = self.top1 == log_q.max(-1).indices
         nll_q = -(log_q[:, :-1].gather(-1, self.target).squeeze(-1) * self.following).sum()
+        # p·(log p − log q) in log_q's own buffer: the same float operations as the expression
+        # written out, without its three vocabulary-wide temporaries (a third of this call's time)
+        kl = log_q.neg_().add_(self.log_p).mul_(self.p).sum(-1)
         return (
             float((kl * self.valid).sum()),
             float((agree.float() * self.valid).sum()),
