@@ -117,11 +117,11 @@ def _cpu_s() -> float:
 def lab_allocation(device: str) -> LabRun:
     """``allocate``'s flow (``lab.allocate.command.run``) up to the measured frontier, timed."""
     from lab.allocate import command, frontier
-    from lab.allocate.cost import LayerSizes
     from lab.allocate.held_out import split
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
     from lab.runtime.fusion import fused_groups
+    from lab.scheme.cost import LayerSizes
     from sample_models import open_model
 
     model = open_model("minilm", device=device)

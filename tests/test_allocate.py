@@ -22,16 +22,16 @@ from safetensors import safe_open
 
 import observers as ob
 from lab.allocate import frontier as fr
-from lab.allocate.cost import LayerSizes
 from lab.allocate.held_out import HeldOut
 from lab.allocate.schemes import NONE, Budget, parse_budget, parse_budgets, parse_scheme, parse_schemes
 from lab.allocate.score import Scores
 from lab.cli import main
 from lab.effect.evaluate import Evaluator, from_lab_file
 from lab.export import lab_json
-from lab.export.compressed_tensors import ct_args
 from lab.export.recipe import lc_observer
 from lab.runtime.fusion import fused_groups
+from lab.scheme.cost import LayerSizes
+from lab.scheme.stored import ct_args
 from sample_models.effect import EffectRunner, held_out_texts, sentences, split_held_out
 
 # ---------------------------------------------------------------- schemes and budgets

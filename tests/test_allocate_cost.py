@@ -1,4 +1,4 @@
-"""The cost of a scheme (issue 34, ``lab.allocate.cost``): what the packed checkpoint stores for a
+"""The cost of a scheme (issue 34, ``lab.scheme.cost``): what the packed checkpoint stores for a
 layer's weight and its scales, checked against the bytes of checkpoints the lab writes, for every
 preset and for settings the checkpoint leaves dense."""
 
@@ -10,10 +10,10 @@ import pytest
 from safetensors import safe_open
 
 import observers as ob
-from lab.allocate.cost import bits_per_weight, weight_bytes
 from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import checkpoint, lab_json
+from lab.scheme.cost import bits_per_weight, weight_bytes
 from sample_models import open_model
 
 LAYERS = ("encoder.layer.0.intermediate.dense", "encoder.layer.0.output.dense")

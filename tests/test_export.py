@@ -23,6 +23,7 @@ from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, lab_apply, lab_json
 from lab.results import choose
+from lab.scheme import stored
 from observers.suite import SuiteResult
 
 OBSERVERS = ("minmax", "memoryless_minmax", "moving_average_minmax")
@@ -267,10 +268,10 @@ def test_expected_qparam_shape_matches_observers():
     w = torch.randn(10, 70)
     observer = ob.create("minmax", spec)
     observer.observe(w)
-    assert lab_apply.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
-    assert lab_apply.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
-    assert lab_apply.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
-    assert lab_apply.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
+    assert stored.expected_qparam_shape(spec, "weight", (10, 70)) == tuple(observer.qparams().scale.shape) == (10, 3)
+    assert stored.expected_qparam_shape(spec, "input", (10, 70)) == (3,)
+    assert stored.expected_qparam_shape(spec, "output", (10, 70)) == (1,)
+    assert stored.expected_qparam_shape(ob.QuantSpec(strategy="token"), "input", (10, 70)) is None
 
 
 def test_export_rejects_choices_outside_the_analysis(run):
@@ -371,7 +372,7 @@ def test_observer_differing_from_group_is_noted(run):
     ],
 )
 def test_settings_without_ct_equivalent_give_reasons(spec, tensor, reason):
-    args, reasons = compressed_tensors.ct_args(spec, tensor)
+    args, reasons = stored.ct_args(spec, tensor)
     assert args is None
     assert any(reason in r for r in reasons), reasons
 

@@ -24,6 +24,7 @@ from lab.analyse.pipeline import analyse
 from lab.analyse.run_config import RunConfig
 from lab.export import compressed_tensors, lab_apply, lab_json
 from lab.results import choose, plots, ranges
+from lab.scheme import stored
 from sample_models import open_model
 
 OBSERVERS = ("minmax", "mse_grid", "percentile")
@@ -143,8 +144,8 @@ def test_json_round_trip_and_model_checks_for_kv_entries(llama, per_head):
     minilm = open_model("minilm")
     with pytest.raises(ValueError, match="has no attention block 'model.layers.0.self_attn'"):
         lab_apply.apply_choices(lab_json.load(text), ModelFacts.of(minilm))
-    assert lab_apply.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
-    assert lab_apply.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
+    assert stored.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3", strategy="channel"), "k", (2, 32)) == (2,)
+    assert stored.expected_qparam_shape(ob.QuantSpec(dtype="fp8_e4m3"), "v", (2, 32)) == (1,)
 
 
 def test_per_head_plots_cover_every_head(per_head):

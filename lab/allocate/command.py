@@ -136,13 +136,13 @@ def run(
     """Score on the held-out text's scoring part, solve, measure on both parts, write.
     ``deploy(lab_file)`` writes ``--checkpoint``/``--recipe``."""
     from lab.allocate import export, frontier, held_out
-    from lab.allocate.cost import LayerSizes
     from lab.allocate.score import score
     from lab.analyse.pipeline import analyse
     from lab.export import lab_json
     from lab.history.command import made_by
     from lab.progress_bar import ProgressBar
     from lab.runtime.fusion import fused_groups
+    from lab.scheme.cost import LayerSizes
 
     schemes = request.schemes
     sizes = LayerSizes.of(model, layers)

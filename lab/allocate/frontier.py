@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lab.allocate.cost import LayerSizes
 from lab.allocate.held_out import PARTS, HeldOut
 from lab.allocate.schemes import NONE, Budget, Scheme
 from lab.allocate.score import Scores, quantized
 from lab.allocate.solve import Option, least_cost, solve
 from lab.effect.evaluate import ChoiceSet, Evaluator
 from lab.results import damage
+from lab.scheme.cost import LayerSizes
 
 PART_RATIO = 1.5
 """Measured over predicted (or predicted over measured) beyond this: the two part, and the page says so."""

@@ -10,8 +10,8 @@ import html
 from pathlib import Path
 
 from lab.allocate import plots
-from lab.allocate.cost import LayerSizes
 from lab.allocate.frontier import Frontier, Options, Point
+from lab.scheme.cost import LayerSizes
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem; color: #222; }

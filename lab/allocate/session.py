@@ -17,12 +17,12 @@ from typing import Any
 import pandas as pd
 
 import observers as ob
-from lab.allocate.cost import LayerSizes
 from lab.allocate.frontier import Frontier, Options, Point, score_name
 from lab.allocate.held_out import HeldOut
 from lab.allocate.schemes import NONE, Budget, Scheme, parse_budgets, parse_schemes
 from lab.allocate.score import Scores
 from lab.analyse.run_config import RunConfig
+from lab.scheme.cost import LayerSizes
 from lab.settings import RunSettings, knob_overrides
 from sample_models.effect import HELD_OUT_SAMPLES, HELD_OUT_SEQ_LEN
 

@@ -140,7 +140,7 @@ def check_applies(choice_set: ChoiceSet, model: Any) -> None:
     held-out text: one ``ValueError`` listing each problem (a missing layer, a spec for another
     kind of tensor, static per-token qparams, which belong to the calibration tokens, a dynamic
     spec with no run-time form, qparams of another shape)."""
-    from lab.export.lab_apply import expected_qparam_shape
+    from lab.scheme.stored import expected_qparam_shape
 
     problems = []
     blocks = None

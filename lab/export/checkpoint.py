@@ -35,14 +35,12 @@ from typing import Any
 
 import torch
 
-import observers as ob
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.export.chosen import Chosen, of_lab_file
 from lab.export.compressed_tensors import CtLayer, ct_layers, kv_cache_scheme
 from lab.export.experts import (
     by_fused_tensor,
     dense_stored_experts_note,
-    expert_dense_reason,
     expert_target,
     packed_experts,
     renamed_experts,
@@ -59,8 +57,8 @@ from lab.gptq.hessians import HessianOf
 from lab.provenance import provenance_lines
 from lab.results import unusable_scales
 from lab.runtime.scales import load_problems
+from lab.scheme.stored import dense_reason, packed_format
 from lab.vocab import KV_TENSORS
-from sample_models.layers import EXPERT_TYPE
 from sample_models.sequential import return_freed_memory
 
 FILE_BYTES = 256 << 20
@@ -131,22 +129,6 @@ def check_fits(lab_file: LabFile, model: Any) -> ModelFacts:
     return facts
 
 
-def dense_reason(spec: ob.QuantSpec, tensor: str, layer_type: str | None) -> str | None:
-    """Why the checkpoint leaves a chosen tensor of a layer of ``layer_type`` dense whatever
-    compressed-tensors can express (None: it packs it if it can); the cost of a scheme
-    (``lab.allocate.cost``) reads the same rule."""
-    if tensor == "weight" and spec.format.kind == "int" and not spec.symmetric:
-        return (
-            "stays dense, unquantized (compressed-tensors 0.20 packs asymmetric integer zero points "
-            "when it saves, but does not expect them packed when it loads)"
-        )
-    if layer_type == EXPERT_TYPE:
-        return expert_dense_reason(spec, tensor)
-    if tensor not in KV_TENSORS and layer_type != "Linear":
-        return f"stays dense (compressed-tensors compresses Linear layers, this is a {layer_type})"
-    return None
-
-
 def _plan(chosen: list[Chosen], facts: ModelFacts, notes: list[str]) -> list[CtLayer]:
     """The chosen layers compressed-tensors can express; the rest, and layers that are not
     ``Linear`` (the type its compressors take), stay dense with a note."""
@@ -195,9 +177,6 @@ def quantization_config(
     Experts are packed under the names transformers saves them by (``saved_experts``,
     ``Model.saved_expert_names``; ``lab.export.experts``): fused experts' projections renamed, a
     checkpoint that stores them so (listed under those names) as it is; either targeted as experts."""
-    from compressed_tensors.compressors.format import infer_module_format
-    from compressed_tensors.quantization import QuantizationScheme
-
     notes: list[str] = []
     saved_experts = saved_experts or {}
     chosen = of_lab_file(lab_file.entries)
@@ -215,7 +194,7 @@ def quantization_config(
         raise CheckpointError(str(err)) from None
     formats = set()
     for scheme in config_groups.values():
-        scheme["format"] = infer_module_format(torch.nn.Linear, QuantizationScheme(**scheme)).value
+        scheme["format"] = packed_format(scheme)
         formats.add(scheme["format"])
     kv_scheme, kv_tensors = kv_cache_scheme(chosen, notes, facts.attention_blocks)
     if not config_groups and kv_scheme is None:

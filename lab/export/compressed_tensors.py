@@ -30,6 +30,7 @@ from lab.export.chosen import Chosen, of_analysis
 from lab.export.json_values import json_safe
 from lab.provenance import provenance_lines
 from lab.results import export_selection
+from lab.scheme.stored import ct_args
 from lab.vocab import GLOBAL_SCALE_CONVENTION, KV_TENSORS, LAYER_TENSORS
 
 CONFIG_FILE = "quantization_config.json"
@@ -37,26 +38,6 @@ TENSORS_FILE = "qparams.safetensors"
 NOTES_FILE = "observer_lab_notes.txt"
 
 
-# Element formats with a compressed-tensors equivalent: (type, num_bits). uint formats map onto
-# CT's signed ints by shifting the zero point by 2^(bits-1), which is exact (same scale, same grid).
-_CT_ELEMENTS: dict[str, tuple[str, int]] = {
-    "int2": ("int", 2),
-    "int3": ("int", 3),
-    "int4": ("int", 4),
-    "int8": ("int", 8),
-    "uint4": ("int", 4),
-    "uint8": ("int", 8),
-    "fp8_e4m3": ("float", 8),
-    "fp6_e2m3": ("float", 6),
-    "fp4_e2m1": ("float", 4),
-}
-# Block formats: (num_bits, group_size, scale_dtype, strategy) as compressed-tensors' MX/NVFP4 presets.
-_CT_BLOCKS: dict[str, tuple[int, int, str, str]] = {
-    "mxfp4": (4, 32, "torch.uint8", "group"),
-    "mxfp6_e2m3": (6, 32, "torch.uint8", "group"),
-    "mxfp8_e4m3": (8, 32, "torch.uint8", "group"),
-    "nvfp4": (4, 16, "torch.float8_e4m3fn", "tensor_group"),
-}
 # Our observers that llm-compressor has under another name.
 CT_OBSERVER_NAMES = {
     "minmax": "static_minmax",
@@ -69,56 +50,6 @@ CT_OBSERVER_NAMES = {
     "nvfp4_expanded_imatrix": "nvfp4_expanded_imatrix",
 }
 CT_ARG_NAMES = {"weight": "weights", "input": "input_activations", "output": "output_activations"}
-_ACTIVATION_STRATEGIES = ("tensor", "group", "token")
-
-
-def ct_args(spec: ob.QuantSpec, tensor: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """compressed-tensors ``QuantizationArgs`` fields for ``spec`` on a ``tensor`` kind, or
-    ``(None, reasons)`` when that format cannot express it."""
-    reasons = []
-    fmt = spec.format
-    block = _CT_BLOCKS.get(spec.dtype)
-    element = _CT_ELEMENTS.get(spec.dtype)
-    if block is None and element is None:
-        if fmt.kind == "cast":
-            reasons.append(f"dtype {spec.dtype} is a plain cast (a placeholder), not a compressed-tensors scheme")
-        else:
-            reasons.append(f"compressed-tensors has no {spec.dtype} element type")
-    if spec.reduce_range:
-        reasons.append("reduce_range has no compressed-tensors equivalent")
-    if spec.has_custom_range:
-        reasons.append("a custom quant_min/quant_max has no compressed-tensors equivalent")
-    if fmt.kind == "int" and spec.symmetric and spec.scale_rule != "half_range":
-        reasons.append(f"scale_rule {spec.scale_rule!r} differs from compressed-tensors' (max - min) / 2 divisor")
-    kv = tensor in KV_TENSORS
-    if spec.strategy == "channel" and not kv and (tensor != "weight" or spec.channel_axis("weight") != 0):
-        reasons.append("compressed-tensors has channel scales for weight output channels (ch_axis 0) only")
-    if tensor not in ("weight", *KV_TENSORS) and spec.strategy not in _ACTIVATION_STRATEGIES:
-        reasons.append(f"compressed-tensors has no {spec.strategy} strategy for activations")
-    if block is not None and spec.group_size != block[1]:
-        reasons.append(f"{spec.dtype} with group size {spec.group_size} (compressed-tensors uses {block[1]})")
-    if reasons:
-        return None, reasons
-    args: dict[str, Any] = {"symmetric": spec.symmetric, "dynamic": spec.dynamic}
-    if block is not None:
-        bits, group, scale_dtype, strategy = block
-        args |= {"num_bits": bits, "type": "float", "strategy": strategy, "group_size": group}
-        args["scale_dtype"] = scale_dtype
-        args["zp_dtype"] = scale_dtype
-        if spec.dynamic and strategy == "tensor_group":
-            args["dynamic"] = "local"
-        return args, reasons
-    kind, bits = element
-    strategy = "attn_head" if kv and spec.strategy == "channel" else spec.strategy
-    args |= {"num_bits": bits, "type": kind, "strategy": strategy}
-    if spec.strategy == "group":
-        args["group_size"] = spec.group_size
-    if spec.strategy == "block":
-        args["block_structure"] = list(spec.block_size)
-    if spec.strategy == "token" and not spec.dynamic:
-        args["dynamic"] = True
-        reasons.append("per-token scales are dynamic in compressed-tensors: written as dynamic, no scales saved")
-    return args, reasons
 
 
 def ct_observer(name: str, knobs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

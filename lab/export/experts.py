@@ -24,27 +24,11 @@ from typing import Any
 
 import torch
 
-import observers as ob
 from lab.export.compressed_tensors import CtLayer
 from sample_models.layers import expert_of, expert_weight
 
 Pending = dict[str, tuple[CtLayer, dict[str, Any]]]
 Compress = Callable[[CtLayer, dict[str, Any], torch.Tensor], dict[str, torch.Tensor]]
-
-
-def expert_dense_reason(spec: ob.QuantSpec, tensor: str) -> str | None:
-    """Why transformers 5 could not load an expert's ``tensor`` packed in ``spec`` (None: it can).
-    Its expert loader reads a packed weight with its scale and shape (symmetric int4/int8 weights,
-    MXFP4) and nothing else that loads right (measured on tiny-moe): an NVFP4 weight loads without
-    its global scale (wrong by that factor), FP8 weights fail to load, and activation scales are
-    not read."""
-    if tensor != "weight":
-        return "stays dense (transformers' loader of packed experts reads weights, not activation scales)"
-    if spec.format.kind == "int" and spec.format.bits in (4, 8) and spec.symmetric:
-        return None
-    if spec.dtype == "mxfp4":
-        return None
-    return f"stays dense (transformers' loader of packed experts reads int4/int8 or MXFP4 weights, not {spec.dtype})"
 
 
 UNPLACED = "transformers does not save these experts one projection per expert in a layout the lab can place"

@@ -8,35 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts, same_weights
 from lab.export.lab_json import LabEntry, LabFile, load
 from lab.results import Choices, valid_choices
+from lab.scheme.stored import expected_qparam_shape
 from lab.vocab import KV_TENSORS
-
-
-def expected_qparam_shape(
-    spec: ob.QuantSpec, tensor: str, weight_shape: tuple[int, ...], g_idx: torch.Tensor | None = None
-) -> tuple[int, ...] | None:
-    """The qparam shape ``spec`` gives on this layer's weight, input or output, or on an
-    attention block's keys or values (``tensor`` ``k``/``v``, ``weight_shape`` then
-    ``(kv_heads, head_dim)``); None when it depends on the calibration data (per-token).
-    Computed on a meta tensor, so no memory is used."""
-    if spec.strategy == "token":
-        return None
-    if tensor in KV_TENSORS:
-        heads, head_dim = weight_shape
-        shape, kind = (1, heads, 1, head_dim), "attention"
-    elif tensor == "weight":
-        shape, kind = weight_shape, "weight"
-    else:
-        width = weight_shape[1] if tensor == "input" else weight_shape[0]
-        shape, kind = (1, width), "activation"
-    probe = torch.empty(shape, device="meta")
-    return tuple(ob.flatten(probe, spec, kind, g_idx=g_idx).qparam_shape)
 
 
 def _model_problems(entry: LabEntry, shapes: dict[str, tuple[int, ...]]) -> list[str]:

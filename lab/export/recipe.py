@@ -39,11 +39,12 @@ import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts
 from lab.export.chosen import Chosen, of_analysis
-from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_args, ct_layers, ct_observer
+from lab.export.compressed_tensors import CT_ARG_NAMES, CT_OBSERVER_NAMES, CtLayer, ct_layers, ct_observer
 from lab.provenance import provenance_lines
 from lab.results import export_selection
 from lab.runtime.fusion import Level, fused_groups, linked_by_llm_compressor
 from lab.runtime.scales import Collapse, collapse
+from lab.scheme.stored import ct_args, ragged_groups
 from lab.vocab import KV_TENSORS, LAYER_TENSORS
 
 RECIPE_FILE = "recipe.yaml"
@@ -145,17 +146,6 @@ class _Group:
     scheme: dict[str, Any]
     targets: list[str]
     mapped: dict[str, list[tuple[str, _Mapped]]]
-
-
-def ragged_groups(args: Mapping[str, Any] | None, columns: int) -> str | None:
-    """Why weight ``args`` cannot be exported over ``columns`` columns: grouped scales over a column
-    count the group size does not divide (the lab allows a ragged last group), which llm-compressor
-    refuses when the modifier initializes. None when they can."""
-    if args is None or args["strategy"] not in ("group", "tensor_group") or columns < args["group_size"]:
-        return None
-    if columns % args["group_size"] == 0:
-        return None
-    return f"{columns} columns are not a multiple of group size {args['group_size']}, which llm-compressor refuses"
 
 
 def _indivisible(item: CtLayer, shapes: Mapping[str, tuple[int, ...]], notes: list[str]) -> bool:

@@ -3,13 +3,13 @@ compressed-tensors' compressors) stores for its weight and the scales around it,
 bits per weight or in gigabytes is the real checkpoint's size.
 
 A quantized ``Linear`` weight is stored in the format compressed-tensors picks for its scheme
-(``infer_module_format``): ``pack-quantized`` packs ``32 // bits`` integer codes into each int32 of a
+(``stored.packed_format``): ``pack-quantized`` packs ``32 // bits`` integer codes into each int32 of a
 row, the FP4 formats two codes a byte, 8-bit formats one byte a code; its scales are float32 (as the
 lab writes them) or the block format's own 1-byte scale (NVFP4's E4M3, MX's E8M0); NVFP4 adds a
 float32 global scale; every packed weight carries its int64 ``(rows, columns)`` shape. A static
 input scale adds its float32 values, NVFP4's dynamic input its global scale. What the checkpoint
 leaves dense (a setting compressed-tensors cannot express, an asymmetric integer weight, a layer
-that is not ``Linear``: ``checkpoint.dense_reason``) costs its dense bytes. The bias is stored as it
+that is not ``Linear``: ``stored.dense_reason``) costs its dense bytes. The bias is stored as it
 is under every scheme and is not counted.
 """
 
@@ -21,10 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import observers as ob
-from lab.export.checkpoint import dense_reason
-from lab.export.compressed_tensors import ct_args
-from lab.export.lab_apply import expected_qparam_shape
-from lab.export.recipe import ragged_groups
+from lab.scheme.stored import ct_args, dense_reason, expected_qparam_shape, packed_format, ragged_groups
 
 SHAPE_BYTES = 16
 """A packed weight's ``weight_shape``: two int64."""
@@ -57,7 +54,7 @@ def weight_bytes(
 
 def why_dense(spec: ob.QuantSpec, shape: tuple[int, int], layer_type: str = "Linear") -> str | None:
     """Why the checkpoint would keep a ``(rows, columns)`` weight dense under ``spec`` (None: it
-    packs it): ``checkpoint.dense_reason``, a spec compressed-tensors cannot express, ragged groups."""
+    packs it): ``stored.dense_reason``, a spec compressed-tensors cannot express, ragged groups."""
     reason = dense_reason(spec, "weight", layer_type)
     if reason is not None:
         return reason
@@ -74,13 +71,8 @@ def bits_per_weight(spec: ob.QuantSpec | None, shape: tuple[int, int], dense_ele
 
 def _element_bytes(args: dict, rows: int, columns: int) -> int:
     """The codes as the format compressed-tensors picks for these args stores them."""
-    from compressed_tensors.compressors.format import infer_module_format
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from torch import nn
-
-    weights = QuantizationArgs(**{k: v for k, v in args.items() if k not in ("scale_dtype", "zp_dtype")})
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    stored = infer_module_format(nn.Linear, scheme).value
+    weights = {k: v for k, v in args.items() if k not in ("scale_dtype", "zp_dtype")}
+    stored = packed_format({"targets": ["Linear"], "weights": weights})
     bits = args["num_bits"]
     if stored == "pack-quantized":
         return rows * math.ceil(columns / (32 // bits)) * 4
