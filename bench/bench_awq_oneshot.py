@@ -19,6 +19,9 @@ layers.
 - **Speed**: the lab's CLI (``run --awq``, every default int4 weight observer, the four variants,
   held-out figures, and the run's own analysis) against a fresh process running oneshot with one
   observer, imports and loading included on both sides.
+- **Clip search's pick**: ``ob.awq.clip_picks`` (the ``group_clip`` kernel) against its eager path
+  (``kernels.disabled()``) on 20 gate/up-sized candidates (688 × 256, int4 groups of 16, eleven
+  ratios, each candidate's own Hessian blocks): what one ``clip-search`` pass of a mapping costs.
 - **ModelOpt**: ``mtq.quantize`` with ``awq_lite`` (``alpha_step`` 0.1) and with ``awq_full``
   (``awq_lite`` then ``awq_clip``, clip ratios 0.5–0.95 by 0.05) on int4 groups of 16 of every
   decoder Linear; each layer's relative output error on the calibration inputs beside the lab's
@@ -39,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_fused_oneshot import calibration_batches, write_model
-from bench.common import case, reference
+from bench.common import Ref, activation_batches, case, llm_weight, measure, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, SEQ_LEN, GROUP = 32, 128, 16
@@ -151,12 +154,40 @@ def _share_text(found: dict) -> str:
     return f"{close}; codes >= 99.9% in {full}/{len(shares)} layers (least {min(shares):.2%})"
 
 
+def clip_pick_rows(device: str) -> list[dict]:
+    """The clip search's pick on 20 candidates of a 688 x 256 weight: native kernel against eager."""
+    import observers as ob
+    from observers import kernels
+
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=GROUP, symmetric=True)
+    weights = torch.stack([llm_weight(688, 256, device, seed=seed) for seed in range(20)])
+    observer = ob.create("memoryless_minmax", spec, "weight")
+    observer.observe(weights.reshape(-1, 256))
+    ranges = ob.awq.shrunk(observer.qparams(), spec, ob.AWQSpec().clip_ratios())
+    x = activation_batches(1, 1024, 256, device)[0]
+    moment = (x.T @ x / x.shape[0]).reshape(16, GROUP, 16, GROUP).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    blocks = moment.unsqueeze(0).expand(20, -1, -1, -1).contiguous()
+
+    def ours() -> torch.Tensor:
+        return ob.awq.clip_picks(weights, ranges, blocks, spec)
+
+    def eager() -> torch.Tensor:
+        with kernels.disabled():
+            return ours()
+
+    def agree(mine: torch.Tensor, theirs: torch.Tensor) -> str:
+        return f"{float((mine == theirs).double().mean()):.4%} of the groups' picks equal"
+
+    name = "AWQ clip search's pick, 20 candidates 688x256 int4 g16, 11 ratios"
+    return measure(name, ours, weights.sum, device, [Ref("ours, eager path (kernels.disabled())", eager, agree)])
+
+
 def cases(device: str) -> list[dict]:
+    rows = clip_pick_rows(device)
     missing = [found for found in map(reference, ("llmcompressor", "compressed_tensors")) if isinstance(found, str)]
     label = "AWQ of tiny-llama (int4 g16, memoryless_minmax) vs llm-compressor oneshot"
     if missing:
-        return [case(label, 0.0, agreement="; ".join(missing))]
-    rows = []
+        return [*rows, case(label, 0.0, agreement="; ".join(missing))]
     with tempfile.TemporaryDirectory(prefix="bench-awq-") as scratch_name:
         scratch = Path(scratch_name)
         model_dir = write_model("tiny-llama", scratch / "tiny-llama")
