@@ -1,8 +1,8 @@
 """The native pick of AWQ's clip search (observers/clip_kernel.py, csrc/group_clip.c): the eager picks
-(``awq.clip_picks`` inside ``kernels.disabled()``) on every variant this CPU runs, symmetric and
-asymmetric, group sizes 16 to 128, rows that fill no whole tile, each weight's own Hessian blocks; the
-variants identical to each other; ties and NaN kept as eager keeps them; a hand-computed pick; and the
-eager path wherever the kernel cannot run."""
+(``awq.clip_picks`` inside ``kernels.disabled()``) on every variant this CPU runs, but where two ratios'
+eager errors tie to a few ulps, symmetric and asymmetric, group sizes 16 to 128, rows that fill no
+whole tile, each weight's own Hessian blocks; the variants identical to each other; exact ties and NaN
+kept as eager keeps them; a hand-computed pick; and the eager path wherever the kernel cannot run."""
 
 from __future__ import annotations
 
@@ -50,21 +50,48 @@ CASES = {
 }
 
 
+def _errors(weights, ranges, blocks, spec) -> torch.Tensor:
+    """Every ratio's eager error per row and group, ``(ratios, n·rows, groups)``."""
+    n, rows, columns = weights.shape
+    flat = weights.reshape(n * rows, columns)
+    return torch.stack(
+        [
+            group_output_errors((flat - ob.fake_quantize(flat, r, spec)).reshape(1, n, rows, columns), blocks)[
+                0
+            ].reshape(n * rows, -1)
+            for r in ranges
+        ]
+    )
+
+
+def _agree_but_for_near_ties(picked: torch.Tensor, eager: torch.Tensor, errors: torch.Tensor) -> None:
+    """The kernel's picks are eager's, but where eager's errors of the two picks tie to a few float32
+    ulps (the forms are summed in another order): then either is a least error."""
+    differ = (picked != eager).nonzero().tolist()
+    assert len(differ) <= max(1, picked.numel() // 1000)
+    for row, group in differ:
+        mine, theirs = float(errors[picked[row, group], row, group]), float(errors[eager[row, group], row, group])
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-12)
+
+
 @needs_kernel
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernel_picks_what_eager_picks_on_every_variant(case: str) -> None:
     spec, weights, ranges, blocks = _case(*CASES[case])
     eager = _eager(weights, ranges, blocks, spec)
-    assert clip_picks(weights, ranges, blocks, spec).equal(eager)
+    errors = _errors(weights, ranges, blocks, spec)
+    _agree_but_for_near_ties(clip_picks(weights, ranges, blocks, spec), eager, errors)
     n, rows, columns = weights.shape
     size = blocks.shape[2]
     laid_out = weights.reshape(n, rows, columns // size, size).contiguous()
     steps = torch.stack([r.scale.float() for r in ranges]).contiguous()
     zeros = torch.stack([r.zero_point.float().expand_as(r.scale) for r in ranges]).contiguous()
     qmin, qmax = spec.int_range
+    variants = {}
     for isa in kernels.available_isas(clip_kernel.NAME):
-        picked = clip_kernel.group_clip_picks(laid_out, blocks, steps, zeros, float(qmin), float(qmax), isa=isa)
-        assert picked.equal(eager), isa
+        variants[isa] = clip_kernel.group_clip_picks(laid_out, blocks, steps, zeros, float(qmin), float(qmax), isa=isa)
+        _agree_but_for_near_ties(variants[isa], eager, errors)
+    assert all(picked.equal(variants["avx2"]) for picked in variants.values())  # the same operations per lane
     assert len(set(eager.flatten().tolist())) > 3  # the case moves picks, not only the first ratio
 
 
@@ -100,7 +127,7 @@ def test_exact_ties_keep_the_first_ratio() -> None:
     ranges = shrunk(observer.qparams(), spec, RATIOS)
     picked = clip_picks(weights, ranges, blocks, spec)
     assert picked[:, 0].eq(0).all()
-    assert picked.equal(_eager(weights, ranges, blocks, spec))
+    _agree_but_for_near_ties(picked, _eager(weights, ranges, blocks, spec), _errors(weights, ranges, blocks, spec))
 
 
 @needs_kernel
@@ -110,8 +137,9 @@ def test_a_nan_form_is_kept_and_passed_over_as_eager_keeps_it() -> None:
     spec, weights, ranges, blocks = _case(2, 16, 64, 16, False, 6)
     weights[1, 3, 20] = float("nan")
     picked = clip_picks(weights, ranges, blocks, spec)
-    assert picked.equal(_eager(weights, ranges, blocks, spec))
-    assert int(picked[16 + 3, 1]) == 0
+    eager = _eager(weights, ranges, blocks, spec)
+    assert int(picked[16 + 3, 1]) == int(eager[16 + 3, 1]) == 0
+    _agree_but_for_near_ties(picked, eager, _errors(weights, ranges, blocks, spec))
 
 
 def test_the_eager_path_runs_where_the_kernel_cannot() -> None:
@@ -133,14 +161,4 @@ def test_the_eager_path_runs_where_the_kernel_cannot() -> None:
 def test_eager_picks_are_the_least_group_output_error() -> None:
     """The eager pick against the errors written out: every ratio's ``group_output_errors``, the first least."""
     spec, weights, ranges, blocks = _case(2, 8, 64, 16, True, 8)
-    n, rows, columns = weights.shape
-    errors = torch.stack(
-        [
-            group_output_errors(
-                (weights - ob.fake_quantize(weights.reshape(-1, columns), r, spec).reshape(weights.shape)).unsqueeze(0),
-                blocks,
-            )[0].reshape(n * rows, -1)
-            for r in ranges
-        ]
-    )
-    assert _eager(weights, ranges, blocks, spec).equal(errors.argmin(dim=0))
+    assert _eager(weights, ranges, blocks, spec).equal(_errors(weights, ranges, blocks, spec).argmin(dim=0))
