@@ -185,24 +185,73 @@ def _find_blocks(module: nn.Module, name: str, count: int) -> tuple[str, nn.Modu
     )
 
 
-def _key_map(module: nn.Module, keys: set[str], name: str) -> dict[str, str]:
+@dataclass(frozen=True)
+class StoredRows:
+    """A parameter transformers assembles from several stored tensors when it loads (Mixtral's fused
+    ``experts.gate_up_proj`` from every expert's ``w1`` and ``w3``, a renamed router): each stored
+    key with the parameter's rows it holds, in order (rows: every dimension but the last, flattened)."""
+
+    parts: tuple[tuple[str, torch.Tensor], ...]
+
+    def read(self, store: WeightStore, shape: torch.Size) -> torch.Tensor:
+        """The parameter of ``shape`` put together from the stored tensors."""
+        tensors = [(store.tensor(key), rows) for key, rows in self.parts]
+        value = torch.empty(shape, dtype=tensors[0][0].dtype)
+        flat = value.view(-1, shape[-1]) if value.dim() else value.view(1, 1)
+        for tensor, rows in tensors:
+            flat[rows] = tensor.reshape(len(rows), -1).to(value.dtype)
+        return value
+
+
+def _key_map(module: nn.Module, keys: set[str], name: str) -> dict[str, str | StoredRows]:
     """The stored key of every parameter, tied parameters included (a tied head reads the embedding
-    when the checkpoint leaves it out), with or without the base model prefix as transformers allows."""
+    when the checkpoint leaves it out), with or without the base model prefix as transformers allows;
+    a parameter transformers converts from other stored tensors when it loads (``_converted``), the
+    stored tensors and the rows each holds."""
     prefix = getattr(module, "base_model_prefix", "")
     groups: dict[int, list[str]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
     for param_name, param in module.named_parameters(remove_duplicate=False):
         groups[id(param)].append(param_name)
-    key_of = {}
-    for names in groups.values():
+        params[id(param)] = param
+    key_of: dict[str, str | StoredRows] = {}
+    for identity, names in groups.items():
         candidates = [c for n in names for c in (n, f"{prefix}.{n}", n.removeprefix(f"{prefix}.")) if c in keys]
-        if not candidates:
+        found = candidates[0] if candidates else _converted(module, names[0], params[identity], keys, prefix)
+        if found is None:
             raise SequentialUnsupportedError(
                 f"cannot find tensor {names[0]!r} of {name} in its checkpoint: sequential calibration reads "
-                "tensors by module name, and transformers renames or converts this checkpoint's tensors when "
-                "loading it (e.g. per-expert MoE weights); capture with sequential=False"
+                "tensors by module name, or through the conversion transformers applies when loading, and "
+                "neither places it"
             )
-        key_of.update(dict.fromkeys(names, candidates[0]))
+        key_of.update(dict.fromkeys(names, found))
     return key_of
+
+
+def _converted(root: nn.Module, name: str, param: torch.Tensor, keys: set[str], prefix: str) -> StoredRows | None:
+    """Where transformers' checkpoint conversion takes parameter ``name`` from, found by saving its row
+    tags through transformers' own ``revert_weight_conversion`` (what ``save_pretrained`` runs), so
+    no architecture's layout is restated here: each stored tensor must hold whole rows (a transposed
+    or element-wise layout gives None) and together they must hold every row once."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rows = int(torch.Size(param.shape[:-1]).numel()) if param.dim() else 1
+    tags = torch.arange(rows, dtype=torch.float64).reshape(*param.shape[:-1], 1)
+    try:
+        saved = revert_weight_conversion(root, {name: tags})
+    except Exception:  # a conversion transformers cannot run on row tags: not placed
+        return None
+    parts, seen = [], torch.zeros(rows, dtype=torch.bool)
+    for key, tag in saved.items():
+        stored = next((c for c in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if c in keys), None)
+        if stored is None or tag.dim() == 0 or tag.shape[-1] != 1:
+            return None
+        index = tag.reshape(-1).long()
+        if bool(seen[index].any()):
+            return None
+        seen[index] = True
+        parts.append((stored, index))
+    return StoredRows(tuple(parts)) if parts and bool(seen.all()) else None
 
 
 def _direct_params(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -232,7 +281,11 @@ class _Loader:
         names = [(local, f"{prefix}.{local}" if prefix else local) for local, _ in named]
         self._loaded[module] = names
         for local, full in names:
-            value = self._store.tensor(self._model.key_of[full])
+            found = self._model.key_of[full]
+            if isinstance(found, StoredRows):
+                value = found.read(self._store, module.get_parameter(local).shape)
+            else:
+                value = self._store.tensor(found)
             self.resident += value.numel() * value.element_size()
             self.peak = max(self.peak, self.resident)
             set_module_tensor_to_device(module, local, self._device, value=value, clear_cache=False)

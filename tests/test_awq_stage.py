@@ -205,6 +205,28 @@ def test_a_stacked_replay_swaps_the_balance_layers_forward_and_puts_back_what_wa
         )
 
 
+def test_experts_stored_one_per_expert_are_left_out_with_a_line_and_attention_is_smoothed(tmp_path) -> None:
+    """tiny-moe as transformers saves it (each expert's w1/w3/w2 stored apart, loaded fused): the layer-by-
+    layer pass reads it through transformers' conversion, the attention's mappings are searched, and the
+    experts' mappings, whose deployment would write the stored per-expert tensors, are left out with a
+    line naming where they are stored, never dropped silently; choosing only experts is one error line."""
+    from sample_models.builtin import build_tiny_moe
+
+    model = open_model(str(save_checkpoint(build_tiny_moe(), tmp_path / "moe")))
+    run = run_awq(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), samples=2, seq_len=16)
+    assert [r.mapping.name for r in run.results] == [
+        "model.layers.0.input_layernorm → q_proj, k_proj, v_proj",
+        "model.layers.1.input_layernorm → q_proj, k_proj, v_proj",
+    ]
+    experts = [line for line in run.left_out if "stored as model.layers." in line]
+    assert len(experts) == 2 * (1 + 4)  # per block: gate/up of the 4 experts, and each expert's up → down
+    assert any("post_attention_layernorm" in line and "block_sparse_moe.experts.0.w1" in line for line in experts)
+    assert all(line.endswith("not smoothed") for line in experts)
+    stored = [info.name for info in model.layers() if ".block_sparse_moe.experts." in info.name]
+    with pytest.raises(ValueError, match="none of the chosen layers .* stores them by"):
+        run_awq(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), layers=stored, samples=2, seq_len=16)
+
+
 def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights(tiny_moe) -> None:
     from lab.awq.deploy import StoredByLayer, of_run
 

@@ -5,11 +5,13 @@ bounded weights on a generated checkpoint; and clear errors for what it cannot d
 from __future__ import annotations
 
 import json
+import shutil
 from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers import save_checkpoint, tiny_llama
+from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
     MistralConfig,
@@ -21,7 +23,7 @@ from transformers import (
 import observers as ob
 from bench.bench_sequential import PeakRss
 from sample_models import ModelSourceError, SequentialFallbackWarning, SequentialUnsupportedError, open_model
-from sample_models.builtin import DEAD_EXPERT, VOCAB_SIZE, build_tiny_moe
+from sample_models.builtin import DEAD_EXPERT, VOCAB_SIZE, build_tiny_moe, minilm_dir
 from sample_models.sequential import SequentialModel
 from sample_models.stores import ModuleWeights
 from sample_models.synthetic import write_llama_checkpoint
@@ -270,19 +272,61 @@ def test_a_model_without_findable_blocks_is_refused_by_name():
     assert issubclass(SequentialUnsupportedError, ValueError)
 
 
-def test_a_checkpoint_transformers_converts_is_refused_or_captured_whole(tmp_path):
-    """Mixtral checkpoints store one tensor per expert, fused by transformers when loading: there is
-    no stored tensor for the fused parameter, so sequential calibration cannot run; automatic mode
-    then captures the whole model with a warning."""
+def test_a_checkpoint_transformers_converts_is_read_through_its_conversion(tmp_path):
+    """Mixtral checkpoints store one tensor per expert (and the router under another name), fused by
+    transformers when loading: sequential calibration puts each fused parameter together from the
+    stored tensors transformers' own conversion names, so the layer-by-layer capture of every kind of
+    layer (attention, router, experts, one the router never chose) equals the whole model's."""
     model = open_model(save_checkpoint(build_tiny_moe(), tmp_path / "moe"))
-    name = "model.layers.0.mlp.experts.0.up_proj"
-    with pytest.raises(
-        SequentialUnsupportedError, match=r"cannot find tensor 'model\.layers\.0\.mlp\..* sequential=False"
-    ):
-        model.capture([name], sequential=True)
-    with pytest.warns(SequentialFallbackWarning, match="whole model"):
-        acts = model.capture([name], max_memory=1 << 20)
-    assert acts.token_counts[name] == acts.tokens
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in model.stored_keys()
+    names = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.experts.0.up_proj",
+        "model.layers.1.mlp.experts.2.gate_proj",
+        "model.layers.1.mlp.experts.3.down_proj",
+        f"model.layers.0.mlp.experts.{DEAD_EXPERT}.up_proj",
+    ]
+    layered = model.capture(names, sequential=True, samples=4, seq_len=32)
+    whole = model.capture(names, sequential=False, samples=4, seq_len=32)
+    for name in names:
+        assert torch.equal(layered[name], whole[name]), name
+        assert layered.token_counts[name] == whole.token_counts[name]
+    assert layered.token_counts[f"model.layers.0.mlp.experts.{DEAD_EXPERT}.up_proj"] == 0
+    assert model.last_sequential.blocks == 2
+
+
+def test_a_parameter_no_stored_tensor_or_conversion_places_is_refused(tmp_path):
+    """One expert's stored tensor missing: the conversion cannot put the fused parameter together, and
+    the layer-by-layer capture is refused in one line naming it."""
+    directory = save_checkpoint(build_tiny_moe(), tmp_path / "moe")
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    model = open_model(directory)
+    fused = r"model\.layers\.0\.mlp\.experts\.gate_up_proj"
+    with pytest.raises(SequentialUnsupportedError, match=rf"cannot find tensor '{fused}' of .* neither places it"):
+        model.capture(["model.layers.0.self_attn.q_proj"], sequential=True)
+
+
+def test_a_tensor_renamed_outside_the_conversion_is_captured_whole_with_a_warning(tmp_path):
+    """A legacy LayerNorm ``gamma`` transformers renames when it loads, which its conversion does not
+    write back: sequential calibration cannot place it and is refused; automatic mode captures the
+    whole model instead, with a SequentialFallbackWarning that says why."""
+    directory = tmp_path / "minilm"
+    shutil.copytree(minilm_dir(), directory)
+    weights = next(directory.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    tensors["embeddings.LayerNorm.gamma"] = tensors.pop("embeddings.LayerNorm.weight")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    model = open_model(str(directory))
+    name = "encoder.layer.0.attention.self.query"
+    with pytest.raises(SequentialUnsupportedError, match=r"cannot find tensor 'embeddings\.LayerNorm\.weight'"):
+        model.capture([name], sequential=True, samples=2, seq_len=16)
+    with pytest.warns(SequentialFallbackWarning, match="capturing with the whole model"):
+        captured = model.capture([name], max_memory=1 << 16, samples=2, seq_len=16)
+    assert captured.token_counts[name] == captured.tokens > 0
 
 
 def test_a_missing_shard_is_named(tmp_path):

@@ -221,14 +221,34 @@ def run_awq(
 def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
     """The mappings of ``model`` with a balance layer among ``layers`` (None: every mapping), in
     order, and what ``resolve`` left out; none is one ``ValueError`` line (an encoder's own line
-    from ``resolve``)."""
+    from ``resolve``). A mapping whose balance layers the model lists under the names its checkpoint
+    stores them by (experts stored one per expert, ``block_sparse_moe.experts.<e>.w1``, loaded fused)
+    is left out with a line saying so: its deployment would write those stored tensors, which is not
+    built."""
     found = resolve(structure(model), blocks_name(model), model.name)
-    wanted = tuple(m for m in found.found if layers is None or set(m.balance) & set(layers))
-    if not wanted:
-        raise ValueError(
-            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
+    listed = {info.name for info in model.layers()}
+    saved = model.saved_expert_names()
+    chosen = None if layers is None else set(layers)
+    wanted, left_out = [], list(found.left_out)
+    for mapping in found.found:
+        names = set(mapping.balance) | {saved[n] for n in mapping.balance if n in saved}
+        if chosen is not None and not names & chosen:
+            continue
+        if set(mapping.balance) <= listed:
+            wanted.append(mapping)
+            continue
+        stored = sorted(saved[n] for n in mapping.balance if n in saved)[:1]
+        where = f" (stored as {stored[0]}, ...)" if stored else ""
+        left_out.append(
+            f"{mapping.name}: the model lists its balance layers under the names its checkpoint stores them by"
+            f"{where}, and AWQ's deployment into those stored tensors is not built: not smoothed"
         )
-    return Mappings(wanted, found.left_out)
+    if not wanted:
+        why = f": {left_out[-1]}" if len(left_out) > len(found.left_out) else ""
+        raise ValueError(
+            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)" + why
+        )
+    return Mappings(tuple(wanted), tuple(left_out))
 
 
 def walk_of_config(
