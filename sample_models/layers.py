@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +131,36 @@ def saved_expert_names(root: nn.Module) -> dict[str, str]:
                 continue
             names |= {f"{name}.{expert}.{proj}": key.removesuffix(".weight") for (expert, proj), key in placed.items()}
     return names
+
+
+def converted_rows(
+    root: nn.Module, name: str, shape: torch.Size, keys: Collection[str], prefix: str = ""
+) -> list[tuple[str, torch.Tensor]] | None:
+    """Where transformers' checkpoint conversion takes parameter ``name`` (of ``shape``) from when it
+    loads: each stored key (among ``keys``, with or without the base model ``prefix``) with the
+    parameter's rows it holds in order (rows: every dimension but the last, flattened). Found as
+    ``saved_expert_names`` finds experts, by saving row tags through ``revert_weight_conversion``;
+    None when a stored tensor holds anything but whole rows (a transposed layout), a row is held twice
+    or not at all, or the conversion cannot run on tags."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rows = int(torch.Size(shape[:-1]).numel()) if len(shape) else 1
+    tags = torch.arange(rows, dtype=torch.float64).reshape(*shape[:-1], 1)
+    try:
+        saved = revert_weight_conversion(root, {name: tags})
+    except Exception:  # a conversion transformers cannot run on row tags: not placed
+        return None
+    parts, seen = [], torch.zeros(rows, dtype=torch.bool)
+    for key, tag in saved.items():
+        stored = next((c for c in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if c in keys), None)
+        if stored is None or tag.dim() == 0 or tag.shape[-1] != 1:
+            return None
+        index = tag.reshape(-1).long()
+        if bool(seen[index].any()):
+            return None
+        seen[index] = True
+        parts.append((stored, index))
+    return parts if parts and bool(seen.all()) else None
 
 
 def _tagged_view(fused: str, rows: int, tag: torch.Tensor) -> tuple[int, str] | None:

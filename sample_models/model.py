@@ -40,7 +40,15 @@ from .kv import (
     head_dim_of,
     split_heads,
 )
-from .layers import LayerInfo, LayerRef, filter_layers, io_widths, resolve_layer, saved_expert_names
+from .layers import (
+    LayerInfo,
+    LayerRef,
+    converted_rows,
+    filter_layers,
+    io_widths,
+    resolve_layer,
+    saved_expert_names,
+)
 from .sequential import Progress, SequentialModel, SequentialRunner, SequentialStats, default_max_memory
 from .stores import WeightStore
 
@@ -197,6 +205,31 @@ class Model:
         model's fused experts (``layers.saved_expert_names``, read from the skeleton); empty for a
         model without fused experts or without a runtime."""
         return {} if self._runtime is None else saved_expert_names(self._structure())
+
+    def stored_key(self, key: str) -> str | None:
+        """The stored key that holds the tensor the loaded model names ``key``, whole: ``key`` itself,
+        the name transformers saves an expert projection's weight by (``saved_expert_names``), or a
+        tensor it renames when loading (a hub Mixtral's router, ``block_sparse_moe.gate``:
+        ``layers.converted_rows`` with one stored tensor holding every row in order); None when no
+        stored tensor holds it whole (a fused tensor put together from several)."""
+        keys = set(self.stored_keys())
+        if key in keys:
+            return key
+        layer, _, leaf = key.rpartition(".")
+        saved = self.saved_expert_names().get(layer)
+        if saved is not None and f"{saved}.{leaf}" in keys:
+            return f"{saved}.{leaf}"
+        if self._runtime is None:
+            return None
+        root = self._structure()
+        try:
+            shape = root.get_parameter(key).shape
+        except AttributeError:
+            return None
+        parts = converted_rows(root, key, shape, keys, getattr(root, "base_model_prefix", ""))
+        if parts is None or len(parts) != 1 or not torch.equal(parts[0][1], torch.arange(len(parts[0][1]))):
+            return None
+        return parts[0][0]
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer that turns calibration text into tokens (loaded on first call)."""

@@ -41,6 +41,7 @@ from torch import nn
 
 from .calibration import Batch
 from .errors import SequentialUnsupportedError
+from .layers import converted_rows
 from .stores import WeightStore
 
 MEMORY_FRACTION = 0.5
@@ -206,8 +207,8 @@ class StoredRows:
 def _key_map(module: nn.Module, keys: set[str], name: str) -> dict[str, str | StoredRows]:
     """The stored key of every parameter, tied parameters included (a tied head reads the embedding
     when the checkpoint leaves it out), with or without the base model prefix as transformers allows;
-    a parameter transformers converts from other stored tensors when it loads (``_converted``), the
-    stored tensors and the rows each holds."""
+    a parameter transformers converts from other stored tensors when it loads (``layers.converted_rows``),
+    the stored tensors and the rows each holds."""
     prefix = getattr(module, "base_model_prefix", "")
     groups: dict[int, list[str]] = defaultdict(list)
     params: dict[int, nn.Parameter] = {}
@@ -217,7 +218,8 @@ def _key_map(module: nn.Module, keys: set[str], name: str) -> dict[str, str | St
     key_of: dict[str, str | StoredRows] = {}
     for identity, names in groups.items():
         candidates = [c for n in names for c in (n, f"{prefix}.{n}", n.removeprefix(f"{prefix}.")) if c in keys]
-        found = candidates[0] if candidates else _converted(module, names[0], params[identity], keys, prefix)
+        parts = None if candidates else converted_rows(module, names[0], params[identity].shape, keys, prefix)
+        found = candidates[0] if candidates else None if parts is None else StoredRows(tuple(parts))
         if found is None:
             raise SequentialUnsupportedError(
                 f"cannot find tensor {names[0]!r} of {name} in its checkpoint: sequential calibration reads "
@@ -226,32 +228,6 @@ def _key_map(module: nn.Module, keys: set[str], name: str) -> dict[str, str | St
             )
         key_of.update(dict.fromkeys(names, found))
     return key_of
-
-
-def _converted(root: nn.Module, name: str, param: torch.Tensor, keys: set[str], prefix: str) -> StoredRows | None:
-    """Where transformers' checkpoint conversion takes parameter ``name`` from, found by saving its row
-    tags through transformers' own ``revert_weight_conversion`` (what ``save_pretrained`` runs), so
-    no architecture's layout is restated here: each stored tensor must hold whole rows (a transposed
-    or element-wise layout gives None) and together they must hold every row once."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    rows = int(torch.Size(param.shape[:-1]).numel()) if param.dim() else 1
-    tags = torch.arange(rows, dtype=torch.float64).reshape(*param.shape[:-1], 1)
-    try:
-        saved = revert_weight_conversion(root, {name: tags})
-    except Exception:  # a conversion transformers cannot run on row tags: not placed
-        return None
-    parts, seen = [], torch.zeros(rows, dtype=torch.bool)
-    for key, tag in saved.items():
-        stored = next((c for c in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if c in keys), None)
-        if stored is None or tag.dim() == 0 or tag.shape[-1] != 1:
-            return None
-        index = tag.reshape(-1).long()
-        if bool(seen[index].any()):
-            return None
-        seen[index] = True
-        parts.append((stored, index))
-    return StoredRows(tuple(parts)) if parts and bool(seen.all()) else None
 
 
 def _direct_params(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -166,6 +166,52 @@ def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded_and_
     assert "stays dense" not in err
 
 
+def test_a_moe_stored_one_projection_per_expert_deploys_its_experts_into_their_stored_tensors(tmp_path) -> None:
+    """tiny-moe as transformers saves a hub Mixtral (``block_sparse_moe.experts.<e>.w1``/``w3``/``w2``, the
+    router ``block_sparse_moe.gate``): ``run --awq`` on its experts, chosen by the names it lists (where
+    they are stored), searches them, folds the scales into the stored per-expert tensors, the router and
+    the norm, and packs every expert; transformers loads each fused expert weight equal to the lab's
+    quantized folded weight, and the router and the norm as folded."""
+    from transformers import AutoModelForCausalLM
+
+    from lab.awq.command import deployed as awq_deployed
+    from lab.export import lab_json
+    from sample_models import open_model
+    from sample_models.builtin import build_tiny_moe
+
+    source = save_checkpoint(build_tiny_moe(), tmp_path / "moe")
+    target, directory = tmp_path / "moe.json", tmp_path / "ck"
+    layers = r"re:model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
+    code, out, err = _cli(
+        "run", str(source), "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint", str(directory),
+        "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "deploy\tmodel.layers.0.post_attention_layernorm → gate_proj, up_proj of 4 experts" in out
+    lab_file, deployed = awq_deployed(lab_json.load_file(target), target)
+    assert deployed.stored_keys["model.layers.0.mlp.gate.weight"] == "model.layers.0.block_sparse_moe.gate.weight"
+    model = open_model(str(source))
+    loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    experts = {e.layer: e for e in lab_file.entries if e.tensor == "weight"}
+    assert len(experts) == 24 and all(".block_sparse_moe.experts." in name for name in experts)
+    for name, entry in experts.items():
+        _, _, block, _, _, expert, projection = name.split(".")
+        folded = deployed.fold(f"{name}.weight", model.stored(f"{name}.weight")).float()
+        fused = loaded[f"model.layers.{block}.mlp.experts.{'down_proj' if projection == 'w2' else 'gate_up_proj'}"]
+        half = fused.shape[1] // 2
+        got = {"w1": fused[int(expert), :half], "w3": fused[int(expert), half:], "w2": fused[int(expert)]}[projection]
+        assert torch.equal(got.float(), ob.fake_quantize(folded, entry.qparams, entry.spec)), name
+    for module, stored in [
+        ("model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight"),
+        ("model.layers.0.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"),
+    ]:
+        folded = deployed.fold(stored, model.stored(stored))
+        assert torch.equal(loaded[module], folded) and not torch.equal(folded, model.stored(stored)), module
+    weights = {key for part in directory.glob("*.safetensors") for key in safe_open(part, "pt").keys()}
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in weights
+
+
 def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, monkeypatch) -> None:
     from lab.awq import deploy
     from lab.awq.command import deployed

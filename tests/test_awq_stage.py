@@ -205,26 +205,29 @@ def test_a_stacked_replay_swaps_the_balance_layers_forward_and_puts_back_what_wa
         )
 
 
-def test_experts_stored_one_per_expert_are_left_out_with_a_line_and_attention_is_smoothed(tmp_path) -> None:
-    """tiny-moe as transformers saves it (each expert's w1/w3/w2 stored apart, loaded fused): the layer-by-
-    layer pass reads it through transformers' conversion, the attention's mappings are searched, and the
-    experts' mappings, whose deployment would write the stored per-expert tensors, are left out with a
-    line naming where they are stored, never dropped silently; choosing only experts is one error line."""
+def test_experts_stored_one_per_expert_are_searched_and_chosen_by_their_stored_names(tmp_path) -> None:
+    """tiny-moe as transformers saves it (each expert's w1/w3/w2 stored apart, the router renamed,
+    loaded fused): the layer-by-layer pass reads it through transformers' conversion, and its experts'
+    mappings are searched under their modules' names, found from the names the model lists them by
+    (where they are stored), as the built-in tiny-moe's are; choosing the stored names chooses them."""
+    from lab.awq.run import listed_names
     from sample_models.builtin import build_tiny_moe
 
     model = open_model(str(save_checkpoint(build_tiny_moe(), tmp_path / "moe")))
-    run = run_awq(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), samples=2, seq_len=16)
-    assert [r.mapping.name for r in run.results] == [
-        "model.layers.0.input_layernorm → q_proj, k_proj, v_proj",
-        "model.layers.1.input_layernorm → q_proj, k_proj, v_proj",
-    ]
-    experts = [line for line in run.left_out if "stored as model.layers." in line]
-    assert len(experts) == 2 * (1 + 4)  # per block: gate/up of the 4 experts, and each expert's up → down
-    assert any("post_attention_layernorm" in line and "block_sparse_moe.experts.0.w1" in line for line in experts)
-    assert all(line.endswith("not smoothed") for line in experts)
     stored = [info.name for info in model.layers() if ".block_sparse_moe.experts." in info.name]
-    with pytest.raises(ValueError, match="none of the chosen layers .* stores them by"):
-        run_awq(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), layers=stored, samples=2, seq_len=16)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1" in stored
+    assert listed_names(
+        model, ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.2.down_proj"]
+    ) == {
+        "model.layers.0.mlp.experts.0.gate_proj": "model.layers.0.block_sparse_moe.experts.0.w1",
+        "model.layers.0.mlp.experts.2.down_proj": "model.layers.0.block_sparse_moe.experts.2.w2",
+    }
+    chosen = [name for name in stored if name.startswith("model.layers.0.")]
+    run = run_awq(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), layers=chosen, samples=2, seq_len=16)
+    names = [r.mapping.name for r in run.results]
+    assert names[0] == "model.layers.0.post_attention_layernorm → gate_proj, up_proj of 4 experts"
+    assert all(r.mapping.block == 0 for r in run.results) and len(names) >= 2  # gate/up, and up → down of routed ones
+    assert run.results[0].mapping.scaled == ("model.layers.0.mlp.gate",)  # the router, folded with the experts
 
 
 def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights(tiny_moe) -> None:

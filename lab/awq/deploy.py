@@ -21,7 +21,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping as MappingType
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -61,7 +61,13 @@ class DeployedMapping:
 class AWQDeploy:
     """The deployed variant, its mappings in the order they fold, and each balance layer's
     qparams on its folded weight; ``knobs``: each deployed observer's knobs as the person gave
-    them (the input statistics it takes are the smoothed inputs', filled when it ran)."""
+    them (the input statistics it takes are the smoothed inputs', filled when it ran);
+    ``stored_keys``: the tensors the scales touch that the checkpoint stores under another name
+    than the loaded model's (a hub Mixtral's ``mlp.experts.0.gate_proj.weight`` stored as
+    ``block_sparse_moe.experts.0.w1.weight``, its router as ``block_sparse_moe.gate.weight``),
+    module key → stored key. Layers are named by their modules throughout; ``fold``, ``touched``,
+    ``input_scales``, ``output_scales``, ``observer_of`` and ``applied`` speak the stored names
+    where they differ, as the checkpoint and the lab file do."""
 
     variant: Variant
     awq: ob.AWQSpec
@@ -71,6 +77,7 @@ class AWQDeploy:
     qparams: dict[str, ob.QParams]
     shapes: dict[str, tuple[int, ...]]
     knobs: dict[str, dict[str, Any]]
+    stored_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def folds(self) -> list[tuple[Mapping, torch.Tensor]]:
@@ -78,35 +85,49 @@ class AWQDeploy:
 
     def fold(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The stored tensor ``key`` as the checkpoint holds it (``tensor`` when no scale touches it)."""
-        return fold_key(key, tensor, self.folds)
+        return fold_key(self._module_key(key), tensor, self.folds)
 
     def touched(self) -> list[str]:
         """Every stored key the scales change."""
-        return list(dict.fromkeys(key for mapping, _ in self.folds for key in folded_keys(mapping)))
+        keys = (key for mapping, _ in self.folds for key in folded_keys(mapping))
+        return list(dict.fromkeys(self.stored_keys.get(key, key) for key in keys))
 
     def input_scales(self, layer: str) -> torch.Tensor | None:
         """The scales folded into ``layer``'s columns (its inputs are ``x/s``); None: not a balance layer."""
+        layer = self._module_layer(layer)
         return next((m.scales for m in self.mappings if layer in m.mapping.balance), None)
 
     def output_scales(self, layer: str) -> torch.Tensor | None:
         """The scales that divide ``layer``'s last rows (the mapping it smooths); None: none does."""
+        layer = self._module_layer(layer)
         return next((m.scales for m in self.mappings if m.mapping.smooth == layer), None)
 
     def observer_of(self, layer: str) -> str:
+        layer = self._module_layer(layer)
         return next(m.observer for m in self.mappings if layer in m.mapping.balance)
+
+    def listed(self, layer: str) -> str:
+        """The name the model lists module ``layer`` by: where its weight is stored."""
+        return self.stored_keys.get(f"{layer}.weight", f"{layer}.weight").removesuffix(".weight")
+
+    def _module_key(self, key: str) -> str:
+        return next((module for module, stored in self.stored_keys.items() if stored == key), key)
+
+    def _module_layer(self, layer: str) -> str:
+        return self._module_key(f"{layer}.weight").removesuffix(".weight")
 
     def applied(self, lab_file: LabFile) -> LabFile:
         """``lab_file`` with every balance layer's weight chosen as deployed (its mapping's
         observer, its qparams on the folded weight); a balance layer the file lacks is added, since
         the search quantized it."""
         entries = {(e.layer, e.tensor): e for e in lab_file.entries}
-        for name, qparams in self.qparams.items():
-            observer = self.observer_of(name)
+        for module, qparams in self.qparams.items():
+            observer, name = self.observer_of(module), self.listed(module)
             chosen = {"observer": observer, "knobs": dict(self.knobs.get(observer, {})), "qparams": qparams}
             old = entries.get((name, "weight"))
             if old is None:
                 entries[(name, "weight")] = LabEntry(
-                    name, "weight", self.shapes[name], self.spec, metrics={}, runner_up=None, **chosen
+                    name, "weight", self.shapes[module], self.spec, metrics={}, runner_up=None, **chosen
                 )
             else:
                 entries[(name, "weight")] = replace(old, spec=self.spec, metrics={}, runner_up=None, **chosen)
@@ -182,6 +203,7 @@ class AWQDeploy:
                 name: {"shape": list(self.shapes[name]), "qparams": qp.to_dict()} for name, qp in self.qparams.items()
             },
             "knobs": self.knobs,
+            "stored_keys": self.stored_keys,
         }
 
     @classmethod
@@ -207,15 +229,17 @@ class AWQDeploy:
                 {name: ob.QParams.from_dict(layer["qparams"]) for name, layer in layers.items()},
                 {name: tuple(layer["shape"]) for name, layer in layers.items()},
                 {name: dict(knobs) for name, knobs in data["knobs"].items()},
+                dict(data.get("stored_keys", {})),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"the AWQ deployment record is malformed: {err!r}") from None
 
 
 class StoredByLayer:
-    """A model's stored tensors by the names the lab lists its layers under: an expert of a fused
-    experts module (``experts.3.up_proj.weight``) read as its view of the module's 3-D tensor
-    (``fold.fused_views``; each 3-D tensor read once)."""
+    """A model's stored tensors by its modules' names: an expert of a fused experts module
+    (``experts.3.up_proj.weight``) read as its view of the module's 3-D tensor (``fold.fused_views``;
+    each 3-D tensor read once), a tensor the checkpoint stores under another name (``renamed``,
+    ``Model.stored_key``: a hub Mixtral's per-expert ``w1``, its router) read from there."""
 
     def __init__(self, model: Model) -> None:
         self.model, self.keys = model, set(model.stored_keys())
@@ -226,13 +250,21 @@ class StoredByLayer:
                 source = "down_proj" if projection == "down_proj" else "gate_up_proj"
                 self.fused[f"{info.name}.weight"] = f"{experts}.{source}"
         self._read: dict[str, dict[str, torch.Tensor]] = {}
+        self.renamed: dict[str, str] = {}
 
     def holds(self, key: str) -> bool:
-        return key in self.keys or key in self.fused
+        if key in self.keys or key in self.fused or key in self.renamed:
+            return True
+        stored = self.model.stored_key(key)
+        if stored is not None:
+            self.renamed[key] = stored
+        return stored is not None
 
     def __call__(self, key: str) -> torch.Tensor:
         if key in self.keys:
             return self.model.stored(key)
+        if key in self.renamed or (key not in self.fused and self.holds(key)):
+            return self.model.stored(self.renamed[key])
         source = self.fused[key]
         if source not in self._read:
             self._read[source] = fused_views(source, self.model.stored(source))
@@ -310,7 +342,7 @@ def of_run(
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)
     knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}
-    return replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs)
+    return replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs, stored_keys=dict(stored.renamed))
 
 
 def _layer_qparams(

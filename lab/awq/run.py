@@ -221,34 +221,45 @@ def run_awq(
 def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
     """The mappings of ``model`` with a balance layer among ``layers`` (None: every mapping), in
     order, and what ``resolve`` left out; none is one ``ValueError`` line (an encoder's own line
-    from ``resolve``). A mapping whose balance layers the model lists under the names its checkpoint
-    stores them by (experts stored one per expert, ``block_sparse_moe.experts.<e>.w1``, loaded fused)
-    is left out with a line saying so: its deployment would write those stored tensors, which is not
-    built."""
+    from ``resolve``). A balance layer counts by the name the model lists it under: its module's,
+    or where its checkpoint stores it (``listed_names``: a hub Mixtral's experts,
+    ``block_sparse_moe.experts.<e>.w1``); a mapping with a balance layer the model lists under
+    neither is left out with a line saying so."""
     found = resolve(structure(model), blocks_name(model), model.name)
-    listed = {info.name for info in model.layers()}
-    saved = model.saved_expert_names()
+    listed = listed_names(model, [name for mapping in found.found for name in mapping.balance])
     chosen = None if layers is None else set(layers)
     wanted, left_out = [], list(found.left_out)
     for mapping in found.found:
-        names = set(mapping.balance) | {saved[n] for n in mapping.balance if n in saved}
+        names = {listed.get(name, name) for name in mapping.balance}
         if chosen is not None and not names & chosen:
             continue
-        if set(mapping.balance) <= listed:
-            wanted.append(mapping)
+        unlisted = [name for name in mapping.balance if name not in listed]
+        if unlisted:
+            left_out.append(f"{mapping.name}: the model lists no layer {unlisted[0]} under any name: not smoothed")
             continue
-        stored = sorted(saved[n] for n in mapping.balance if n in saved)[:1]
-        where = f" (stored as {stored[0]}, ...)" if stored else ""
-        left_out.append(
-            f"{mapping.name}: the model lists its balance layers under the names its checkpoint stores them by"
-            f"{where}, and AWQ's deployment into those stored tensors is not built: not smoothed"
-        )
+        wanted.append(mapping)
     if not wanted:
-        why = f": {left_out[-1]}" if len(left_out) > len(found.left_out) else ""
         raise ValueError(
-            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)" + why
+            "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
         )
     return Mappings(tuple(wanted), tuple(left_out))
+
+
+def listed_names(model: Model, names: Collection[str]) -> dict[str, str]:
+    """Each of the module ``names`` the model lists as a layer, by the name it lists it under: the
+    module's own, or the layer its checkpoint stores the weight as (``Model.stored_key``: a hub
+    Mixtral's experts, stored one projection per expert, loaded fused). A name the model lists
+    under neither is left out."""
+    listed = {info.name for info in model.layers()}
+    found = {}
+    for name in names:
+        if name in listed:
+            found[name] = name
+            continue
+        stored = model.stored_key(f"{name}.weight")
+        if stored is not None and stored.removesuffix(".weight") in listed:
+            found[name] = stored.removesuffix(".weight")
+    return found
 
 
 def walk_of_config(
@@ -301,9 +312,10 @@ def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec) -> 
     if spec.strategy != "group":
         return
     columns_of = {info.name: info.shape[-1] for info in model.layers()}
+    listed = listed_names(model, [name for mapping in mappings for name in mapping.balance])
     for mapping in mappings:
         for name in mapping.balance:
-            columns = columns_of[name]
+            columns = columns_of[listed[name]]
             if columns % spec.group_size:
                 raise ValueError(
                     f"AWQ with groups of {spec.group_size}: {name} has {columns} input columns, which groups of "
