@@ -230,6 +230,32 @@ def test_experts_stored_one_per_expert_are_searched_and_chosen_by_their_stored_n
     assert run.results[0].mapping.scaled == ("model.layers.0.mlp.gate",)  # the router, folded with the experts
 
 
+def test_the_app_finds_an_expert_stored_one_per_expert_by_the_name_the_analysis_lists(tmp_path) -> None:
+    """The Error and Ranges pages ask for a layer by the analysis's name: for a hub Mixtral's expert
+    that is where it is stored (``block_sparse_moe.experts.0.w1``); the app's AWQ result finds its
+    mapping and draws its smoothed weight with the qparams the search gave its module."""
+    from lab.awq.run import AWQWalk
+    from lab.awq.session import AWQState
+    from sample_models.builtin import build_tiny_moe
+
+    class Analysis:  # what finish keeps a weak reference to
+        pass
+
+    model = open_model(str(save_checkpoint(build_tiny_moe(), tmp_path / "moe")))
+    stored = "model.layers.0.block_sparse_moe.experts.0.w1"
+    walk = AWQWalk(model, INT4_G16, {"minmax": {}}, ob.AWQSpec(n_grid=3), layers=[stored], samples=2, seq_len=16)
+    model.capture([], tap=walk, samples=2, seq_len=16)
+    analysis = Analysis()
+    result = AWQState().finish(model, None, analysis, walk)
+    mapping = result.mapping_of(stored)
+    assert mapping is not None and "model.layers.0.mlp.experts.0.gate_proj" in mapping.mapping.balance
+    weight, drawn = result.smoothed(model, mapping, stored, Variant.LLM_COMPRESSOR, "minmax")
+    scales = mapping.scales[(Variant.LLM_COMPRESSOR, "minmax")]
+    assert torch.equal(weight, candidates.smoothed(model.weight(stored), scales))
+    module_qparams = mapping.qparams[(Variant.LLM_COMPRESSOR, "minmax")]["model.layers.0.mlp.experts.0.gate_proj"]
+    assert drawn.qparams is module_qparams and drawn.error is None
+
+
 def test_tiny_moe_searches_its_expert_mlps_and_folds_them_into_the_fused_weights(tiny_moe) -> None:
     from lab.awq.deploy import StoredByLayer, of_run
 

@@ -24,7 +24,7 @@ import observers as ob
 from lab.awq import candidates
 from lab.awq.mappings import NOT_A_DECODER
 from lab.awq.options import conflict
-from lab.awq.run import AWQRun, AWQWalk, Progress, walk_of_config
+from lab.awq.run import AWQRun, AWQWalk, Progress, listed_names, walk_of_config
 from lab.awq.search import MappingResult, Variant
 from lab.awq.table import awq_frame, best_model_level, best_observers
 from lab.settings import RunSettings
@@ -49,7 +49,9 @@ class AWQResult:
     """One AWQ run beside one analysis: the ``AWQRun``, its ``awq_frame``, the model it ran on
     (``request``), how long it took, and the model-level effect once measured. ``beside`` is a weak
     reference to the analysis: a later one (another Run, the demo, a kept run) replaces what the run
-    is compared with, and the old analysis is not kept alive for it."""
+    is compared with, and the old analysis is not kept alive for it. ``modules``: a balance layer's
+    module name by the name the analysis lists it under, where the two differ (a hub Mixtral's
+    experts, listed where they are stored: ``run.listed_names``)."""
 
     run: AWQRun
     frame: pd.DataFrame
@@ -58,6 +60,7 @@ class AWQResult:
     beside: Callable[[], Any]
     effect: pd.DataFrame | None = None
     effect_metric: str | None = None
+    modules: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         """The run in one line: mappings, observers, time and tokens."""
@@ -70,7 +73,8 @@ class AWQResult:
 
     def mapping_of(self, layer: str) -> MappingResult | None:
         """The mapping ``layer`` is a balance layer of (None: AWQ did not search one)."""
-        return next((r for r in self.run.results if layer in r.mapping.balance), None)
+        module = self.modules.get(layer, layer)
+        return next((r for r in self.run.results if module in r.mapping.balance), None)
 
     def rows(self, mapping: MappingResult) -> pd.DataFrame:
         """The mapping's rows of ``awq_frame``: observer × variant."""
@@ -95,12 +99,12 @@ class AWQResult:
         """``layer``'s weight ``W·diag(s)`` as ``variant`` smooths it for ``observer`` (as it is under
         ``rtn``), and the observer's qparams on it as a result the range histogram draws, with the
         row's clipped share; a row without figures gives a result that says why."""
-        key = (variant, observer)
+        key, module = (variant, observer), self.modules.get(layer, layer)
         weight = candidates.smoothed(model.weight(layer), mapping.scales.get(key))
         row = mapping.row(variant, observer)
         if row.error is not None:
             return weight, SuiteResult(observer, None, {}, 0.0, error=row.error)
-        return weight, SuiteResult(observer, mapping.qparams[key][layer], {"clip_ratio": row.clipped[layer]}, 0.0)
+        return weight, SuiteResult(observer, mapping.qparams[key][module], {"clip_ratio": row.clipped[module]}, 0.0)
 
     def measure_effect(self, model: Any, slot: AbstractContextManager[Any] | None = None) -> pd.DataFrame:
         """The model-level effect (``lab.awq.effect.model_effect``: every balance layer quantized as
@@ -191,7 +195,9 @@ class AWQState:
             model.capture([], tap=walk, **analysis.config.capture_options())
             seconds += time.perf_counter() - start
         found = walk.result()
-        self.result = AWQResult(found, awq_frame(found), request, seconds, weakref.ref(analysis))
+        balance = [name for result in found.results for name in result.mapping.balance]
+        modules = {listed: module for module, listed in listed_names(model, balance).items() if listed != module}
+        self.result = AWQResult(found, awq_frame(found), request, seconds, weakref.ref(analysis), modules=modules)
         return self.result
 
     def run(self, model: Any, request: Any, analysis: Any, progress: Progress | None = None) -> AWQResult:
