@@ -147,6 +147,7 @@ class Model:
         self._capture_lock = threading.RLock()
         self._calibration_memo: dict = {}
         self._sequential = Lazy(self._sequential_model)
+        self._saved_experts: dict[str, str] | None = None
         self.last_sequential: SequentialStats | None = None
 
     def __repr__(self) -> str:
@@ -203,8 +204,11 @@ class Model:
     def saved_expert_names(self) -> dict[str, str]:
         """``{expert projection: its layer name where transformers saves the model}`` for the
         model's fused experts (``layers.saved_expert_names``, read from the skeleton); empty for a
-        model without fused experts or without a runtime."""
-        return {} if self._runtime is None else saved_expert_names(self._structure())
+        model without fused experts or without a runtime. Found once (a conversion per fused
+        tensor) and remembered: every name ``stored_key`` maps asks for it."""
+        if self._saved_experts is None:
+            self._saved_experts = {} if self._runtime is None else saved_expert_names(self._structure())
+        return dict(self._saved_experts)
 
     def stored_key(self, key: str) -> str | None:
         """The stored key that holds the tensor the loaded model names ``key``, whole: ``key`` itself,
