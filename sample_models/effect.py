@@ -537,7 +537,7 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
     per projection), for the thread ``owner`` only; removed on exit, whatever happens. Key/value
     states read from a decoder's cache are quantized by the cache instead (``_QuantizingCache``).
     The weights of fused MoE experts (``experts.3.up_proj``) are quantized by their experts
-    module, which runs again with them (``_experts_hook``)."""
+    module, which runs once with them in place of its own (``_experts_swapped``)."""
     experts, rest = _experts_split(root, quantization)
     by_module: dict[str, dict[str, TensorQuant]] = {}
     for (name, tensor), quant in rest.items():
@@ -554,7 +554,9 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
             hook = _linear_hook(chosen, heads, owner)
             handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
         for module, chosen in experts.items():
-            handles.append(module.register_forward_hook(_experts_hook([chosen], owner), with_kwargs=True))
+            before, after = _experts_swapped(chosen, owner)
+            handles.append(module.register_forward_pre_hook(before))
+            handles.append(module.register_forward_hook(after, always_call=True))
         yield
     finally:
         for handle in handles:
@@ -609,9 +611,31 @@ def _experts_split(root: nn.Module, quantization: Quantization) -> tuple[dict[nn
     return experts, rest
 
 
+def _experts_swapped(chosen: ExpertWeights, owner: int) -> tuple[Callable, Callable]:
+    """A forward pre-hook and a forward hook (called whatever happens) that run a fused experts
+    module once with its chosen expert weights quantized: the quantized copies put in place of its
+    parameters before the call and its own put back after it, for the thread ``owner`` only. One
+    quantization needs no second run of the module (``_experts_hook`` runs it again per share)."""
+    saved: dict[str, torch.Tensor] = {}
+
+    def before(mod, args):
+        if threading.get_ident() != owner:
+            return
+        copies = _quantized_experts(mod, chosen)
+        saved.update({name: mod._parameters[name] for name in copies})
+        mod._parameters.update(copies)
+
+    def after(mod, args, output):
+        if saved and threading.get_ident() == owner:
+            mod._parameters.update(saved)
+            saved.clear()
+
+    return before, after
+
+
 def _experts_hook(shares: list[ExpertWeights], owner: int) -> Callable:
     """A forward hook on a fused experts module that runs it again on each variant's share of the
-    tokens (one share: all of them) with that variant's chosen expert weights quantized, the
+    tokens (stacked variants) with that variant's chosen expert weights quantized, the
     module's own parameters put back after each share. Its inputs (hidden states, routing) are
     token-major, so a stacked batch's shares are contiguous rows. The quantized copies are made per
     call and let go after it: one extra copy of the module's weights at a time."""

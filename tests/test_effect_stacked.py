@@ -103,3 +103,42 @@ def test_only_the_weights_of_fused_moe_experts_can_be_evaluated():
         runner.check({("model.layers.0.mlp.experts.0.gate_proj", "input"): TensorQuant(spec)})
     with pytest.raises(ValueError, match=r"experts\.9\.gate_proj: not a layer of the loaded model"):
         runner.check({("model.layers.0.mlp.experts.9.gate_proj", "weight"): TensorQuant(spec)})
+
+
+def test_one_quantization_runs_a_fused_experts_module_once_and_puts_its_weights_back_whatever_happens(monkeypatch):
+    """A single quantization of fused experts swaps the quantized weights in for the call: the experts
+    module runs as often as without it (no second run per call), and its own parameters are back after
+    a call that fails."""
+    model = open_model("tiny-moe")
+    runner = EffectRunner(model, samples=2, seq_len=16)
+    spec = ob.QuantSpec("int4", strategy="group", group_size=16)
+    layer = "model.layers.0.mlp.experts.1.up_proj"
+    observer = ob.create("minmax", spec, kind="weight")
+    observer.observe(model.weight(layer))
+    experts_quant = {(layer, "weight"): TensorQuant(spec, observer.qparams())}
+    q_proj = "model.layers.0.self_attn.q_proj"
+    observer = ob.create("minmax", spec, kind="weight")
+    observer.observe(model.weight(q_proj))
+    attention_quant = {(q_proj, "weight"): TensorQuant(spec, observer.qparams())}
+    experts = resolve_layer(model.module(), layer).module
+    original, calls = type(experts).forward, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(experts), "forward", counted)
+    runner.run(attention_quant, sqnr=False)
+    plain = len(calls)
+    calls.clear()
+    runner.run(experts_quant, sqnr=False)
+    assert len(calls) == plain > 0
+    before = {name: p.detach().clone() for name, p in experts.named_parameters()}
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("the experts failed")
+
+    monkeypatch.setattr(type(experts), "forward", failing)
+    with pytest.raises(RuntimeError, match="the experts failed"):
+        runner.run(experts_quant, sqnr=False)
+    assert all(torch.equal(p, before[name]) for name, p in experts.named_parameters())
