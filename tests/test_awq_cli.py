@@ -212,6 +212,23 @@ def test_a_moe_stored_one_projection_per_expert_deploys_its_experts_into_their_s
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in weights
 
 
+def test_awq_then_gptq_counts_experts_chosen_by_their_stored_names_as_chosen(tmp_path) -> None:
+    """Every expert of block 0 of a hub-layout MoE chosen by the names the model lists (where they are
+    stored): AWQ then GPTQ does not ask for them again by their modules' names; what stops the run is
+    the analysis's own line, that a stored-only name has no activations to capture for GPTQ."""
+    from sample_models.builtin import build_tiny_moe
+
+    source = save_checkpoint(build_tiny_moe(), tmp_path / "moe")
+    layers = r"re:model\.layers\.0\.block_sparse_moe\.experts\.\d+\.w[123]"
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--gptq", "--samples", "2")
+    code, _, err = _cli(
+        "run", str(source), "--layers", layers, *BASE, *flags, "--out", str(tmp_path / "x.json"), "--checkpoint",
+        str(tmp_path / "ck"), "--quiet",
+    )  # fmt: skip
+    assert code == 2 and "to --layers" not in err, err
+    assert "is not a module of the loaded MixtralForCausalLM" in err and err.count("\n") == 1
+
+
 def test_a_deployment_that_cannot_be_made_is_said_and_never_exported(tmp_path, monkeypatch) -> None:
     from lab.awq import deploy
     from lab.awq.command import deployed

@@ -96,7 +96,8 @@ def ride(
     for ``write`` to tie to ``x.json``."""
     if config.gptq is not None and (args.checkpoint or args.recipe):
         chosen = set(layers)
-        missing = [b for m in searched_mappings(model, layers).found for b in m.balance if b not in chosen]
+        mappings, listed = searched_mappings(model, layers)
+        missing = [listed[b] for m in mappings.found for b in m.balance if listed[b] not in chosen]
         if missing:
             raise ValueError(
                 "AWQ then GPTQ deploys every balance layer of a searched mapping through GPTQ, from the analysis's "

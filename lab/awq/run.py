@@ -73,7 +73,8 @@ class AWQWalk:
     over, also handed to ``searched`` as soon as the last mapping's block is done. A group size
     that does not divide a balance layer, or a model without mappings, is one ``ValueError`` before
     anything runs. ``passed`` says whether a pass has walked its last mapping's block, ``seconds``
-    how long the walk itself took (recording the held-out calls, searching), not the pass it rode."""
+    how long the walk itself took (recording the held-out calls, searching), not the pass it rode;
+    ``listed``: each balance layer's name in the model's list (``searched_mappings``)."""
 
     def __init__(
         self,
@@ -97,9 +98,9 @@ class AWQWalk:
         if not observers:
             raise ValueError("AWQ needs at least one weight observer")
         start = time.perf_counter()
-        mappings = searched_mappings(model, layers)
+        mappings, self.listed = searched_mappings(model, layers)
         self.wanted = list(mappings.found)
-        _check_shapes(model, self.wanted, spec)
+        _check_shapes(model, self.wanted, spec, self.listed)
         self.spec, self.awq, self.observers, self.gptq = spec, awq or ob.AWQSpec(), dict(observers), gptq
         self.progress, self.searched = progress, searched
         self.last = max(m.block for m in self.wanted)
@@ -218,13 +219,13 @@ def run_awq(
     return walk.result()
 
 
-def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
+def searched_mappings(model: Model, layers: Collection[str] | None) -> tuple[Mappings, dict[str, str]]:
     """The mappings of ``model`` with a balance layer among ``layers`` (None: every mapping), in
     order, and what ``resolve`` left out; none is one ``ValueError`` line (an encoder's own line
     from ``resolve``). A balance layer counts by the name the model lists it under: its module's,
     or where its checkpoint stores it (``listed_names``: a hub Mixtral's experts,
-    ``block_sparse_moe.experts.<e>.w1``); a mapping with a balance layer the model lists under
-    neither is left out with a line saying so."""
+    ``block_sparse_moe.experts.<e>.w1``), which comes back beside the mappings; a mapping with a
+    balance layer the model lists under neither is left out with a line saying so."""
     found = resolve(structure(model), blocks_name(model), model.name)
     listed = listed_names(model, [name for mapping in found.found for name in mapping.balance])
     chosen = None if layers is None else set(layers)
@@ -242,7 +243,7 @@ def searched_mappings(model: Model, layers: Collection[str] | None) -> Mappings:
         raise ValueError(
             "AWQ: none of the chosen layers is a balance layer of a smoothing mapping (q/k/v, gate/up, o, down)"
         )
-    return Mappings(tuple(wanted), tuple(left_out))
+    return Mappings(tuple(wanted), tuple(left_out)), listed
 
 
 def listed_names(model: Model, names: Collection[str]) -> dict[str, str]:
@@ -307,12 +308,12 @@ class _HeldOut:
         self.hidden = self.calls.inputs(index, self.hidden).run(block)
 
 
-def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec) -> None:
-    """Refuse, in one line before any search, a group size that does not divide a balance layer."""
+def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec, listed: dict[str, str]) -> None:
+    """Refuse, in one line before any search, a group size that does not divide a balance layer
+    (``listed``: each balance layer's name in the model's list, ``listed_names``)."""
     if spec.strategy != "group":
         return
     columns_of = {info.name: info.shape[-1] for info in model.layers()}
-    listed = listed_names(model, [name for mapping in mappings for name in mapping.balance])
     for mapping in mappings:
         for name in mapping.balance:
             columns = columns_of[listed[name]]

@@ -24,7 +24,7 @@ import observers as ob
 from lab.awq import candidates
 from lab.awq.mappings import NOT_A_DECODER
 from lab.awq.options import conflict
-from lab.awq.run import AWQRun, AWQWalk, Progress, listed_names, walk_of_config
+from lab.awq.run import AWQRun, AWQWalk, Progress, walk_of_config
 from lab.awq.search import MappingResult, Variant
 from lab.awq.table import awq_frame, best_model_level, best_observers
 from lab.settings import RunSettings
@@ -51,7 +51,7 @@ class AWQResult:
     reference to the analysis: a later one (another Run, the demo, a kept run) replaces what the run
     is compared with, and the old analysis is not kept alive for it. ``modules``: a balance layer's
     module name by the name the analysis lists it under, where the two differ (a hub Mixtral's
-    experts, listed where they are stored: ``run.listed_names``)."""
+    experts, listed where they are stored: the walk's ``listed``)."""
 
     run: AWQRun
     frame: pd.DataFrame
@@ -195,8 +195,7 @@ class AWQState:
             model.capture([], tap=walk, **analysis.config.capture_options())
             seconds += time.perf_counter() - start
         found = walk.result()
-        balance = [name for result in found.results for name in result.mapping.balance]
-        modules = {listed: module for module, listed in listed_names(model, balance).items() if listed != module}
+        modules = {listed: module for module, listed in walk.listed.items() if listed != module}
         self.result = AWQResult(found, awq_frame(found), request, seconds, weakref.ref(analysis), modules=modules)
         return self.result
 
