@@ -22,6 +22,7 @@ import fnmatch
 from collections.abc import Mapping as MappingType
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import pandas as pd
@@ -110,8 +111,12 @@ class AWQDeploy:
         """The name the model lists module ``layer`` by: where its weight is stored."""
         return self.stored_keys.get(f"{layer}.weight", f"{layer}.weight").removesuffix(".weight")
 
+    @cached_property
+    def _modules_by_stored(self) -> dict[str, str]:
+        return {stored: module for module, stored in self.stored_keys.items()}
+
     def _module_key(self, key: str) -> str:
-        return next((module for module, stored in self.stored_keys.items() if stored == key), key)
+        return self._modules_by_stored.get(key, key)
 
     def _module_layer(self, layer: str) -> str:
         return self._module_key(f"{layer}.weight").removesuffix(".weight")
@@ -263,7 +268,9 @@ class StoredByLayer:
     def __call__(self, key: str) -> torch.Tensor:
         if key in self.keys:
             return self.model.stored(key)
-        if key in self.renamed or (key not in self.fused and self.holds(key)):
+        if key not in self.fused:
+            if not self.holds(key):
+                raise KeyError(key)
             return self.model.stored(self.renamed[key])
         source = self.fused[key]
         if source not in self._read:
