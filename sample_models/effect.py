@@ -25,7 +25,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -616,19 +616,15 @@ def _experts_swapped(chosen: ExpertWeights, owner: int) -> tuple[Callable, Calla
     module once with its chosen expert weights quantized: the quantized copies put in place of its
     parameters before the call and its own put back after it, for the thread ``owner`` only. One
     quantization needs no second run of the module (``_experts_hook`` runs it again per share)."""
-    saved: dict[str, torch.Tensor] = {}
+    swapped = ExitStack()
 
     def before(mod, args):
-        if threading.get_ident() != owner:
-            return
-        copies = _quantized_experts(mod, chosen)
-        saved.update({name: mod._parameters[name] for name in copies})
-        mod._parameters.update(copies)
+        if threading.get_ident() == owner:
+            swapped.enter_context(_parameters_swapped(mod, _quantized_experts(mod, chosen)))
 
     def after(mod, args, output):
-        if saved and threading.get_ident() == owner:
-            mod._parameters.update(saved)
-            saved.clear()
+        if threading.get_ident() == owner:
+            swapped.close()
 
     return before, after
 
