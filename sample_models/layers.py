@@ -10,6 +10,7 @@ whatever the storage.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -113,18 +114,14 @@ def saved_expert_names(root: nn.Module) -> dict[str, str]:
     layout is restated here; an architecture saved fused, split some other way, or whose conversion
     cannot run on the tags, gives no names for its experts. ``root`` may be a skeleton (its
     parameters on the meta device)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     names: dict[str, str] = {}
     for name, module in root.named_modules():
         if not is_fused_experts(module):
             continue
         for fused in ("gate_up_proj", "down_proj"):
             experts, rows = getattr(module, fused).shape[:2]
-            tags = torch.arange(experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
-            try:
-                saved = revert_weight_conversion(root, {f"{name}.{fused}": tags})
-            except Exception:  # a conversion transformers cannot run on row tags: these experts get no names
+            saved = _saved_row_tags(root, f"{name}.{fused}", (experts, rows))
+            if saved is None:  # a conversion transformers cannot run on row tags: these experts get no names
                 continue
             placed = {_tagged_view(fused, rows, tag): key for key, tag in saved.items()}
             if None in placed or len(placed) != experts * (2 if fused == "gate_up_proj" else 1):
@@ -142,13 +139,9 @@ def converted_rows(
     ``saved_expert_names`` finds experts, by saving row tags through ``revert_weight_conversion``;
     None when a stored tensor holds anything but whole rows (a transposed layout), a row is held twice
     or not at all, or the conversion cannot run on tags."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    rows = int(torch.Size(shape[:-1]).numel()) if len(shape) else 1
-    tags = torch.arange(rows, dtype=torch.float64).reshape(*shape[:-1], 1)
-    try:
-        saved = revert_weight_conversion(root, {name: tags})
-    except Exception:  # a conversion transformers cannot run on row tags: not placed
+    rows = math.prod(shape[:-1])
+    saved = _saved_row_tags(root, name, tuple(shape[:-1]))
+    if saved is None:
         return None
     parts, seen = [], torch.zeros(rows, dtype=torch.bool)
     for key, tag in saved.items():
@@ -161,6 +154,19 @@ def converted_rows(
         seen[index] = True
         parts.append((stored, index))
     return parts if parts and bool(seen.all()) else None
+
+
+def _saved_row_tags(root: nn.Module, name: str, leading: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """The row tags of parameter ``name`` (its dimensions but the last, ``leading``; one column) as
+    ``save_pretrained`` writes them: through transformers' own ``revert_weight_conversion``, by
+    saved key. None when the conversion cannot run on tags."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tags = torch.arange(math.prod(leading), dtype=torch.float64).reshape(*leading, 1)
+    try:
+        return revert_weight_conversion(root, {name: tags})
+    except Exception:  # a conversion transformers cannot run on row tags
+        return None
 
 
 def _tagged_view(fused: str, rows: int, tag: torch.Tensor) -> tuple[int, str] | None:
