@@ -48,6 +48,7 @@ from observers.gptq import (
     gptq_quantize_fixed,
     hessian_of_rows,
     layer_output_error,
+    output_energy,
 )
 from observers.knobs import Knob
 from observers.metrics import HIGHER_IS_BETTER, METRIC_KEYS, compare_tensors, error_metrics, quantization_metrics
@@ -114,6 +115,7 @@ __all__ = [
     "local_hessian",
     "merge_rule",
     "observer_class",
+    "output_energy",
     "preset",
     "quantize",
     "register",

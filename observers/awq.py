@@ -181,7 +181,15 @@ def shrunk(qp: QParams, spec: QuantSpec, ratios: Sequence[float]) -> list[QParam
             f"the clip search shrinks each group's range of an integer grid with group or channel scales; "
             f"{spec.dtype} {spec.strategy} is not one"
         )
-    return [range_rule(qp.min_val * ratio, qp.max_val * ratio, spec) for ratio in ratios]
+    factors = torch.tensor(list(ratios), dtype=qp.min_val.dtype, device=qp.min_val.device)
+    factors = factors.reshape(-1, *([1] * qp.min_val.dim()))
+    every = range_rule(qp.min_val.unsqueeze(0) * factors, qp.max_val.unsqueeze(0) * factors, spec)
+    return [
+        QParams(scale, zero_point, min_val, max_val, kind=qp.kind)
+        for scale, zero_point, min_val, max_val in zip(
+            every.scale, every.zero_point, every.min_val, every.max_val, strict=True
+        )
+    ]
 
 
 def group_output_errors(difference: torch.Tensor, block_moment: torch.Tensor) -> torch.Tensor:

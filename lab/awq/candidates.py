@@ -38,6 +38,8 @@ class Candidate:
     scales: torch.Tensor | None
     qparams: dict[str, ob.QParams]
     effective: dict[str, torch.Tensor]
+    key: str | None = None
+    """Its ``digest``, kept by ``make`` once the qparams are final (None: computed when asked)."""
 
     def clipped(self, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> dict[str, float]:
         """Per layer, the share of its smoothed weight outside the range its qparams represent."""
@@ -47,13 +49,19 @@ class Candidate:
         }
 
 
-def digest(candidate: Candidate) -> str:
+def scales_key(scales: torch.Tensor | None) -> str:
+    """Smoothing scales in a few bytes: ``""`` for none or unit scales (``W·1`` is ``W``)."""
+    if scales is None or bool((scales == 1).all()):
+        return ""
+    return hashlib.sha1(scales.detach().double().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def digest(candidate: Candidate, scales: str | None = None) -> str:
     """A candidate's scales and qparams in a few bytes: two candidates with the same digest quantize
-    to the same weights (unit scales are no smoothing: ``W·1`` is ``W``)."""
-    found = hashlib.sha1()
-    scales = candidate.scales
-    if scales is not None and not bool((scales == 1).all()):
-        found.update(scales.detach().double().cpu().contiguous().numpy().tobytes())
+    to the same weights. ``scales``: the candidate's ``scales_key`` when the caller has it."""
+    if candidate.key is not None:
+        return candidate.key
+    found = hashlib.sha1((scales_key(candidate.scales) if scales is None else scales).encode())
     for name in sorted(candidate.qparams):
         qp = candidate.qparams[name]
         for part in (qp.scale, qp.zero_point, qp.global_scale):
@@ -161,19 +169,20 @@ def make(
     observer again, and observers that agree search once."""
     memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
+    keys = [scales_key(s) for s in rows]
     made = [Candidate(s, {}, {}) for s in rows]
     together = stackable(observer, spec)
     for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, rows, memo)
+        smooth = _smoothed_rows(name, weight, rows, keys, memo)
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
             chunk = slice(start, start + step)
-            found = _qparams(name, smooth[chunk], rows[chunk], observer, spec, knobs, moment, clip, memo)
+            found = _qparams(name, smooth[chunk], rows[chunk], keys[chunk], observer, spec, knobs, moment, clip, memo)
             for candidate, qp in zip(made[chunk], found, strict=True):
                 candidate.qparams[name] = qp
     _share_fused(made, list(weights), spec)
     for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, rows, memo)
+        smooth = _smoothed_rows(name, weight, rows, keys, memo)
         step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
         for start in range(0, len(made), step):
             part = made[start : start + step]
@@ -182,6 +191,8 @@ def make(
             quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
             for candidate, q in zip(part, quantized, strict=True):
                 candidate.effective[name] = effective(q, candidate.scales)
+    for candidate, key in zip(made, keys, strict=True):
+        candidate.key = digest(candidate, key)
     return made
 
 
@@ -213,24 +224,25 @@ def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda size: diagonal_blocks(moment, size)
 
 
-def _smoothed_rows(name: str, weight: torch.Tensor, rows: list, memo: dict) -> list[torch.Tensor]:
-    """``smoothed(weight, s)`` for each of ``rows``, each made once per layer and scales (``memo``):
-    every observer and pass of a search smooths the same grid points."""
+def _smoothed_rows(name: str, weight: torch.Tensor, rows: list, keys: list[str], memo: dict) -> list[torch.Tensor]:
+    """``smoothed(weight, s)`` for each of ``rows`` (``keys``: their ``scales_key``), each made once
+    per layer and scales (``memo``): every observer and pass of a search smooths the same grid
+    points."""
     found = []
-    for scales in rows:
-        key = f"smoothed:{name}:{digest(Candidate(scales, {}, {}))}"
+    for scales, key in zip(rows, keys, strict=True):
+        key = f"smoothed:{name}:{key}"
         if key not in memo:
             memo[key] = smoothed(weight, scales)
         found.append(memo[key])
     return found
 
 
-def _qparams(name, smooth, chunk, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
+def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
     """A chunk of candidates' qparams of one layer (``smooth``: its weight smoothed by each of the
     chunk's scales): the observer's (one stacked call where ``stackable``, else one each;
     remembered in ``memo``, so the clip search's pass over the same grid points does not run the
     observer again), then clip-searched when ``clip`` is given."""
-    keys = [f"{observer}:{name}:{digest(Candidate(s, {}, {}))}" for s in chunk]
+    keys = [f"{observer}:{name}:{key}" for key in chunk_keys]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         part = [chunk[i] for i in missing]
@@ -247,13 +259,16 @@ def _qparams(name, smooth, chunk, observer, spec, knobs, moment, clip, memo) -> 
     qps = [memo[key] for key in keys]
     if clip is None:
         return qps
-    return _clipped(name, smooth, qps, spec, clip, chunk, moment, memo)
+    return _clipped(name, smooth, qps, spec, clip, chunk, chunk_keys, moment, memo)
 
 
-def _clipped(name, smooth, qps, spec, ratios, scales, moment, memo) -> list[ob.QParams]:
+def _clipped(name, smooth, qps, spec, ratios, scales, scale_keys, moment, memo) -> list[ob.QParams]:
     """``_clip_search`` of the candidates ``memo`` has not seen (by layer, scales and qparams);
-    ``smooth``: the layer's weight smoothed by each of ``scales``."""
-    keys = [f"{name}:{digest(Candidate(s, {name: qp}, {}))}" for s, qp in zip(scales, qps, strict=True)]
+    ``smooth``: the layer's weight smoothed by each of ``scales`` (``scale_keys``: their keys)."""
+    keys = [
+        f"{name}:{digest(Candidate(s, {name: qp}, {}), key)}"
+        for s, qp, key in zip(scales, qps, scale_keys, strict=True)
+    ]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         found = _clip_search(

@@ -74,9 +74,11 @@ class ParentCalls:
                 for (args, kwargs), valid, ref in zip(self.calls, self.valid, reference, strict=True):
                     n = len(chunk)
                     out = _first(self.module(*_repeat(args, ref.shape[0], n), **_repeat(kwargs, ref.shape[0], n)))
-                    diff = out.reshape(n, *ref.shape) - ref
+                    squared = out.reshape(n, *ref.shape).sub_(ref).square_()
                     mask = _token_mask(valid, ref)
-                    sums[start : start + n] += diff.square().mul(mask).flatten(1).sum(1, dtype=torch.float64).cpu()
+                    if not bool(mask.all()):
+                        squared.mul_(mask)
+                    sums[start : start + n] += squared.flatten(1).sum(1, dtype=torch.float64).cpu()
                     if start == 0:
                         elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
         return sums / max(elements, 1)
@@ -123,22 +125,25 @@ def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
     """Each balance layer's forward swapped for one that gives each input share its own weight: the
     input ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, ``weights[name]``
     ``(n, out, in)``. The layer's own product is never computed (a forward hook would replace its
-    output only after computing it, a third of an MLP parent's work thrown away)."""
+    output only after computing it, a third of an MLP parent's work thrown away). The weights are
+    laid out ``(n, in, out)`` once per replay, not per call: a batched product reads a contiguous
+    right-hand side about a fifth faster than a transposed view."""
 
     def forward_for(module: nn.Linear, name: str):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            w = weights[name].to(x.dtype)
+            w = transposed[name].to(x.dtype)
             n = w.shape[0]
-            y = torch.bmm(x.reshape(n, -1, x.shape[-1]), w.transpose(1, 2))
+            y = torch.bmm(x.reshape(n, -1, x.shape[-1]), w)
             if module.bias is not None:
                 y = y + module.bias
-            return y.reshape(*x.shape[:-1], w.shape[1])
+            return y.reshape(*x.shape[:-1], w.shape[2])
 
         return forward
 
     for name, module in balance.items():
         if type(module).forward is not nn.Linear.forward:
             raise TypeError(f"{name}: a balance layer must compute a plain linear map, not {type(module).__name__}")
+    transposed = {name: w.transpose(1, 2).contiguous() for name, w in weights.items()}
     with ExitStack() as swapped:
         for name, module in balance.items():
             swapped.enter_context(forward_swapped(module, forward_for(module, name)))

@@ -184,6 +184,7 @@ def search(
     }
     result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks)
     picked: dict[tuple, tuple[Candidate, dict]] = {}
+    figures = _LayerFigures(weights, inputs.moment, spec)
     for observer, knobs in observers.items():
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         failed: dict[Variant, str] = {}
@@ -212,7 +213,7 @@ def search(
                 continue
             index, candidate, loss = kept[variant]
             ratio, duo = (None, None) if index is None else grid[index]
-            row = _row(observer, variant, candidate, loss, judge.energy, weights, inputs.moment, spec, ratio, duo)
+            row = _row(observer, variant, candidate, loss, judge.energy, figures, ratio, duo)
             result.rows.append(row)
             if candidate.scales is not None:
                 result.scales[(variant, observer)] = candidate.scales
@@ -233,19 +234,43 @@ def _errors(inputs: MappingInputs, made: dict[tuple, Candidate], reference, ener
     return {key: float(loss) / energy if energy > 0 else 0.0 for key, loss in zip(made, losses, strict=True)}
 
 
-def _row(observer, variant, candidate: Candidate, loss, energy, weights, moment, spec, ratio, duo) -> VariantRow:
-    hessian = moment.float()
-    layer_errors = {
-        name: ob.layer_output_error(weights[name].float(), candidate.effective[name].float(), hessian)
-        for name in weights
-    }
+class _LayerFigures:
+    """Each balance layer's own figures of a candidate on the inputs behind ``moment``: its output
+    error ``‖WX − ŴX‖² / ‖WX‖²`` and the share of its smoothed weight clipped. The layers' output
+    energies are computed once, and a candidate another row already picked (observers that agree,
+    a variant keeping another's pick) is looked up by its digest."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], moment: torch.Tensor, spec: ob.QuantSpec) -> None:
+        self.weights, self.spec = weights, spec
+        self.hessian = moment.float()
+        self.energy = {name: ob.output_energy(w, self.hessian) for name, w in weights.items()}
+        self._errors: dict[str, dict[str, float]] = {}
+        self._clipped: dict[str, dict[str, float]] = {}
+
+    def errors(self, candidate: Candidate) -> dict[str, float]:
+        key = candidates.digest(candidate)
+        if key not in self._errors:
+            self._errors[key] = {
+                name: ob.layer_output_error(w, candidate.effective[name], self.hessian, self.energy[name])
+                for name, w in self.weights.items()
+            }
+        return self._errors[key]
+
+    def clipped(self, candidate: Candidate) -> dict[str, float]:
+        key = candidates.digest(candidate)
+        if key not in self._clipped:
+            self._clipped[key] = candidate.clipped(self.weights, self.spec)
+        return self._clipped[key]
+
+
+def _row(observer, variant, candidate: Candidate, loss, energy, figures: _LayerFigures, ratio, duo) -> VariantRow:
     return VariantRow(
         observer,
         variant,
         mapping_error=loss / energy if energy > 0 else 0.0,
         mapping_loss=loss,
-        layer_errors=layer_errors,
-        clipped=candidate.clipped(weights, spec),
+        layer_errors=figures.errors(candidate),
+        clipped=figures.clipped(candidate),
         ratio=ratio,
         duo=duo,
     )
@@ -277,7 +302,7 @@ def measure_held_out(
     )
     loss_of = dict(zip(distinct, (float(v) for v in losses), strict=True))
     after_gptq = _errors(inputs, gptq, reference, energy) if gptq else {}
-    hessian = inputs.moment.float()
+    figures = _LayerFigures(weights, inputs.moment, spec)
     rows = []
     for row in result.rows:
         key = (row.variant, row.observer)
@@ -286,10 +311,8 @@ def measure_held_out(
             rows.append(row)
             continue
         loss = loss_of[candidates.digest(candidate)]
-        layers = {
-            n: ob.layer_output_error(w.float(), candidate.effective[n].float(), hessian) for n, w in weights.items()
-        }
         held = loss / energy if energy > 0 else 0.0
+        layers = figures.errors(candidate)
         found = replace(row, held_out_error=held, held_out_layer_errors=layers, gptq_held_out_error=after_gptq.get(key))
         rows.append(found)
     return replace(result, rows=rows)
