@@ -205,6 +205,48 @@ def test_a_stacked_replay_swaps_the_balance_layers_forward_and_puts_back_what_wa
         )
 
 
+class _Viewing(nn.Module):
+    """A parent that views its input in another shape, as a MoE block does (``view(-1, hidden)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.seen = nn.Linear(16, 8), []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.stride(0))
+        return self.proj(x.view(-1, x.shape[-1])).view(*x.shape[:-1], 8).relu()
+
+
+def test_a_batch_of_one_reaches_the_parent_as_a_view_and_a_module_that_cannot_take_one_gets_copies() -> None:
+    # n shares of a batch of one are the same numbers: a view (stride 0 along the shares) saves
+    # writing n copies per call; a module that views its input otherwise refuses it, and gets copies
+    from lab.awq.parent import ParentCalls
+
+    torch.manual_seed(4)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(1, 10, 16)
+    seen = []
+    mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].stride(0)))
+    parent = ParentCalls(mlp, [((x,), {})], [torch.ones(1, 10, dtype=torch.bool)])
+    reference = parent.outputs()
+    replaced = [mlp[0].weight.detach() + 0.05 * torch.randn(32, 16) for _ in range(3)]
+    seen.clear()
+    losses = parent.losses({"0": mlp[0]}, [{"0": w} for w in replaced], reference, 32, torch.eye(16).double())
+    by_hand = [F.mse_loss(mlp[2](mlp[1](F.linear(x, w, mlp[0].bias))), reference[0]).item() for w in replaced]
+    assert seen == [0] and torch.allclose(losses, torch.tensor(by_hand, dtype=torch.float64), rtol=1e-5)
+
+    viewing = _Viewing()
+    parent = ParentCalls(viewing, [((x,), {})], [torch.ones(1, 10, dtype=torch.bool)])
+    reference = parent.outputs()
+    replaced = [viewing.proj.weight.detach() + 0.05 * torch.randn(8, 16) for _ in range(3)]
+    for _ in range(2):
+        viewing.seen.clear()
+        losses = parent.losses({"proj": viewing.proj}, [{"proj": w} for w in replaced], reference, 8, torch.eye(16))
+        by_hand = [F.mse_loss(F.linear(x, w, viewing.proj.bias).relu(), reference[0]).item() for w in replaced]
+        assert torch.allclose(losses, torch.tensor(by_hand, dtype=torch.float64), rtol=1e-5)
+    assert viewing.seen == [160]  # the second replay copies at once, without trying a view again
+
+
 def test_experts_stored_one_per_expert_are_searched_and_chosen_by_their_stored_names(tmp_path) -> None:
     """tiny-moe as transformers saves it (each expert's w1/w3/w2 stored apart, the router renamed,
     loaded fused): the layer-by-layer pass reads it through transformers' conversion, and its experts'

@@ -71,13 +71,15 @@ def digest(candidate: Candidate, scales: str | None = None) -> str:
 
 
 def smoothed(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``W·s`` in the weight's dtype, as llm-compressor writes it (float64 product, then cast)."""
-    return weight if scales is None else (weight.double() * scales.view(1, -1)).to(weight.dtype)
+    """``W·s`` in the weight's dtype, as llm-compressor writes it (float64 product, then cast; the
+    weight promoted inside the product, with no float64 copy of it)."""
+    return weight if scales is None else (weight * scales.double().view(1, -1)).to(weight.dtype)
 
 
 def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``Q(W·s)/s`` in the weight's dtype, as llm-compressor runs the parent with it."""
-    return quantized if scales is None else (quantized.double() / scales.view(1, -1)).to(quantized.dtype)
+    """``Q(W·s)/s`` in the weight's dtype, as llm-compressor runs the parent with it (a float64
+    quotient, then cast)."""
+    return quantized if scales is None else (quantized / scales.double().view(1, -1)).to(quantized.dtype)
 
 
 def diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:

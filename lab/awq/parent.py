@@ -29,6 +29,7 @@ class ParentCalls:
         if not calls:
             raise ValueError("the parent module was never called: no calibration token reached it")
         self.module, self.calls, self.valid = module, calls, valid
+        self._views = True
 
     def outputs(self) -> list[torch.Tensor]:
         """The parent's outputs with its current weights (the first output of a tuple)."""
@@ -73,7 +74,7 @@ class ParentCalls:
             with _stacked(balance, stacked), torch.no_grad():
                 for (args, kwargs), valid, ref in zip(self.calls, self.valid, reference, strict=True):
                     n = len(chunk)
-                    out = _first(self.module(*_repeat(args, ref.shape[0], n), **_repeat(kwargs, ref.shape[0], n)))
+                    out = _first(self._stacked_call(args, kwargs, ref.shape[0], n))
                     squared = out.reshape(n, *ref.shape).sub_(ref).square_()
                     mask = _token_mask(valid, ref)
                     if not bool(mask.all()):
@@ -82,6 +83,27 @@ class ParentCalls:
                     if start == 0:
                         elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
         return sums / max(elements, 1)
+
+    def _stacked_call(self, args: tuple, kwargs: dict, batch: int, n: int):
+        """The module on ``n`` shares of a call's batch. A batch of one is shared as a view
+        (``expand``: the same numbers, without writing ``n`` copies of the hidden states, the mask
+        and the rotary tables for every call); a module that writes into
+        its inputs or views them in another shape (a MoE block's ``view(-1, hidden)``) refuses a
+        view loudly, and from then on gets copies."""
+        if self._views and batch == 1:
+            try:
+                return self.module(*_repeat(args, batch, n, _expanded), **_repeat(kwargs, batch, n, _expanded))
+            except RuntimeError:
+                self._views = False
+        return self.module(*_repeat(args, batch, n, _copied), **_repeat(kwargs, batch, n, _copied))
+
+
+def _expanded(value: torch.Tensor, n: int) -> torch.Tensor:
+    return value.expand(n, *value.shape[1:])
+
+
+def _copied(value: torch.Tensor, n: int) -> torch.Tensor:
+    return value.repeat(n, *([1] * (value.dim() - 1)))
 
 
 def _linear_losses(weight: torch.Tensor, replaced: list[torch.Tensor], moment: torch.Tensor) -> torch.Tensor:
@@ -108,15 +130,15 @@ def _token_mask(valid: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=ref.dtype, device=ref.device)
 
 
-def _repeat(value, batch: int, n: int):
+def _repeat(value, batch: int, n: int, repeat: Callable[[torch.Tensor, int], torch.Tensor]):
     """``value`` with every tensor whose first dimension is the batch repeated ``n`` times along it
-    (hidden states, masks, rotary tables of a batch of one too)."""
+    by ``repeat`` (hidden states, masks, rotary tables of a batch of one too)."""
     if isinstance(value, torch.Tensor):
-        return value.repeat(n, *([1] * (value.dim() - 1))) if value.dim() >= 2 and value.shape[0] == batch else value
+        return repeat(value, n) if value.dim() >= 2 and value.shape[0] == batch else value
     if isinstance(value, dict):
-        return {k: _repeat(v, batch, n) for k, v in value.items()}
+        return {k: _repeat(v, batch, n, repeat) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(_repeat(v, batch, n) for v in value)
+        return type(value)(_repeat(v, batch, n, repeat) for v in value)
     return value
 
 

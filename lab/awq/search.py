@@ -223,7 +223,9 @@ def search(
     if made:
         error = _errors(inputs, made, judge.reference, judge.energy)
         result = replace(result, rows=[replace(r, gptq_error=error.get((r.variant, r.observer))) for r in result.rows])
-    return result if held_out is None else measure_held_out(result, held_out, spec, made)
+    if held_out is None:
+        return result
+    return measure_held_out(result, held_out, spec, {key: c for key, (c, _) in picked.items()}, made)
 
 
 def _errors(inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float) -> dict[tuple, float]:
@@ -278,24 +280,20 @@ def _row(observer, variant, candidate: Candidate, loss, energy, figures: _LayerF
 
 @torch.no_grad()
 def measure_held_out(
-    result: MappingResult, inputs: MappingInputs, spec: ob.QuantSpec, gptq: dict[tuple, Candidate] | None = None
+    result: MappingResult,
+    inputs: MappingInputs,
+    spec: ob.QuantSpec,
+    picked: dict[tuple, Candidate],
+    gptq: dict[tuple, Candidate] | None = None,
 ) -> MappingResult:
-    """``result`` with each row's picks measured on held-out inputs (``inputs``: the same mapping's
-    statistics and parent calls on held-out text): the mapping's and each layer's error there, and
-    with ``gptq`` (AWQ then GPTQ's candidates by ``(variant, observer)``) their mapping error."""
+    """``result`` with each row's pick (``picked``, by ``(variant, observer)``: the candidates the
+    search kept, whose weights do not depend on the tokens) measured on held-out inputs
+    (``inputs``: the same mapping's statistics and parent calls on held-out text): the mapping's
+    and each layer's error there, and with ``gptq`` (AWQ then GPTQ's candidates by ``(variant,
+    observer)``) their mapping error."""
     weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
     reference = inputs.parent.outputs()
     energy = inputs.parent.energy(reference)
-    picked = {}
-    for row in result.rows:
-        if row.error is None:
-            key = (row.variant, row.observer)
-            qparams, scales = result.qparams[key], result.scales.get(key)
-            made = {
-                n: candidates.effective(ob.fake_quantize(candidates.smoothed(w, scales), qparams[n], spec), scales)
-                for n, w in weights.items()
-            }
-            picked[key] = Candidate(scales, qparams, made)
     distinct = {candidates.digest(c): c for c in picked.values()}
     losses = inputs.parent.losses(
         inputs.balance, [c.effective for c in distinct.values()], reference, inputs.width, inputs.moment
