@@ -141,6 +141,18 @@ def test_a_layer_a_later_mapping_divides_gets_qparams_on_its_folded_weight(tiny_
     assert torch.equal(deployed.qparams[name].scale, expected.scale)
 
 
+def test_the_model_level_weights_fold_once_and_equal_the_deployments_own(tiny_llama, awq_run) -> None:
+    # weights_of_run hands its folded weights to model_weights instead of folding them again; the
+    # weights must be what the deployment computes from the files, to the bit
+    observers = {r.mapping.name: "mse_grid" for r in awq_run.results}
+    for variant in (Variant.LLM_COMPRESSOR, Variant.CLIP_SEARCH):
+        deployed = deploy.of_run(tiny_llama, awq_run, variant, observers)
+        expected = deployed.model_weights(tiny_llama)
+        found = deploy.weights_of_run(tiny_llama, awq_run, variant, observers)
+        assert sorted(found) == sorted(expected) and "model.layers.0.mlp.up_proj" in found
+        assert all(torch.equal(found[name], expected[name]) for name in expected)
+
+
 def test_a_deployment_round_trips_through_its_record(tiny_llama, awq_run) -> None:
     observers = {r.mapping.name: "imatrix_mse" for r in awq_run.results}
     deployed = deploy.of_run(tiny_llama, awq_run, Variant.CLIP_SEARCH, observers, "awq:held_out_error")

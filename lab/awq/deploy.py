@@ -170,14 +170,20 @@ class AWQDeploy:
             lines.append(f"{m.mapping.name}: {m.observer} ({how})")
         return lines
 
-    def model_weights(self, model: Model) -> dict[str, torch.Tensor]:
+    def model_weights(
+        self, model: Model, folded: MappingType[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every balance layer's weight as the deployed model computes it, in the model's own
         coordinates: ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what
-        ``Q(F)`` computes on the smoothed ones (what the model-level effect runs)."""
+        ``Q(F)`` computes on the smoothed ones (what the model-level effect runs). ``folded``: each
+        balance layer's ``F`` by name, where the caller has them (``weights_of_run``)."""
         stored, found = StoredByLayer(model), {}
         for m in self.mappings:
             for name in m.mapping.balance:
-                weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
+                if folded is not None and name in folded:
+                    weight = folded[name]
+                else:
+                    weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
                 wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
                 s_out = self.output_scales(name)
                 if s_out is not None:
@@ -325,6 +331,28 @@ def of_run(
     of each mapping's observer and each balance layer's qparams on its folded weight. A stored
     tensor the scales touch that the model's files do not hold under its module's name, or an
     observer without qparams there, is one ``ValueError``."""
+    return _deployed(model, run, variant, observers, chosen_by, figures)[0]
+
+
+def weights_of_run(
+    model: Model, run: AWQRun, variant: Variant, observers: MappingType[str, str]
+) -> dict[str, torch.Tensor]:
+    """Every balance layer's weight as ``of_run``'s deployment computes it, in the model's own
+    coordinates (``AWQDeploy.model_weights``), each folded weight made once for its qparams and
+    its weight."""
+    deployed, folded = _deployed(model, run, variant, observers)
+    return deployed.model_weights(model, folded)
+
+
+def _deployed(
+    model: Model,
+    run: AWQRun,
+    variant: Variant,
+    observers: MappingType[str, str],
+    chosen_by: str = DEFAULT_FIGURE,
+    figures: MappingType[str, float | None] | None = None,
+) -> tuple[AWQDeploy, dict[str, torch.Tensor]]:
+    """``of_run``'s deployment and each balance layer's folded weight by name."""
     stored = StoredByLayer(model)
     mappings = []
     for result in run.results:
@@ -341,15 +369,17 @@ def of_run(
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
     qparams: dict[str, ob.QParams] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    folded: dict[str, torch.Tensor] = {}
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
-            weight = skeleton.fold(f"{name}.weight", stored(f"{name}.weight"))
+            weight = folded[name] = skeleton.fold(f"{name}.weight", stored(f"{name}.weight"))
             found[name] = _layer_qparams(run, result, variant, deployed, weight, name, skeleton.output_scales(name))
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)
     knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}
-    return replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs, stored_keys=dict(stored.renamed))
+    deployment = replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs, stored_keys=dict(stored.renamed))
+    return deployment, folded
 
 
 def _layer_qparams(

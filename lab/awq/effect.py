@@ -39,10 +39,9 @@ def variant_weights(model: Model, run: AWQRun, variant: Variant, observer: str) 
     if any((variant, observer) not in result.qparams for result in run.results):
         return None
     try:
-        deployed = deploy.of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
+        return deploy.weights_of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
     except ValueError:
         return None
-    return deployed.model_weights(model)
 
 
 def model_effect(
