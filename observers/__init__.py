@@ -32,6 +32,7 @@ from observers.base import (
     knobs,
     merge_rule,
     observer_class,
+    once_form,
     register,
 )
 from observers import awq  # noqa: F401  (AWQ's scale and clip candidates, issue 41)
@@ -115,6 +116,7 @@ __all__ = [
     "local_hessian",
     "merge_rule",
     "observer_class",
+    "once_form",
     "output_energy",
     "preset",
     "quantize",

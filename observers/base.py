@@ -63,6 +63,11 @@ class Observer:
     shares_statistics: ClassVar[bool] = False
     """True when ``_observe`` reduces its statistics with ``self._across`` (exact merges); else
     every rank observes alone and ``qparams`` takes the token-weighted mean of the ranges."""
+    once_as: ClassVar[str | None] = None
+    """The observer whose qparams this one's are after a single ``observe`` (a weight, observed
+    once): its rule for combining batches never runs then. ``once_form`` gives it and its knobs."""
+    combining_knobs: ClassVar[tuple[str, ...]] = ()
+    """The knobs of that combining rule, which the ``once_as`` observer does not take."""
 
     def __init__(self, spec: QuantSpec, kind: str = "weight", **knobs: Any) -> None:
         if not isinstance(spec, QuantSpec):
@@ -324,6 +329,16 @@ def observer_class(name: str) -> type[Observer]:
 def knobs(name: str) -> dict[str, Any]:
     """The knobs of observer ``name`` with their defaults."""
     return dict(observer_class(name).all_knobs())
+
+
+def once_form(name: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The observer and knobs giving ``name``'s qparams with ``knobs`` after a single ``observe``
+    (``Observer.once_as``: a running or moving-average min-max is the memoryless one there), so a
+    search observing many weights once each runs such twins once; ``(name, knobs)`` otherwise."""
+    cls = observer_class(name)
+    if cls.once_as is None:
+        return cls.name, dict(knobs)
+    return cls.once_as, {key: value for key, value in knobs.items() if key not in cls.combining_knobs}
 
 
 def merge_rule(name: str) -> str:

@@ -66,6 +66,7 @@ class MinMaxObserver(_MinMaxBase):
 
     name = "minmax"
     description = "Running min/max over all calibration batches (torch.ao MinMaxObserver, LC static_minmax)"
+    once_as = "memoryless_minmax"
 
     def _combine(self, low, high):
         return torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
@@ -99,6 +100,8 @@ class MovingAverageMinMaxObserver(_MinMaxBase):
     name = "moving_average_minmax"
     description = "EMA of per-batch min/max, averaging_constant 0.01 (torch.ao MovingAverageMinMax, LC minmax)"
     knobs = {"averaging_constant": AVERAGING_CONSTANT}
+    once_as = "memoryless_minmax"
+    combining_knobs = ("averaging_constant",)
 
     def _combine(self, low, high):
         c = float(self.averaging_constant)

@@ -528,6 +528,8 @@ class MovingAverageMSEGridObserver(_GridBase):
     name = "mse_grid_moving_average"
     description = "mse_grid per batch with an EMA of the ranges, averaging_constant 0.01 (LC mse)"
     knobs = {**_GRID_KNOBS, "averaging_constant": AVERAGING_CONSTANT}
+    once_as = "mse_grid"
+    combining_knobs = ("averaging_constant",)
 
     def _combine(self, low, high):
         if self.min_val is None:

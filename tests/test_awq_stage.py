@@ -703,6 +703,37 @@ def test_fused_layers_share_the_scale_a_server_keeps_in_every_candidate(tiny_lla
         assert torch.equal(globals_[0], torch.stack(alone).min().reshape(globals_[0].shape))  # the widest member's
 
 
+def test_observers_that_agree_on_a_weight_observed_once_search_it_once(tiny_llama, monkeypatch) -> None:
+    # minmax and moving_average_minmax are memoryless_minmax on a weight observed once, and
+    # mse_grid_moving_average is mse_grid: a search's memo runs each twin's observer once per grid
+    # point and gives every twin the same qparams; other knobs are other qparams
+    weights = {"w": tiny_llama.weight("model.layers.0.mlp.gate_proj").float()}
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    moment = x.T.double() @ x.double() / 64
+    scales = ob.awq.candidate_scales(x.abs().mean(0), None, ob.AWQSpec(n_grid=3, duo_scaling="off").grid())
+    created = []
+    real = ob.create
+    monkeypatch.setattr(ob, "create", lambda name, *a, **k: created.append(name) or real(name, *a, **k))
+    memo: dict = {}
+    made = {
+        (name, repr(knobs)): candidates.make(weights, scales, name, INT4_G16, knobs, moment, None, memo)
+        for name, knobs in (
+            ("memoryless_minmax", {}),
+            ("minmax", {}),
+            ("moving_average_minmax", {"averaging_constant": 0.5}),
+            ("mse_grid", {}),
+            ("mse_grid_moving_average", {}),
+            ("mse_grid_moving_average", {"grid": 20}),
+        )
+    }
+    assert sorted(set(created)) == ["memoryless_minmax", "mse_grid"] and len(created) == 3  # stacked rows
+    keys = {label: [c.key for c in found] for label, found in made.items()}
+    assert keys[("minmax", "{}")] == keys[("memoryless_minmax", "{}")]
+    assert keys[("moving_average_minmax", "{'averaging_constant': 0.5}")] == keys[("memoryless_minmax", "{}")]
+    assert keys[("mse_grid_moving_average", "{}")] == keys[("mse_grid", "{}")]
+    assert keys[("mse_grid_moving_average", "{'grid': 20}")] != keys[("mse_grid", "{}")]
+
+
 def test_nvfp4_runs_and_the_clip_search_says_why_it_does_not(tiny_llama) -> None:
     spec = ob.preset("NVFP4A16")["weight"]
     run = run_awq(

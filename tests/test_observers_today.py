@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import observers as ob
 from observers.blocks import quark_bfp_exponent, shared_exponent
@@ -111,6 +113,46 @@ def _lc_grid_loop(x, spec, factors, norm, patience, expand, weight=None, search_
             if patience and stale >= patience:
                 break
     return best_low, best_high
+
+
+def test_every_declared_once_twin_exists_and_takes_the_knobs_passed_on():
+    twins = {name: ob.observer_class(name) for name in ob.available() if ob.observer_class(name).once_as}
+    assert set(twins) >= {"minmax", "moving_average_minmax", "mse_grid_moving_average"}
+    for name, cls in twins.items():
+        twin = ob.observer_class(cls.once_as)
+        assert twin.once_as is None and set(cls.combining_knobs) <= set(cls.knob_specs())
+        assert set(cls.knob_specs()) - set(cls.combining_knobs) == set(twin.knob_specs()), name
+    assert ob.once_form("imatrix_mse", {"grid": 50}) == ("imatrix_mse", {"grid": 50})
+    assert ob.once_form("static_minmax", {}) == ("memoryless_minmax", {})  # an alias resolves
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    symmetric=st.booleans(),
+    strategy=st.sampled_from(["group", "channel", "tensor"]),
+    constant=st.floats(0.01, 1.0),
+    grid=st.sampled_from([20, 100]),
+)
+def test_an_observer_observed_once_gives_its_once_twins_qparams(seed, symmetric, strategy, constant, grid):
+    # one observe never runs the combining rule: the running/moving-average observers' qparams are
+    # their twins' with the knobs once_form passes on, to the bit
+    torch.manual_seed(seed)
+    spec = ob.QuantSpec(dtype="int4", strategy=strategy, group_size=16, symmetric=symmetric)
+    weight = torch.randn(24, 64) * torch.rand(24, 1) * 4
+    for name, knobs in (
+        ("minmax", {}),
+        ("moving_average_minmax", {"averaging_constant": constant}),
+        ("mse_grid_moving_average", {"averaging_constant": constant, "grid": grid}),
+    ):
+        twin, passed = ob.once_form(name, knobs)
+        assert "averaging_constant" not in passed and twin != name
+        found = [ob.create(n, spec, "weight", **k) for n, k in ((name, knobs), (twin, passed))]
+        for observer in found:
+            observer.observe(weight)
+        ours, theirs = (observer.qparams() for observer in found)
+        assert torch.equal(ours.scale, theirs.scale) and torch.equal(ours.zero_point, theirs.zero_point)
+        assert torch.equal(ours.min_val, theirs.min_val) and torch.equal(ours.max_val, theirs.max_val)
 
 
 def test_imatrix_mse_has_llm_compressor_014_defaults():

@@ -166,9 +166,10 @@ def make(
     """One candidate per row of ``scales`` (``(n, in)``; None: one, unsmoothed), ``observer``'s
     qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
     ratios when given. ``memo`` remembers the smoothed weights (by layer and scales), an observer's
-    qparams (by observer, layer and scales) and clip searches (by layer, scales and the qparams
-    searched from) across calls: each grid point is smoothed once, the clip search's pass runs no
-    observer again, and observers that agree search once."""
+    qparams (by observer, layer and scales; twins that agree on a weight observed once as one,
+    ``_once``) and clip searches (by layer, scales and the qparams searched from) across calls:
+    each grid point is smoothed once, the clip search's pass runs no observer again, and
+    observers that agree search once."""
     memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
     keys = [scales_key(s) for s in rows]
@@ -244,7 +245,8 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     chunk's scales): the observer's (one stacked call where ``stackable``, else one each;
     remembered in ``memo``, so the clip search's pass over the same grid points does not run the
     observer again), then clip-searched when ``clip`` is given."""
-    keys = [f"{observer}:{name}:{key}" for key in chunk_keys]
+    observer, knobs, tag = _once(observer, knobs)
+    keys = [f"{tag}:{name}:{key}" for key in chunk_keys]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         part = [chunk[i] for i in missing]
@@ -262,6 +264,17 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     if clip is None:
         return qps
     return _clipped(name, smooth, qps, spec, clip, chunk, chunk_keys, moment, memo)
+
+
+def _once(observer: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    """The observer and knobs that give ``observer``'s qparams of a weight observed once
+    (``ob.once_form``: the min-max family are one, ``mse_grid_moving_average`` is ``mse_grid``),
+    and a tag naming them with their knobs, so that twins are remembered as one. Knobs holding
+    tensors keep the observer as it is, tagged by its own name."""
+    if any(isinstance(value, torch.Tensor) for value in knobs.values()):
+        return observer, knobs, observer
+    once, given = ob.once_form(observer, knobs)
+    return once, given, f"{once}{sorted(given.items())!r}"
 
 
 def _clipped(name, smooth, qps, spec, ratios, scales, scale_keys, moment, memo) -> list[ob.QParams]:
