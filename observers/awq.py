@@ -163,15 +163,6 @@ def candidate_scales(
     return torch.stack(rows)
 
 
-def first_minimum(losses: torch.Tensor) -> int:
-    """The index of the first smallest finite loss (a search keeps a candidate only when strictly
-    better); a ValueError when none is finite (NaN in the parent's outputs)."""
-    finite = torch.where(losses.isfinite(), losses, torch.full_like(losses, float("inf")))
-    if not bool(finite.isfinite().any()):
-        raise ValueError("no candidate gave a finite loss: the parent module's outputs are not finite")
-    return int(torch.argmin(finite))
-
-
 def shrunk(qp: QParams, spec: QuantSpec, ratios: Sequence[float]) -> list[QParams]:
     """An observer's qparams with every group's chosen range shrunk by each of ``ratios`` (the
     clip search's candidates), by the spec's own range rule. Integer grids only: a float grid's

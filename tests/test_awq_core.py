@@ -117,13 +117,6 @@ def test_a_zero_channel_takes_the_floor() -> None:
         ob.awq.candidate_scales(x_mean, None, [(0.5, True)])
 
 
-def test_first_minimum_keeps_the_first_of_ties_and_skips_nan() -> None:
-    assert ob.awq.first_minimum(torch.tensor([3.0, 1.0, 1.0, 2.0])) == 1
-    assert ob.awq.first_minimum(torch.tensor([float("nan"), 2.0, 5.0])) == 1
-    with pytest.raises(ValueError, match="no candidate gave a finite loss"):
-        ob.awq.first_minimum(torch.tensor([float("nan"), float("inf")]))
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     ratios=st.integers(1, 3),

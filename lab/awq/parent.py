@@ -12,7 +12,7 @@ summed over the real tokens of every batch, divided by the element count.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 
 import torch
 from torch import nn
@@ -38,12 +38,10 @@ class ParentCalls:
 
     def energy(self, reference: list[torch.Tensor]) -> float:
         """``Σ ref² / n`` over the real tokens: the reference for relative errors."""
-        total, elements = 0.0, 0
+        total = 0.0
         for valid, ref in zip(self.valid, reference, strict=True):
-            mask = _token_mask(valid, ref)
-            total += float(ref.double().square().mul(mask).sum())
-            elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
-        return total / max(elements, 1)
+            total += float(ref.double().square().mul(_token_mask(valid, ref)).sum())
+        return total / max(self.elements(reference), 1)
 
     def losses(
         self,
@@ -61,28 +59,57 @@ class ParentCalls:
         the same mean squared difference without running the tokens, taken when the tokens
         outnumber the input columns (each replacement then costs ``out·in²`` instead of
         ``tokens·in·out``)."""
-        tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
-        if list(balance.values()) == [self.module] and tokens > moment.shape[0]:
+        if self.linear(balance, moment):
             return _linear_losses(self.module.weight.detach(), [next(iter(r.values())) for r in replacements], moment)
-        per_replacement = max(1, max(int(v.numel()) for v in self.valid) * width * 4)
-        step = max(1, STACKED_BYTES // per_replacement)
+        step = self.step(width)
         sums = torch.zeros(len(replacements), dtype=torch.float64)
-        elements = 0
         for start in range(0, len(replacements), step):
             chunk = replacements[start : start + step]
-            stacked = {name: torch.stack([r[name] for r in chunk]) for name in balance}
-            with _stacked(balance, stacked), torch.no_grad():
-                for (args, kwargs), valid, ref in zip(self.calls, self.valid, reference, strict=True):
-                    n = len(chunk)
-                    out = _first(self._stacked_call(args, kwargs, ref.shape[0], n))
-                    squared = out.reshape(n, *ref.shape).sub_(ref).square_()
-                    mask = _token_mask(valid, ref)
-                    if not bool(mask.all()):
-                        squared.mul_(mask)
-                    sums[start : start + n] += squared.flatten(1).sum(1, dtype=torch.float64).cpu()
-                    if start == 0:
-                        elements += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
-        return sums / max(elements, 1)
+            with closing(self.replay(balance, chunk, reference)) as calls:
+                for call_sums in calls:
+                    sums[start : start + len(chunk)] += call_sums
+        return sums / max(self.elements(reference), 1)
+
+    def linear(self, balance: dict[str, nn.Linear], moment: torch.Tensor) -> bool:
+        """Whether ``losses`` takes a linear map's form: the parent is its one balance layer and the
+        tokens outnumber its input columns."""
+        tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
+        return list(balance.values()) == [self.module] and tokens > moment.shape[0]
+
+    def step(self, width: int) -> int:
+        """Replacements one stacked call holds (``STACKED_BYTES`` of the widest activation)."""
+        return max(1, STACKED_BYTES // max(1, max(int(v.numel()) for v in self.valid) * width * 4))
+
+    def elements(self, reference: list[torch.Tensor]) -> int:
+        """The output elements of real tokens a loss is the mean over."""
+        total = 0
+        for valid, ref in zip(self.valid, reference, strict=True):
+            mask = _token_mask(valid, ref)
+            total += int(mask.expand_as(ref).sum()) if mask.dim() else ref.numel()
+        return total
+
+    def replay(
+        self,
+        balance: dict[str, nn.Linear],
+        replacements: Sequence[dict[str, torch.Tensor]],
+        reference: list[torch.Tensor],
+        start: int = 0,
+    ) -> Iterator[torch.Tensor]:
+        """Per call from ``start`` on, each replacement's squared difference to the float output
+        summed over the call's real tokens (float64, ``(len(replacements),)``): the replacements
+        stacked once, the calls run one by one, so a caller may stop after any (close the
+        iterator: the balance layers' own forwards come back then)."""
+        n = len(replacements)
+        stacked = {name: torch.stack([r[name] for r in replacements]) for name in balance}
+        with _stacked(balance, stacked), torch.no_grad():
+            for index in range(start, len(self.calls)):
+                (args, kwargs), valid, ref = self.calls[index], self.valid[index], reference[index]
+                out = _first(self._stacked_call(args, kwargs, ref.shape[0], n))
+                squared = out.reshape(n, *ref.shape).sub_(ref).square_()
+                mask = _token_mask(valid, ref)
+                if not bool(mask.all()):
+                    squared.mul_(mask)
+                yield squared.flatten(1).sum(1, dtype=torch.float64).cpu()
 
     def _stacked_call(self, args: tuple, kwargs: dict, batch: int, n: int):
         """The module on ``n`` shares of a call's batch. A batch of one is shared as a view

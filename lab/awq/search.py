@@ -18,8 +18,6 @@ inputs) and its clipped share say where the error comes from.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -32,6 +30,7 @@ from lab.awq import candidates, then_gptq
 from lab.awq.candidates import Candidate
 from lab.awq.mappings import Mapping
 from lab.awq.parent import ParentCalls
+from lab.awq.race import Entrant, Heat, Race
 
 SEARCH_OBSERVER = "memoryless_minmax"
 """What llm-compressor 0.14 swaps in for the configured observer during the scale search."""
@@ -120,40 +119,53 @@ only each key's winner is kept."""
 
 
 class _Judge:
-    """A mapping's candidates judged on its parent's output, made and judged a few grid points at a
-    time: the float output computed once, each candidate's llm-compressor loss (the mean squared
-    difference), the float output's energy per element (the relative errors' reference). A
-    candidate whose qparams another already had at the same grid point (the min-max family agree on
-    every weight) is not judged again: its loss is looked up by the qparams' digest."""
+    """A mapping's candidates judged on its parent's output, made a few grid points at a time and
+    raced through the parent's calls (``race``: a candidate's replay stops once its partial loss
+    shows it cannot be its group's first least): the float output computed once, each candidate's
+    llm-compressor loss (the mean squared difference), the float output's energy per element (the
+    relative errors' reference). A candidate whose qparams another already had at the same grid
+    point (the min-max family agree on every weight) is not judged again: its loss, or the bound
+    that stopped it, is looked up by the qparams' digest."""
 
     def __init__(self, inputs: MappingInputs, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> None:
         self.inputs, self.weights, self.spec = inputs, weights, spec
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
-        self._seen: dict[str, float] = {}
+        self.race = Race(inputs.parent, inputs.balance, self.reference, inputs.width, inputs.moment)
         self._memo: dict[str, Any] = {}
         size = sum(w.numel() * w.element_size() for w in weights.values())
         self.step = max(1, CANDIDATE_BYTES // max(size, 1))
 
-    def judged(self, scales, indices: list, observer: str, knobs: dict, clip) -> Iterator[tuple[Any, Candidate, float]]:
-        """``(grid index, candidate, loss)`` for each of ``indices`` (None: unsmoothed)."""
-        inputs = self.inputs
+    def first_least(
+        self, scales, indices: list, observer: str, knobs: dict, clip, keep: int | None = None
+    ) -> tuple[tuple | None, tuple | None]:
+        """The first least ``(grid index, candidate, loss)`` of ``indices`` (None: none has a finite
+        loss), and grid index ``keep``'s own whatever its loss (None when not asked)."""
+        heat, winner, kept = Heat(), None, None
         for start in range(0, len(indices), self.step):
             part = indices[start : start + self.step]
-            rows = None if part == [None] else scales[part]
-            made = candidates.make(self.weights, rows, observer, self.spec, knobs, inputs.moment, clip, self._memo)
-            keys = [candidates.digest(c) for c in made]
-            fresh = [i for i, key in enumerate(keys) if key not in self._seen]
-            if fresh:
-                effective = [made[i].effective for i in fresh]
-                losses = inputs.parent.losses(inputs.balance, effective, self.reference, inputs.width, inputs.moment)
-                self._seen.update({keys[i]: float(loss) for i, loss in zip(fresh, losses, strict=True)})
-            yield from ((index, c, self._seen[key]) for index, c, key in zip(part, made, keys, strict=True))
+            made = candidates.make(
+                self.weights, scales[part], observer, self.spec, knobs, self.inputs.moment, clip, self._memo
+            )
+            entrants = [
+                Entrant(start + i, candidates.digest(c), c.effective, keep is not None and index == keep)
+                for i, (index, c) in enumerate(zip(part, made, strict=True))
+            ]
+            self.race.run(entrants, heat)
+            if heat.leader is not None and start <= heat.leader[1] < start + len(part):
+                i = heat.leader[1] - start
+                winner = (part[i], made[i], heat.leader[0])
+            kept = next(((part[i], made[i], self.race.known[e.key]) for i, e in enumerate(entrants) if e.keep), kept)
+        return winner, kept
 
-
-def _better(loss: float, kept: tuple | None) -> bool:
-    """A search keeps a candidate only when strictly better (the first minimum), never a NaN."""
-    return math.isfinite(loss) and (kept is None or loss < kept[2])
+    def unsmoothed(self, observer: str, knobs: dict) -> tuple[None, Candidate, float]:
+        """``(None, candidate, loss)`` of the observer on the weights as they are (round to nearest)."""
+        (candidate,) = candidates.make(
+            self.weights, None, observer, self.spec, knobs, self.inputs.moment, None, self._memo
+        )
+        entrant = Entrant(0, candidates.digest(candidate), candidate.effective, keep=True)
+        self.race.run([entrant], Heat())
+        return None, candidate, self.race.known[entrant.key]
 
 
 @torch.no_grad()
@@ -175,8 +187,10 @@ def search(
     scales = ob.awq.candidate_scales(inputs.x_mean, w_mean, grid)
     judge = _Judge(inputs, weights, spec)
     everywhere = list(range(len(grid)))
-    searched = torch.tensor([loss for _, _, loss in judge.judged(scales, everywhere, SEARCH_OBSERVER, {}, None)])
-    best = ob.awq.first_minimum(searched)
+    searched, _ = judge.first_least(scales, everywhere, SEARCH_OBSERVER, {}, None)
+    if searched is None:
+        raise ValueError("no candidate gave a finite loss: the parent module's outputs are not finite")
+    best = searched[0]
 
     blocks = {
         size: candidates.diagonal_blocks(inputs.moment, size).clone()
@@ -189,21 +203,16 @@ def search(
         kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
         failed: dict[Variant, str] = {}
         try:
-            kept[Variant.RTN] = next(judge.judged(scales, [None], observer, knobs, None))
+            kept[Variant.RTN] = judge.unsmoothed(observer, knobs)
         except ValueError as err:
             failed[Variant.RTN] = str(err)
         try:
-            for found in judge.judged(scales, everywhere, observer, knobs, None):
-                if found[0] == best:
-                    kept[Variant.LLM_COMPRESSOR] = found
-                if _better(found[2], kept[Variant.OBSERVER_IN_SEARCH]):
-                    kept[Variant.OBSERVER_IN_SEARCH] = found
+            found, at_best = judge.first_least(scales, everywhere, observer, knobs, None, keep=best)
+            kept[Variant.OBSERVER_IN_SEARCH], kept[Variant.LLM_COMPRESSOR] = found, at_best
         except ValueError as err:
             failed[Variant.LLM_COMPRESSOR] = failed[Variant.OBSERVER_IN_SEARCH] = str(err)
         try:
-            for found in judge.judged(scales, everywhere, observer, knobs, awq.clip_ratios()):
-                if _better(found[2], kept[Variant.CLIP_SEARCH]):
-                    kept[Variant.CLIP_SEARCH] = found
+            kept[Variant.CLIP_SEARCH], _ = judge.first_least(scales, everywhere, observer, knobs, awq.clip_ratios())
         except ValueError as err:
             failed[Variant.CLIP_SEARCH] = str(err)
         for variant in Variant:
