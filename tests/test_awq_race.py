@@ -58,8 +58,8 @@ def _race(table: _Table) -> Race:
     return Race(table, {}, [], 1, torch.eye(1))
 
 
-def _entrants(ids: list[int], keep: set[int] = frozenset()) -> list[Entrant]:
-    return [Entrant(i, f"c{c}", {"id": torch.tensor(c)}, i in keep) for i, c in enumerate(ids)]
+def _entrants(ids: list[int], heat: Heat, keep: set[int] = frozenset()) -> list[Entrant]:
+    return [Entrant(i, f"c{c}", {"id": torch.tensor(c)}, heat, i in keep) for i, c in enumerate(ids)]
 
 
 _sum = st.one_of(
@@ -85,7 +85,7 @@ def test_the_race_finds_every_candidate_run_to_the_ends_first_least(data, count,
     keep = set(data.draw(st.lists(st.integers(0, len(ids) - 1), max_size=2)))
     parent = _Table(table, elements, step)
     race, heat = _race(parent), Heat()
-    race.run(_entrants(ids, keep), heat)
+    race.run(_entrants(ids, heat, keep))
     losses = [_whole(table[c], elements) for c in ids]
     expected = _first_least(losses)
     if expected is None:
@@ -99,6 +99,30 @@ def test_the_race_finds_every_candidate_run_to_the_ends_first_least(data, count,
     assert parent.work <= (len(set(ids)) + 1) * calls * 2  # never more than a scout and a run each
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), count=st.integers(1, 8), calls=st.integers(1, 10), step=st.integers(1, 9))
+def test_groups_raced_together_each_find_their_own_first_least(data, count, calls, step) -> None:
+    # several groups in one stacked replay, sharing candidates (one digest in two groups) and
+    # keeping some: each group's leader is its own first least, every kept loss whole
+    table = {c: data.draw(st.lists(_sum, min_size=calls, max_size=calls)) for c in range(count)}
+    groups = data.draw(st.lists(st.lists(st.integers(0, count - 1), min_size=1, max_size=6), min_size=1, max_size=4))
+    parent = _Table(table, 2, step)
+    race, entrants, heats = _race(parent), [], []
+    for ids in groups:
+        heat = Heat()
+        keep = set(data.draw(st.lists(st.integers(0, len(ids) - 1), max_size=1)))
+        heats.append((heat, ids, keep))
+        entrants += _entrants(ids, heat, keep)
+    race.run(entrants)
+    for heat, ids, keep in heats:
+        losses = [_whole(table[c], 2) for c in ids]
+        expected = _first_least(losses)
+        assert heat.leader == (None if expected is None else (losses[expected], expected))
+        for position in keep:
+            found = race.known[f"c{ids[position]}"]
+            assert found == losses[position] or (math.isnan(found) and math.isnan(losses[position]))
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), calls=st.integers(2, 10))
 def test_a_later_group_skips_or_reruns_what_an_earlier_one_stopped(data, calls) -> None:
@@ -108,7 +132,7 @@ def test_a_later_group_skips_or_reruns_what_an_earlier_one_stopped(data, calls) 
     race = _race(_Table(table, 3, 4))
     for ids in ([0, 1, 2, 3], [4, 1, 2], [2, 3, 5], [1, 0]):
         heat = Heat()
-        race.run(_entrants(ids), heat)
+        race.run(_entrants(ids, heat))
         losses = [_whole(table[c], 3) for c in ids]
         assert heat.leader == (losses[_first_least(losses)], _first_least(losses))
 
@@ -118,7 +142,7 @@ def test_rivals_far_behind_stop_early_and_a_tie_goes_to_the_earlier_place() -> N
     table[3] = table[7] = [0.1] * 32  # the least, twice: the earlier place leads
     parent = _Table(table, 4, 64)
     race, heat = _race(parent), Heat()
-    race.run(_entrants(list(range(10))), heat)
+    race.run(_entrants(list(range(10)), heat))
     assert heat.leader == (_whole(table[3], 4), 3)
     # a scout of 4 calls for all ten, the leader run on alone, every rival stopped a call later;
     # the tie of 7 runs to the end (it may still lead until its last call)
@@ -130,7 +154,7 @@ def test_a_kept_candidate_leads_from_the_first_call_without_a_scout() -> None:
     table = {c: [1.0 + c] * 16 for c in range(5)}  # candidate c adds 1 + c per call
     parent = _Table(table, 1, 64)
     race, heat = _race(parent), Heat()
-    race.run(_entrants([0, 1, 2, 3, 4], keep={0}), heat)
+    race.run(_entrants([0, 1, 2, 3, 4], heat, keep={0}))
     assert heat.leader == (16.0, 0) and race.known == {"c0": 16.0}
     # the kept one runs first, alone; then the rivals together, each stopped at the first call
     # where it cannot lead: 4 and 3 (a tie, later) after 4 calls, 2 after 6, 1 (a tie) after 8
@@ -139,7 +163,7 @@ def test_a_kept_candidate_leads_from_the_first_call_without_a_scout() -> None:
     # a later group, in the other order: 0 leads at the last place; the bounds of 4 and 2 keep them
     # out, while 3 and 1 (bounds equal to the lead, at earlier places) run again, from the first call
     again = Heat()
-    race.run(_entrants([4, 3, 2, 1, 0]), again)
+    race.run(_entrants([4, 3, 2, 1, 0], again))
     assert again.leader == (16.0, 4)
     assert parent.work == 38 + 2 * 5 + 4 and race.bounds == {"c4": 20.0, "c3": 20.0, "c2": 18.0, "c1": 18.0}
 
@@ -163,7 +187,7 @@ def test_the_race_on_a_parent_module_picks_what_every_loss_picks() -> None:
         ]
     assert torch.allclose(losses, torch.tensor(by_hand, dtype=torch.float64), rtol=1e-5)
     race, heat = Race(parent, {"0": mlp[0]}, reference, 32, torch.eye(16).double()), Heat()
-    race.run([Entrant(i, f"w{i}", {"0": w}) for i, w in enumerate(weights)], heat)
+    race.run([Entrant(i, f"w{i}", {"0": w}, heat) for i, w in enumerate(weights)])
     assert heat.leader == (float(losses[3]), 3) == (float(losses.min()), int(losses.argmin()))
     assert len(race.bounds) >= 3  # the far ones stopped before the last call
 

@@ -100,8 +100,7 @@ class ParentCalls:
         stacked once, the calls run one by one, so a caller may stop after any (close the
         iterator: the balance layers' own forwards come back then)."""
         n = len(replacements)
-        stacked = {name: torch.stack([r[name] for r in replacements]) for name in balance}
-        with _stacked(balance, stacked), torch.no_grad():
+        with _stacked(balance, replacements), torch.no_grad():
             for index in range(start, len(self.calls)):
                 (args, kwargs), valid, ref = self.calls[index], self.valid[index], reference[index]
                 out = _first(self._stacked_call(args, kwargs, ref.shape[0], n))
@@ -170,13 +169,14 @@ def _repeat(value, batch: int, n: int, repeat: Callable[[torch.Tensor, int], tor
 
 
 @contextmanager
-def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
+def _stacked(balance: dict[str, nn.Linear], replacements: Sequence[dict[str, torch.Tensor]]):
     """Each balance layer's forward swapped for one that gives each input share its own weight: the
-    input ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, ``weights[name]``
-    ``(n, out, in)``. The layer's own product is never computed (a forward hook would replace its
-    output only after computing it, a third of an MLP parent's work thrown away). The weights are
-    laid out ``(n, in, out)`` once per replay, not per call: a batched product reads a contiguous
-    right-hand side about a fifth faster than a transposed view."""
+    input ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, share ``i`` multiplied
+    by ``replacements[i][name]`` ``(out, in)``. The layer's own product is never computed (a
+    forward hook would replace its output only after computing it, a third of an MLP parent's
+    work thrown away). The weights are stacked ``(n, in, out)`` once per replay, in one copy, not
+    per call: a batched product reads a contiguous right-hand side about a fifth faster than a
+    transposed view."""
 
     def forward_for(module: nn.Linear, name: str):
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +192,7 @@ def _stacked(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
     for name, module in balance.items():
         if type(module).forward is not nn.Linear.forward:
             raise TypeError(f"{name}: a balance layer must compute a plain linear map, not {type(module).__name__}")
-    transposed = {name: w.transpose(1, 2).contiguous() for name, w in weights.items()}
+    transposed = {name: torch.stack([r[name].t() for r in replacements]) for name in balance}
     with ExitStack() as swapped:
         for name, module in balance.items():
             swapped.enter_context(forward_swapped(module, forward_for(module, name)))

@@ -32,16 +32,9 @@ from lab.awq.parent import ParentCalls
 SCOUT_SHARE = 8
 """A group with no whole loss yet scouts every candidate through ``1/SCOUT_SHARE`` of the calls."""
 
-
-@dataclass
-class Entrant:
-    """One candidate of a group: its place in the grid (ties go to the earlier), its digest and
-    effective weights; ``keep``: its whole loss is wanted whatever it is (never stopped)."""
-
-    position: int
-    key: str
-    weights: dict[str, torch.Tensor]
-    keep: bool = False
+RESTACK_SHARE = 8
+"""Candidates out of reach go on in the stacked replay until they are ``1/RESTACK_SHARE`` of it:
+stacking the rest's weights again costs more than a few of their calls."""
 
 
 @dataclass
@@ -65,10 +58,34 @@ class Heat:
 
 
 @dataclass
+class Entrant:
+    """One candidate in one group (``heat``): its place in the grid (ties go to the earlier), its
+    digest and effective weights; ``keep``: its whole loss is wanted whatever it is."""
+
+    position: int
+    key: str
+    weights: dict[str, torch.Tensor]
+    heat: Heat
+    keep: bool = False
+
+
+class _Runner:
+    """One distinct candidate (by digest) in the replay, for every group it is in: stopped only
+    where it can lead none of them and none keeps it."""
+
+    def __init__(self, entries: list[Entrant]) -> None:
+        self.entries, self.key, self.weights = entries, entries[0].key, entries[0].weights
+        self.sum = 0.0
+
+    def may_lead(self, bound: float) -> bool:
+        return any(e.keep or not e.heat.out_of_reach(bound, e.position) for e in self.entries)
+
+
+@dataclass
 class Race:
     """A mapping's candidates raced on its parent (``ParentCalls``): whole losses (``known``) and
     the lower bounds of stopped candidates (``bounds``) by digest, across every group of the
-    mapping's search."""
+    mapping's search. The groups raced together share one stacked replay."""
 
     parent: ParentCalls
     balance: dict[str, nn.Linear]
@@ -82,101 +99,112 @@ class Race:
         self.elements = max(self.parent.elements(self.reference), 1)
         self.calls = len(self.parent.calls)
 
-    def run(self, entrants: Sequence[Entrant], heat: Heat) -> None:
-        """Every entrant's whole loss into ``known`` where it may lead ``heat`` (or is kept), the
-        rest stopped as soon as their partial loss says they cannot; ``heat`` leads after."""
-        self._lead(entrants, heat)
-        waiting, seen = [], set()
+    def run(self, entrants: Sequence[Entrant]) -> None:
+        """Every entrant's whole loss into ``known`` where it may lead its heat (or is kept), the
+        rest stopped as soon as their partial loss says they cannot; each heat leads after."""
+        self._lead(entrants)
+        by_key: dict[str, list[Entrant]] = {}
         for entrant in sorted(entrants, key=lambda e: (not e.keep, e.position)):
-            if entrant.key in self.known or entrant.key in seen:
-                continue
-            bound = self.bounds.get(entrant.key, 0.0)
-            if entrant.keep or not heat.out_of_reach(bound, entrant.position):
-                waiting.append(entrant)
-                seen.add(entrant.key)
+            if entrant.key not in self.known:
+                by_key.setdefault(entrant.key, []).append(entrant)
+        waiting = [_Runner(entries) for entries in by_key.values()]
+        waiting = [r for r in waiting if r.may_lead(self.bounds.get(r.key, 0.0))]
         if self.parent.linear(self.balance, self.moment):
-            self._whole(waiting, heat)
+            self._whole(waiting)
         else:
             step = self.parent.step(self.width)
             for start in range(0, len(waiting), step):
-                self._heat(waiting[start : start + step], heat)
-        self._lead(entrants, heat)
+                self._heat(waiting[start : start + step])
+        self._lead(entrants)
 
-    def _lead(self, entrants: Sequence[Entrant], heat: Heat) -> None:
-        """``heat``'s leader among the entrants with a whole loss (a digest twice in a group, at
+    def _lead(self, entrants: Sequence[Entrant]) -> None:
+        """Each heat's leader among its entrants with a whole loss (a digest twice in a group, at
         two grid points, leads at the earlier)."""
         for entrant in entrants:
-            if entrant.key in self.known and heat.beaten_by(self.known[entrant.key], entrant.position):
-                heat.leader = (self.known[entrant.key], entrant.position)
+            loss = self.known.get(entrant.key)
+            if loss is not None and entrant.heat.beaten_by(loss, entrant.position):
+                entrant.heat.leader = (loss, entrant.position)
 
-    def _whole(self, entrants: list[Entrant], heat: Heat) -> None:
+    def _whole(self, runners: list[_Runner]) -> None:
         """A linear parent's losses need no replay (``ParentCalls.losses``' form): all at once."""
-        if not entrants:
-            return
-        losses = self.parent.losses(
-            self.balance, [e.weights for e in entrants], self.reference, self.width, self.moment
-        )
-        for entrant, loss in zip(entrants, losses.tolist(), strict=True):
-            self._finished(entrant, loss, heat)
+        if runners:
+            weights = [r.weights for r in runners]
+            losses = self.parent.losses(self.balance, weights, self.reference, self.width, self.moment)
+            for runner, loss in zip(runners, losses.tolist(), strict=True):
+                self._finished(runner, loss)
 
-    def _heat(self, entrants: list[Entrant], heat: Heat) -> None:
-        """``entrants`` (one stacked replay's worth) from the first call: kept ones first run to
-        the end (the first of them leads at once), else after a scout the best-placed one; then
-        the rest together, each stopped once out of reach."""
-        for entrant in entrants:
-            self.bounds.pop(entrant.key, None)
-        sums = {e.key: 0.0 for e in entrants}
-        running, done = list(entrants), 0
+    def _heat(self, runners: list[_Runner]) -> None:
+        """``runners`` (one stacked replay's worth) from the first call. A heat without a leader
+        gets one first: its kept candidate, else after a scout of every runner its best-placed
+        one, run to the end with the other heats' firsts; then the rest together, each stopped
+        once out of reach."""
+        for runner in runners:
+            self.bounds.pop(runner.key, None)
+            runner.sum = 0.0
+        running, done = list(runners), 0
         while running:
-            if heat.leader is None:
-                first = next((e for e in running if e.keep), None)
-                if first is None:
-                    done = self._advance(running, sums, done, min(self.calls, done + self._scout()), heat)
-                    running = [e for e in running if e.key not in self.known]
-                    if not running:
-                        return
-                    first = min(running, key=lambda e: (_finite_or_inf(sums[e.key]), e.position))
-                self._advance([first], sums, done, self.calls, heat)
-                running.remove(first)
+            open_heats = {id(e.heat): e.heat for r in running for e in r.entries if e.heat.leader is None}
+            if open_heats:
+                if any(not self._kept(running, heat) for heat in open_heats.values()):
+                    done = self._advance(running, done, min(self.calls, done + self._scout()))
+                    running = [r for r in running if r.key not in self.known]
+                firsts = {id(f): f for heat in open_heats.values() if (f := self._first(running, heat)) is not None}
+                if not firsts:
+                    continue
+                self._advance(list(firsts.values()), done, self.calls)
+                running = [r for r in running if id(r) not in firsts]
                 continue
-            done = self._advance(running, sums, done, self.calls, heat, stop=True)
-            running = [e for e in running if e.key not in self.known and e.key not in self.bounds]
+            done = self._advance(running, done, self.calls, stop=True)
+            running = [r for r in running if r.key not in self.known and r.key not in self.bounds]
 
     def _scout(self) -> int:
         return max(1, self.calls // SCOUT_SHARE)
 
-    def _advance(
-        self, entrants: list[Entrant], sums: dict, done: int, until: int, heat: Heat, stop: bool = False
-    ) -> int:
-        """``entrants`` (each ``done`` calls into its sum) through calls ``done..until`` stacked
-        together; with ``stop``, until one of them is out of reach (it is stopped, its bound
-        remembered, and the calls done so far returned for the rest to go on from). A candidate
-        through the last call has its whole loss."""
-        with closing(self.parent.replay(self.balance, [e.weights for e in entrants], self.reference, done)) as calls:
+    @staticmethod
+    def _kept(running: list[_Runner], heat: Heat) -> _Runner | None:
+        return next((r for r in running if any(e.heat is heat and e.keep for e in r.entries)), None)
+
+    def _first(self, running: list[_Runner], heat: Heat) -> _Runner | None:
+        """The runner to run to the end for ``heat``: its kept one, else the least partial loss
+        (the earliest place among equal ones)."""
+        kept = self._kept(running, heat)
+        if kept is not None:
+            return kept
+        placed = [
+            (_finite_or_inf(r.sum), e.position, i) for i, r in enumerate(running) for e in r.entries if e.heat is heat
+        ]
+        return running[min(placed)[2]] if placed else None
+
+    def _advance(self, runners: list[_Runner], done: int, until: int, stop: bool = False) -> int:
+        """``runners`` (each ``done`` calls into its sum) through calls ``done..until`` stacked
+        together; with ``stop``, until enough of them are out of reach (``RESTACK_SHARE``: those
+        are stopped, their bounds remembered, and the calls done so far returned for the rest to
+        go on from). A runner through the last call has its whole loss."""
+        weights = [r.weights for r in runners]
+        with closing(self.parent.replay(self.balance, weights, self.reference, done)) as calls:
             for call_sums in calls:
-                for entrant, value in zip(entrants, call_sums.tolist(), strict=True):
-                    sums[entrant.key] += value
+                for runner, value in zip(runners, call_sums.tolist(), strict=True):
+                    runner.sum += value
                 done += 1
                 if done == self.calls:
-                    for entrant in entrants:
-                        self._finished(entrant, sums[entrant.key] / self.elements, heat)
+                    for runner in runners:
+                        self._finished(runner, runner.sum / self.elements)
                     return done
                 if done == until:
                     return done
                 if stop:
-                    out = [
-                        e for e in entrants if not e.keep and heat.out_of_reach(sums[e.key] / self.elements, e.position)
-                    ]
-                    if out:
-                        self.bounds.update({e.key: sums[e.key] / self.elements for e in out})
+                    out = [r for r in runners if not r.may_lead(r.sum / self.elements)]
+                    if len(out) >= max(1, len(runners) // RESTACK_SHARE):
+                        self.bounds.update({r.key: r.sum / self.elements for r in out})
                         return done
         return done
 
-    def _finished(self, entrant: Entrant, loss: float, heat: Heat) -> None:
-        self.known[entrant.key] = loss
-        self.bounds.pop(entrant.key, None)
-        if heat.beaten_by(loss, entrant.position):
-            heat.leader = (loss, entrant.position)
+    def _finished(self, runner: _Runner, loss: float) -> None:
+        self.known[runner.key] = loss
+        self.bounds.pop(runner.key, None)
+        for entry in runner.entries:
+            if entry.heat.beaten_by(loss, entry.position):
+                entry.heat.leader = (loss, entry.position)
 
 
 def _finite_or_inf(value: float) -> float:

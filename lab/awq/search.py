@@ -136,36 +136,68 @@ class _Judge:
         size = sum(w.numel() * w.element_size() for w in weights.values())
         self.step = max(1, CANDIDATE_BYTES // max(size, 1))
 
-    def first_least(
-        self, scales, indices: list, observer: str, knobs: dict, clip, keep: int | None = None
-    ) -> tuple[tuple | None, tuple | None]:
-        """The first least ``(grid index, candidate, loss)`` of ``indices`` (None: none has a finite
-        loss), and grid index ``keep``'s own whatever its loss (None when not asked)."""
-        heat, winner, kept = Heat(), None, None
-        for start in range(0, len(indices), self.step):
-            part = indices[start : start + self.step]
-            made = candidates.make(
-                self.weights, scales[part], observer, self.spec, knobs, self.inputs.moment, clip, self._memo
-            )
-            entrants = [
-                Entrant(start + i, candidates.digest(c), c.effective, keep is not None and index == keep)
-                for i, (index, c) in enumerate(zip(part, made, strict=True))
-            ]
-            self.race.run(entrants, heat)
-            if heat.leader is not None and start <= heat.leader[1] < start + len(part):
-                i = heat.leader[1] - start
-                winner = (part[i], made[i], heat.leader[0])
-            kept = next(((part[i], made[i], self.race.known[e.key]) for i, e in enumerate(entrants) if e.keep), kept)
-        return winner, kept
+    def first_least(self, scales: torch.Tensor, asks: list[_Ask]) -> list[_Outcome]:
+        """Each ask's first least candidate and kept one (``_Outcome``), every ask raced together
+        (``Race``: one stacked replay of all their candidates, a few asks' worth of weights made
+        at a time); an ask whose observer cannot run has its error instead."""
+        outcomes, heats = [_Outcome() for _ in asks], [Heat() for _ in asks]
+        batch: list[tuple[int, list, list[Candidate], list[Entrant]]] = []
+        for a, ask in enumerate(asks):
+            for start in range(0, len(ask.indices), self.step):
+                part = ask.indices[start : start + self.step]
+                rows = None if part == [None] else scales[part]
+                try:
+                    made = candidates.make(
+                        self.weights, rows, ask.observer, self.spec, ask.knobs, self.inputs.moment, ask.clip, self._memo
+                    )
+                except ValueError as err:
+                    outcomes[a].error = str(err)
+                    break
+                entrants = [
+                    Entrant(start + i, candidates.digest(c), c.effective, heats[a], ask.keep == start + i)
+                    for i, c in enumerate(made)
+                ]
+                batch.append((a, part, made, entrants))
+                if sum(len(made) for _, _, made, _ in batch) >= self.step:
+                    self._settle(batch, heats, outcomes)
+                    batch = []
+        self._settle(batch, heats, outcomes)
+        return outcomes
 
-    def unsmoothed(self, observer: str, knobs: dict) -> tuple[None, Candidate, float]:
-        """``(None, candidate, loss)`` of the observer on the weights as they are (round to nearest)."""
-        (candidate,) = candidates.make(
-            self.weights, None, observer, self.spec, knobs, self.inputs.moment, None, self._memo
-        )
-        entrant = Entrant(0, candidates.digest(candidate), candidate.effective, keep=True)
-        self.race.run([entrant], Heat())
-        return None, candidate, self.race.known[entrant.key]
+    def _settle(self, batch: list, heats: list[Heat], outcomes: list[_Outcome]) -> None:
+        """Race a batch's candidates and keep, per ask, its leader and kept candidate if here."""
+        live = [item for item in batch if outcomes[item[0]].error is None]
+        self.race.run([e for _, _, _, entrants in live for e in entrants])
+        for a, part, made, entrants in live:
+            leader = heats[a].leader
+            for i, entrant in enumerate(entrants):
+                if leader is not None and leader[1] == entrant.position:
+                    outcomes[a].winner = (part[i], made[i], leader[0])
+                if entrant.keep:
+                    outcomes[a].kept = (part[i], made[i], self.race.known[entrant.key])
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One group of a mapping's search: an observer's candidates at grid ``indices`` (``[None]``:
+    the weights unsmoothed), clip-searched with ``clip``'s ratios when given; ``keep``: the
+    position in ``indices`` whose loss is wanted whatever it is."""
+
+    indices: list
+    observer: str
+    knobs: dict[str, Any]
+    clip: list[float] | None = None
+    keep: int | None = None
+
+
+@dataclass
+class _Outcome:
+    """An ask's first least ``(grid index, candidate, loss)`` (None: no finite loss), its kept
+    candidate the same way, or why its observer could not run."""
+
+    winner: tuple | None = None
+    kept: tuple | None = None
+    error: str | None = None
 
 
 @torch.no_grad()
@@ -187,10 +219,12 @@ def search(
     scales = ob.awq.candidate_scales(inputs.x_mean, w_mean, grid)
     judge = _Judge(inputs, weights, spec)
     everywhere = list(range(len(grid)))
-    searched, _ = judge.first_least(scales, everywhere, SEARCH_OBSERVER, {}, None)
-    if searched is None:
+    (searched,) = judge.first_least(scales, [_Ask(everywhere, SEARCH_OBSERVER, {})])
+    if searched.error is not None:
+        raise ValueError(searched.error)
+    if searched.winner is None:
         raise ValueError("no candidate gave a finite loss: the parent module's outputs are not finite")
-    best = searched[0]
+    best = searched.winner[0]
 
     blocks = {
         size: candidates.diagonal_blocks(inputs.moment, size).clone()
@@ -199,25 +233,31 @@ def search(
     result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks)
     picked: dict[tuple, tuple[Candidate, dict]] = {}
     figures = _LayerFigures(weights, inputs.moment, spec)
+    asks = []
     for observer, knobs in observers.items():
-        kept: dict[Variant, tuple | None] = dict.fromkeys(Variant)
-        failed: dict[Variant, str] = {}
-        try:
-            kept[Variant.RTN] = judge.unsmoothed(observer, knobs)
-        except ValueError as err:
-            failed[Variant.RTN] = str(err)
-        try:
-            found, at_best = judge.first_least(scales, everywhere, observer, knobs, None, keep=best)
-            kept[Variant.OBSERVER_IN_SEARCH], kept[Variant.LLM_COMPRESSOR] = found, at_best
-        except ValueError as err:
-            failed[Variant.LLM_COMPRESSOR] = failed[Variant.OBSERVER_IN_SEARCH] = str(err)
-        try:
-            kept[Variant.CLIP_SEARCH], _ = judge.first_least(scales, everywhere, observer, knobs, awq.clip_ratios())
-        except ValueError as err:
-            failed[Variant.CLIP_SEARCH] = str(err)
+        asks += [
+            _Ask([None], observer, knobs, keep=0),
+            _Ask(everywhere, observer, knobs, keep=best),
+            _Ask(everywhere, observer, knobs, awq.clip_ratios()),
+        ]
+    outcomes = judge.first_least(scales, asks)
+    for number, (observer, knobs) in enumerate(observers.items()):
+        rtn, inside, clipped = outcomes[3 * number : 3 * number + 3]
+        kept = {
+            Variant.RTN: rtn.kept,
+            Variant.LLM_COMPRESSOR: inside.kept,
+            Variant.OBSERVER_IN_SEARCH: inside.winner,
+            Variant.CLIP_SEARCH: clipped.winner,
+        }
+        failed = {
+            Variant.RTN: rtn.error,
+            Variant.LLM_COMPRESSOR: inside.error,
+            Variant.OBSERVER_IN_SEARCH: inside.error,
+            Variant.CLIP_SEARCH: clipped.error,
+        }
         for variant in Variant:
             if kept[variant] is None:
-                why = failed.get(variant, "no candidate gave a finite loss")
+                why = failed[variant] or "no candidate gave a finite loss"
                 result.rows.append(VariantRow(observer, variant, error=why))
                 continue
             index, candidate, loss = kept[variant]
