@@ -9,8 +9,9 @@ exceeds it, or equals it later in the grid, cannot be the group's first least: i
 there. The first candidate run to the end is the one a short scout of every call's first few
 calls ranks first (or one the search names, ``keep``), so the others are measured against a loss
 near the least from the start. The winner and its loss are those of running every candidate
-through every call: the same per-call sums, added in the same order, compared by the same rule
-(``first least``: the smallest finite loss, the earliest in the grid among equal ones).
+through every call: the same per-call sums (up to the few ulps by which a batched product's width
+moves them, as the width of any stacked replay does), added in the same order, compared by the same
+rule (``first least``: the smallest finite loss, the earliest in the grid among equal ones).
 
 A stopped candidate's partial loss is remembered by its digest: a later group (another observer's
 pass over the same grid point) that already has a lower loss skips it outright, and one that
