@@ -326,33 +326,13 @@ def of_run(
     observers: MappingType[str, str],
     chosen_by: str = DEFAULT_FIGURE,
     figures: MappingType[str, float | None] | None = None,
+    *,
+    folded: dict[str, torch.Tensor] | None = None,
 ) -> AWQDeploy:
     """The deployment of ``run`` under ``variant`` with ``observers`` (per mapping name): the scales
-    of each mapping's observer and each balance layer's qparams on its folded weight. A stored
-    tensor the scales touch that the model's files do not hold under its module's name, or an
-    observer without qparams there, is one ``ValueError``."""
-    return _deployed(model, run, variant, observers, chosen_by, figures)[0]
-
-
-def weights_of_run(
-    model: Model, run: AWQRun, variant: Variant, observers: MappingType[str, str]
-) -> dict[str, torch.Tensor]:
-    """Every balance layer's weight as ``of_run``'s deployment computes it, in the model's own
-    coordinates (``AWQDeploy.model_weights``), each folded weight made once for its qparams and
-    its weight."""
-    deployed, folded = _deployed(model, run, variant, observers)
-    return deployed.model_weights(model, folded)
-
-
-def _deployed(
-    model: Model,
-    run: AWQRun,
-    variant: Variant,
-    observers: MappingType[str, str],
-    chosen_by: str = DEFAULT_FIGURE,
-    figures: MappingType[str, float | None] | None = None,
-) -> tuple[AWQDeploy, dict[str, torch.Tensor]]:
-    """``of_run``'s deployment and each balance layer's folded weight by name."""
+    of each mapping's observer and each balance layer's qparams on its folded weight (put in
+    ``folded`` by name when given). A stored tensor the scales touch that the model's files do not
+    hold under its module's name, or an observer without qparams there, is one ``ValueError``."""
     stored = StoredByLayer(model)
     mappings = []
     for result in run.results:
@@ -369,7 +349,7 @@ def _deployed(
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
     qparams: dict[str, ob.QParams] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    folded: dict[str, torch.Tensor] = {}
+    folded = {} if folded is None else folded
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
@@ -378,8 +358,18 @@ def _deployed(
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)
     knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}
-    deployment = replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs, stored_keys=dict(stored.renamed))
-    return deployment, folded
+    return replace(skeleton, qparams=qparams, shapes=shapes, knobs=knobs, stored_keys=dict(stored.renamed))
+
+
+def weights_of_run(
+    model: Model, run: AWQRun, variant: Variant, observers: MappingType[str, str]
+) -> dict[str, torch.Tensor]:
+    """Every balance layer's weight as ``of_run``'s deployment computes it, in the model's own
+    coordinates (``AWQDeploy.model_weights``), each folded weight made once for its qparams and
+    its weight."""
+    folded: dict[str, torch.Tensor] = {}
+    deployed = of_run(model, run, variant, observers, folded=folded)
+    return deployed.model_weights(model, folded)
 
 
 def _layer_qparams(
