@@ -10,8 +10,9 @@
   the share of the observer's range (ModelOpt ``awq_clip``'s ratios) whose part of the layer's
   output on the smoothed inputs is nearest: the scale and the clip searched jointly.
 
-Every candidate of every way is judged in one stacked replay of the parent (``parent``); the
-candidates of one weight are deduplicated first (observers with the same qparams judge alike).
+Every candidate of every way is judged in one stacked replay of the parent (``parent``), raced
+(``race``: a candidate stops once its loss so far shows it cannot be picked); the candidates of one
+weight are deduplicated first (observers with the same qparams judge alike).
 Besides the mapping's error, each balance layer's own output error (from the second moment of its
 inputs) and its clipped share say where the error comes from.
 """
@@ -114,8 +115,8 @@ class MappingResult:
 
 
 CANDIDATE_BYTES = 512 << 20
-"""Bytes of effective weights made and judged at once: candidates stream through the judge, and
-only each key's winner is kept."""
+"""Bytes of effective weights made and raced at once: candidates stream through the judge, and
+only each ask's winner and kept candidate stay."""
 
 
 class _Judge:
