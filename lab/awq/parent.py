@@ -113,9 +113,9 @@ class ParentCalls:
     def _stacked_call(self, args: tuple, kwargs: dict, batch: int, n: int):
         """The module on ``n`` shares of a call's batch. A batch of one is shared as a view
         (``expand``: the same numbers, without writing ``n`` copies of the hidden states, the mask
-        and the rotary tables for every call); a module that writes into
-        its inputs or views them in another shape (a MoE block's ``view(-1, hidden)``) refuses a
-        view loudly, and from then on gets copies."""
+        and the rotary tables for every call); a module that writes into its inputs or views them
+        in another shape (a MoE block's ``view(-1, hidden)``) refuses a view loudly, and from then
+        on gets copies."""
         if self._views and batch == 1:
             try:
                 return self.module(*_repeat(args, batch, n, _expanded), **_repeat(kwargs, batch, n, _expanded))

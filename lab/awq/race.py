@@ -99,6 +99,7 @@ class Race:
     def __post_init__(self) -> None:
         self.elements = max(self.parent.elements(self.reference), 1)
         self.calls = len(self.parent.calls)
+        self.linear = self.parent.linear(self.balance, self.moment)
 
     def run(self, entrants: Sequence[Entrant]) -> None:
         """Every entrant's whole loss into ``known`` where it may lead its heat (or is kept), the
@@ -110,7 +111,7 @@ class Race:
                 by_key.setdefault(entrant.key, []).append(entrant)
         waiting = [_Runner(entries) for entries in by_key.values()]
         waiting = [r for r in waiting if r.may_lead(self.bounds.get(r.key, 0.0))]
-        if self.parent.linear(self.balance, self.moment):
+        if self.linear:
             self._whole(waiting)
         else:
             step = self.parent.step(self.width)
@@ -203,9 +204,7 @@ class Race:
     def _finished(self, runner: _Runner, loss: float) -> None:
         self.known[runner.key] = loss
         self.bounds.pop(runner.key, None)
-        for entry in runner.entries:
-            if entry.heat.beaten_by(loss, entry.position):
-                entry.heat.leader = (loss, entry.position)
+        self._lead(runner.entries)
 
 
 def _finite_or_inf(value: float) -> float:
