@@ -35,8 +35,8 @@ class _Table:
     def elements(self, reference) -> int:
         return self._elements
 
-    def replay(self, balance, replacements, reference, start: int = 0):
-        ids = [int(r["id"]) for r in replacements]
+    def replay(self, balance, weights, reference, start: int = 0):
+        ids = [int(i) for i in weights["id"]]
         for index in range(start, len(self.calls)):
             self.work += len(ids)
             yield torch.tensor([self.table[i][index] for i in ids], dtype=torch.float64)
@@ -217,3 +217,20 @@ def test_a_search_whose_every_candidate_has_no_finite_loss_is_one_error() -> Non
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16, symmetric=True)
     with pytest.raises(ValueError, match="no candidate gave a finite loss"):
         search(Mapping("norm", ("proj",), "parent", 0), inputs, spec, ob.AWQSpec(n_grid=3), {"mse_grid": {}})
+
+
+def test_the_live_runners_stay_in_front_of_one_stack() -> None:
+    from lab.awq.race import _Runner, _Stack
+
+    heat = Heat()
+    runners = [_Runner([Entrant(i, f"c{i}", {"w": torch.full((2, 3), float(i))}, heat)]) for i in range(5)]
+    stack = _Stack(runners)
+    buffer = stack.weights["w"]
+    a, b, c, d, e = runners
+    live, weights = stack.front([b, d, e])
+    # the two slots left in front (a's and c's) are taken by d and e, b stays: two weights copied
+    assert live == [d, b, e]
+    assert weights["w"].data_ptr() == buffer.data_ptr() and weights["w"].shape == (3, 3, 2)
+    assert torch.equal(weights["w"], torch.stack([r.weights["w"].t() for r in live]))
+    live, weights = stack.front([e, b])
+    assert live == [e, b] and torch.equal(weights["w"][:, 0, 0], torch.tensor([4.0, 1.0]))

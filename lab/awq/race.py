@@ -28,14 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lab.awq.parent import ParentCalls
+from lab.awq.parent import ParentCalls, stacked
 
 SCOUT_SHARE = 8
 """A group with no whole loss yet scouts every candidate through ``1/SCOUT_SHARE`` of the calls."""
-
-RESTACK_SHARE = 8
-"""Candidates out of reach go on in the stacked replay until they are ``1/RESTACK_SHARE`` of it:
-stacking the rest's weights again costs more than a few of their calls."""
 
 
 @dataclass
@@ -80,6 +76,33 @@ class _Runner:
 
     def may_lead(self, bound: float) -> bool:
         return any(e.keep or not e.heat.out_of_reach(bound, e.position) for e in self.entries)
+
+
+class _Stack:
+    """Runners' weights stacked once for the replay (``parent.stacked``), the live ones kept in
+    front: a runner that stops or finishes leaves a slot that a live runner from behind the front
+    takes (its weights copied once), so every replay of the live runners reads a prefix of the one
+    stack instead of stacking their weights again (a few hundred megabytes per replay on an MLP
+    with every observer's candidates)."""
+
+    def __init__(self, runners: list[_Runner]) -> None:
+        self.order = list(runners)
+        self.weights = stacked([r.weights for r in runners])
+
+    def front(self, live: list[_Runner]) -> tuple[list[_Runner], dict[str, torch.Tensor]]:
+        """``live`` (runners of the stack; the others are gone for good) in their stacked order and
+        their weights, a view of the stack's front."""
+        wanted, count = {id(r) for r in live}, len(live)
+        holes = [i for i in range(count) if id(self.order[i]) not in wanted]
+        movers = [i for i in range(count, len(self.order)) if id(self.order[i]) in wanted]
+        if holes:
+            to, source = torch.tensor(holes), torch.tensor(movers)
+            for weights in self.weights.values():
+                weights[to] = weights[source]
+            for hole, mover in zip(holes, movers, strict=True):
+                self.order[hole] = self.order[mover]
+        del self.order[count:]
+        return list(self.order), {name: weights[:count] for name, weights in self.weights.items()}
 
 
 @dataclass
@@ -139,24 +162,24 @@ class Race:
         """``runners`` (one stacked replay's worth) from the first call. A heat without a leader
         gets one first: its kept candidate, else after a scout of every runner its best-placed
         one, run to the end with the other heats' firsts; then the rest together, each stopped
-        once out of reach."""
+        at the first call where it is out of reach."""
         for runner in runners:
             self.bounds.pop(runner.key, None)
             runner.sum = 0.0
-        running, done = list(runners), 0
+        running, done, stack = list(runners), 0, _Stack(runners)
         while running:
             open_heats = {id(e.heat): e.heat for r in running for e in r.entries if e.heat.leader is None}
             if open_heats:
                 if any(not self._kept(running, heat) for heat in open_heats.values()):
-                    done = self._advance(running, done, min(self.calls, done + self._scout()))
+                    done = self._advance(stack, running, done, min(self.calls, done + self._scout()))
                     running = [r for r in running if r.key not in self.known]
                 firsts = {id(f): f for heat in open_heats.values() if (f := self._first(running, heat)) is not None}
                 if not firsts:
                     continue
-                self._advance(list(firsts.values()), done, self.calls)
+                self._advance(_Stack(list(firsts.values())), list(firsts.values()), done, self.calls)
                 running = [r for r in running if id(r) not in firsts]
                 continue
-            done = self._advance(running, done, self.calls, stop=True)
+            done = self._advance(stack, running, done, self.calls, stop=True)
             running = [r for r in running if r.key not in self.known and r.key not in self.bounds]
 
     def _scout(self) -> int:
@@ -177,12 +200,12 @@ class Race:
         ]
         return running[min(placed)[2]] if placed else None
 
-    def _advance(self, runners: list[_Runner], done: int, until: int, stop: bool = False) -> int:
-        """``runners`` (each ``done`` calls into its sum) through calls ``done..until`` stacked
-        together; with ``stop``, until enough of them are out of reach (``RESTACK_SHARE``: those
-        are stopped, their bounds remembered, and the calls done so far returned for the rest to
-        go on from). A runner through the last call has its whole loss."""
-        weights = [r.weights for r in runners]
+    def _advance(self, stack: _Stack, runners: list[_Runner], done: int, until: int, stop: bool = False) -> int:
+        """``runners`` (each ``done`` calls into its sum; their weights in ``stack``) through calls
+        ``done..until`` stacked together; with ``stop``, until one of them is out of reach (those
+        are stopped, their bounds remembered, and the calls done so far returned for the rest to go
+        on from). A runner through the last call has its whole loss."""
+        runners, weights = stack.front(runners)
         with closing(self.parent.replay(self.balance, weights, self.reference, done)) as calls:
             for call_sums in calls:
                 for runner, value in zip(runners, call_sums.tolist(), strict=True):
@@ -196,7 +219,7 @@ class Race:
                     return done
                 if stop:
                     out = [r for r in runners if not r.may_lead(r.sum / self.elements)]
-                    if len(out) >= max(1, len(runners) // RESTACK_SHARE):
+                    if out:
                         self.bounds.update({r.key: r.sum / self.elements for r in out})
                         return done
         return done
