@@ -597,6 +597,26 @@ def test_stacked_candidates_are_the_candidates_made_one_at_a_time(observer: str,
             assert torch.equal(made.qparams[name].scale, alone.qparams[name].scale)
 
 
+def test_every_observer_reads_the_smoothed_grid_as_views_and_leaves_it_as_it_was() -> None:
+    # a search smooths its grid once per layer (one stacked product, each row the weight smoothed
+    # by its own scales) and every observer and clip search reads those rows in place: none may
+    # write into them, or the next observer would see another weight
+    torch.manual_seed(2)
+    weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4}
+    x = torch.randn(64, 32) * torch.rand(32) * 3
+    moment = (x.T.double() @ x.double()) / x.shape[0]
+    scales = ob.awq.candidate_scales(x.abs().mean(0), None, ob.AWQSpec(n_grid=5, duo_scaling="off").grid())
+    memo: dict = {}
+    candidates.make(weights, scales, "memoryless_minmax", INT4_G16, {}, moment, None, memo)
+    (grid,) = [value for key, value in memo.items() if key.startswith("smoothed:a:")]
+    before = grid.clone()
+    assert all(torch.equal(grid[i], candidates.smoothed(weights["a"], row)) for i, row in enumerate(scales))
+    for observer in ob.applicable(INT4_G16):
+        for clip in (None, [0.5, 0.75, 1.0]):
+            candidates.make(weights, scales, observer, INT4_G16, {}, moment, clip, memo)
+    assert torch.equal(grid, before)
+
+
 def test_a_clip_search_keeps_the_ratio_whose_output_error_is_least() -> None:
     # one group with an outlier column the inputs never use: shrinking below it costs nothing, and
     # the finer grid on the other columns gains; a group the inputs use evenly keeps its range
@@ -816,6 +836,33 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
     assert max(pending) == 2  # the pairs' weights are made as they run: never more than two held
     minmax = effect[effect["observer"] == SEARCH_OBSERVER].set_index("variant")
     assert minmax.loc["llm-compressor", "kl"] == minmax.loc["observer-in-search", "kl"]
+
+
+def test_twin_observers_fold_once_and_share_their_model_level_figures(
+    tiny_llama, suite_run, evaluator, monkeypatch
+) -> None:
+    # minmax observes a weight once as memoryless_minmax does, and the search gives twins the same
+    # picks (their candidates share digests): the effect folds the pair's weights once, for both
+    from dataclasses import replace
+
+    from lab.awq import effect as awq_effect
+
+    def with_twin(found: dict) -> dict:
+        return {**found, **{(v, "minmax"): p for (v, o), p in found.items() if o == SEARCH_OBSERVER}}
+
+    results = [replace(r, scales=with_twin(r.scales), qparams=with_twin(r.qparams)) for r in suite_run.results]
+    run = replace(suite_run, observers={SEARCH_OBSERVER: {}, "minmax": {}}, results=results)
+    folded, real = [], awq_effect.variant_weights
+    monkeypatch.setattr(awq_effect, "variant_weights", lambda m, r, v, o: folded.append(o) or real(m, r, v, o))
+    effect = awq_effect.model_effect(tiny_llama, run, evaluator)
+    assert folded == [SEARCH_OBSERVER] * len(Variant)
+    figures = effect.drop(columns="observer").reset_index(drop=True)
+    half = len(Variant)
+    assert len(effect) == 2 * half and figures[:half].equals(figures[half:].reset_index(drop=True))
+    # another observer, or the twin's rows changed on one mapping, is another deployment
+    assert awq_effect._deployment(run, Variant.RTN, "mse_grid") != awq_effect._deployment(run, Variant.RTN, "minmax")
+    moved = replace(run, results=[replace(results[0], qparams=with_twin(suite_run.results[1].qparams)), *results[1:]])
+    assert awq_effect._deployment(moved, Variant.RTN, "minmax") != awq_effect._deployment(run, Variant.RTN, "minmax")
 
 
 # ------------------------------------------------------------------------------------ AWQ then GPTQ

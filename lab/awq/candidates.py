@@ -72,8 +72,9 @@ def digest(candidate: Candidate, scales: str | None = None) -> str:
 
 def smoothed(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """``W·s`` in the weight's dtype, as llm-compressor writes it (float64 product, then cast; the
-    weight promoted inside the product, with no float64 copy of it)."""
-    return weight if scales is None else (weight * scales.double().view(1, -1)).to(weight.dtype)
+    weight promoted inside the product, with no float64 copy of it); ``scales`` ``(n, in)`` give
+    ``n`` smoothed weights ``(n, out, in)`` in one product, each equal to its own."""
+    return weight if scales is None else (weight * scales.double().unsqueeze(-2)).to(weight.dtype)
 
 
 def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -167,7 +168,7 @@ def make(
     qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
     ratios when given. ``memo`` remembers the smoothed weights (by layer and scales), an observer's
     qparams (by observer, layer and scales; twins that agree on a weight observed once as one,
-    ``_once``) and clip searches (by layer, scales and the qparams searched from) across calls:
+    ``once``) and clip searches (by layer, scales and the qparams searched from) across calls:
     each grid point is smoothed once, the clip search's pass runs no observer again, and
     observers that agree search once."""
     memo = {} if memo is None else memo
@@ -176,7 +177,7 @@ def make(
     made = [Candidate(s, {}, {}) for s in rows]
     together = stackable(observer, spec)
     for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, rows, keys, memo)
+        smooth = _smoothed_rows(name, weight, scales, keys, memo)
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
             chunk = slice(start, start + step)
@@ -185,11 +186,10 @@ def make(
                 candidate.qparams[name] = qp
     _share_fused(made, list(weights), spec)
     for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, rows, keys, memo)
+        smooth = _smoothed_rows(name, weight, scales, keys, memo)
         step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
         for start in range(0, len(made), step):
-            part = made[start : start + step]
-            stacked = torch.stack(smooth[start : start + step])
+            part, stacked = made[start : start + step], smooth[start : start + step]
             joined = _joined([c.qparams[name] for c in part])
             quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
             for candidate, q in zip(part, quantized, strict=True):
@@ -227,17 +227,16 @@ def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda size: diagonal_blocks(moment, size)
 
 
-def _smoothed_rows(name: str, weight: torch.Tensor, rows: list, keys: list[str], memo: dict) -> list[torch.Tensor]:
-    """``smoothed(weight, s)`` for each of ``rows`` (``keys``: their ``scales_key``), each made once
-    per layer and scales (``memo``): every observer and pass of a search smooths the same grid
-    points."""
-    found = []
-    for scales, key in zip(rows, keys, strict=True):
-        key = f"smoothed:{name}:{key}"
-        if key not in memo:
-            memo[key] = smoothed(weight, scales)
-        found.append(memo[key])
-    return found
+def _smoothed_rows(
+    name: str, weight: torch.Tensor, scales: torch.Tensor | None, keys: list[str], memo: dict
+) -> torch.Tensor:
+    """``smoothed(weight, s)`` for each row of ``scales`` (``keys``: their ``scales_key``; None: the
+    weight itself), stacked ``(n, out, in)`` and made once per layer and grid (``memo``): every
+    observer and pass of a search smooths the same grid points, and reads them as views."""
+    key = f"smoothed:{name}:{':'.join(keys)}"
+    if key not in memo:
+        memo[key] = weight.unsqueeze(0) if scales is None else smoothed(weight, scales)
+    return memo[key]
 
 
 def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, clip, memo) -> list[ob.QParams]:
@@ -245,12 +244,12 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     chunk's scales): the observer's (one stacked call where ``stackable``, else one each;
     remembered in ``memo``, so the clip search's pass over the same grid points does not run the
     observer again), then clip-searched when ``clip`` is given."""
-    observer, knobs, tag = _once(observer, knobs)
+    observer, knobs, tag = once(observer, knobs)
     keys = [f"{tag}:{name}:{key}" for key in chunk_keys]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         part = [chunk[i] for i in missing]
-        weights = torch.stack([smooth[i] for i in missing])
+        weights = _rows_of(smooth, missing)
         if len(part) > 1 and stackable(observer, spec):
             found = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(part), weights.shape[1])
         else:
@@ -266,7 +265,12 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     return _clipped(name, smooth, qps, spec, clip, chunk, chunk_keys, moment, memo)
 
 
-def _once(observer: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+def _rows_of(stacked: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``stacked``'s ``rows`` (itself when they are all of it, in order: no copy)."""
+    return stacked if rows == list(range(len(stacked))) else stacked[rows]
+
+
+def once(observer: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     """The observer and knobs that give ``observer``'s qparams of a weight observed once
     (``ob.once_form``: the min-max family are one, ``mse_grid_moving_average`` is ``mse_grid``),
     and a tag naming them with their knobs, so that twins are remembered as one. Knobs holding
@@ -287,7 +291,7 @@ def _clipped(name, smooth, qps, spec, ratios, scales, scale_keys, moment, memo) 
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
         found = _clip_search(
-            torch.stack([smooth[i] for i in missing]),
+            _rows_of(smooth, missing),
             [qps[i] for i in missing],
             spec,
             ratios,

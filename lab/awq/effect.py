@@ -8,9 +8,10 @@ The deployed model is the folded one with each balance layer's folded weight ``F
 it runs here in the model as loaded, each balance layer's weight replaced by
 ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what ``Q(F)`` computes on
 the smoothed ones (a test checks the outputs against the folded, quantized model). Pairs that deploy
-the same weights (observers that agree, a variant that keeps llm-compressor's pick) run once; the
-distinct ones run stacked along the batch, a few at a time (``EffectRunner.run_stacked``), made as
-they are run so that only those few are held.
+the same weights (observers that agree, a variant that keeps llm-compressor's pick) run once, and
+twin observers with the same picks (``_deployment``) are folded once; the distinct ones run stacked
+along the batch, a few at a time (``EffectRunner.run_stacked``), made as they are run so that only
+those few are held.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from lab.awq import deploy
+from lab.awq import candidates, deploy
+from lab.awq.candidates import Candidate
 from lab.awq.run import AWQRun
 from lab.awq.search import Variant
 from lab.effect.evaluate import Evaluator
@@ -60,15 +62,20 @@ def model_effect(
         metrics.update(zip(waiting, evaluator.metrics_of(results), strict=True))
         waiting.clear()
 
+    made: dict[tuple, str] = {}
     for observer in run.observers:
         for variant in variants:
+            deployment = _deployment(run, variant, observer)
+            if deployment in made:
+                keys.append((observer, variant, made[deployment]))
+                continue
             weights = variant_weights(model, run, variant, observer)
             if weights is None:
                 continue
             quantization = {(name, "weight"): TensorQuant(run.spec, None, weight) for name, weight in weights.items()}
             if not keys:
                 _check(evaluator, quantization)
-            key = _digest(quantization)
+            key = made[deployment] = _digest(quantization)
             keys.append((observer, variant, key))
             if key not in metrics and key not in waiting:
                 waiting[key] = quantization
@@ -78,6 +85,18 @@ def model_effect(
         measure()
     rows = [{"observer": observer, "variant": str(variant), **metrics[key]} for observer, variant, key in keys]
     return pd.DataFrame(rows, columns=["observer", "variant", *evaluator.metric_names])
+
+
+def _deployment(run: AWQRun, variant: Variant, observer: str) -> tuple:
+    """What decides the weights a pair deploys: the variant, the observer as it observes a weight
+    once (twins are one, ``candidates.once``) and each mapping's pick (its scales and qparams).
+    Two pairs that agree on it deploy the same weights, so only the first is folded."""
+    tag = candidates.once(observer, run.observers.get(observer, {}))[2]
+    picks = tuple(
+        candidates.digest(Candidate(r.scales.get((variant, observer)), r.qparams.get((variant, observer), {}), {}))
+        for r in run.results
+    )
+    return variant, tag, picks
 
 
 def _check(evaluator: Evaluator, quantization: dict) -> None:
