@@ -631,19 +631,28 @@ def test_a_clip_search_keeps_the_ratio_whose_output_error_is_least() -> None:
     assert ratio[0] < 1.0 and ratio[1] == 1.0
 
 
-def test_a_linear_parents_loss_is_its_mean_squared_output_difference() -> None:
-    from lab.awq.parent import ParentCalls
+def test_a_linear_parents_loss_is_its_mean_squared_output_difference_raced_by_row_blocks() -> None:
+    from lab.awq.parent import ROW_BLOCK, LinearCalls, ParentCalls
+    from lab.awq.race import Entrant, Heat, Race
 
     torch.manual_seed(2)
-    layer = nn.Linear(16, 8, bias=False)
+    layer = nn.Linear(16, 2 * ROW_BLOCK + 8, bias=False)  # three row blocks, the last one short
     x = torch.randn(1, 40, 16)
     parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, 40, dtype=torch.bool)])
-    replaced = [layer.weight.detach() + 0.01 * torch.randn(8, 16) for _ in range(3)]
+    spreads = (0.05, 0.01, 0.3, 0.012, 0.2, 0.5)
+    replaced = [layer.weight.detach() + spread * torch.randn(layer.out_features, 16) for spread in spreads]
     moment = (x[0].T.double() @ x[0].double()) / 40
     reference = parent.outputs()
+    assert isinstance(parent.judged({"w": layer}, moment), LinearCalls)  # 40 tokens outnumber 16 columns
     linear = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
     forward = torch.tensor([F.mse_loss(F.linear(x, w), reference[0]).item() for w in replaced], dtype=torch.float64)
     assert torch.allclose(linear, forward, rtol=1e-5)
+    # the race reads the row blocks as calls: the first least of the whole losses, to the bit, with
+    # the far candidates stopped before the last block
+    race, heat = Race(parent, {"w": layer}, reference, 16, moment), Heat()
+    race.run([Entrant(i, f"w{i}", {"w": w}, heat) for i, w in enumerate(replaced)])
+    assert race.calls == 3 and heat.leader == (float(linear.min()), int(linear.argmin())) == (float(linear[1]), 1)
+    assert {"w2", "w4", "w5"} <= race.bounds.keys()
 
 
 def test_a_checkpoint_is_walked_one_block_at_a_time_never_loaded_whole(tmp_path) -> None:

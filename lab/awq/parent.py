@@ -20,6 +20,9 @@ from torch import nn
 STACKED_BYTES = 256 << 20
 """Bytes of a parent's widest activation one stacked call may hold across its replacements."""
 
+ROW_BLOCK = 32
+"""Output rows of a linear parent's loss summed as one part (``LinearCalls``)."""
+
 
 class ParentCalls:
     """What a parent module received for each calibration batch (``args``, ``kwargs``) and which
@@ -53,28 +56,26 @@ class ParentCalls:
     ) -> torch.Tensor:
         """Each replacement's loss (float64, ``(len(replacements),)``): ``replacements`` give every
         balance layer's weight ``(out, in)``; ``width`` is the parent's widest activation per token.
-
-        A parent that is its one balance layer (``o_proj``, ``down_proj``) has the loss of a
-        linear map: ``tr(Δ M Δᵀ) / out`` with ``M`` the mean ``x xᵀ`` of its inputs (``moment``),
-        the same mean squared difference without running the tokens, taken when the tokens
-        outnumber the input columns (each replacement then costs ``out·in²`` instead of
-        ``tokens·in·out``)."""
-        if self.linear(balance, moment):
-            return _linear_losses(self.module.weight.detach(), [next(iter(r.values())) for r in replacements], moment)
-        step = self.step(width)
+        The sums are ``judged``'s: the calls, or a linear parent's blocks of output rows."""
+        judged = self.judged(balance, moment)
+        step = judged.step(width)
         sums = torch.zeros(len(replacements), dtype=torch.float64)
         for start in range(0, len(replacements), step):
             chunk = replacements[start : start + step]
-            with closing(self.replay(balance, stacked(chunk), reference)) as calls:
+            with closing(judged.replay(balance, stacked(chunk), reference)) as calls:
                 for call_sums in calls:
                     sums[start : start + len(chunk)] += call_sums
-        return sums / max(self.elements(reference), 1)
+        return sums / max(judged.elements(reference), 1)
 
-    def linear(self, balance: dict[str, nn.Linear], moment: torch.Tensor) -> bool:
-        """Whether ``losses`` takes a linear map's form: the parent is its one balance layer and the
-        tokens outnumber its input columns."""
+    def judged(self, balance: dict[str, nn.Linear], moment: torch.Tensor) -> ParentCalls | LinearCalls:
+        """What a loss is summed over: the calls, or, for a parent that is its one balance layer
+        (``o_proj``, ``down_proj``) whose tokens outnumber its input columns, the blocks of its
+        output rows (``LinearCalls``: the same mean squared difference without running the tokens,
+        each replacement costing ``out·in²`` instead of ``tokens·in·out``)."""
         tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
-        return list(balance.values()) == [self.module] and tokens > moment.shape[0]
+        if list(balance.values()) == [self.module] and tokens > moment.shape[0]:
+            return LinearCalls(self.module.weight.detach(), moment)
+        return self
 
     def step(self, width: int) -> int:
         """Replacements one stacked call holds (``STACKED_BYTES`` of the widest activation)."""
@@ -133,16 +134,38 @@ def _copied(value: torch.Tensor, n: int) -> torch.Tensor:
     return value.repeat(n, *([1] * (value.dim() - 1)))
 
 
-def _linear_losses(weight: torch.Tensor, replaced: list[torch.Tensor], moment: torch.Tensor) -> torch.Tensor:
-    """``tr(Δ M Δᵀ) / out`` per replaced weight, in float64, a few weights at a time."""
-    out, columns = weight.shape
-    step = max(1, STACKED_BYTES // (8 * out * columns * 2))
-    m = moment.to(weight.device, torch.float64)
-    found = []
-    for start in range(0, len(replaced), step):
-        delta = weight.double().unsqueeze(0) - torch.stack(replaced[start : start + step]).double()
-        found.append(((delta @ m) * delta).flatten(1).sum(1) / out)
-    return torch.cat(found).cpu()
+class LinearCalls:
+    """A linear parent's loss ``tr(Δ M Δᵀ)/out`` (``Δ`` the weight's change, ``M`` the mean
+    ``x xᵀ`` of its inputs) in parts, one per block of ``ROW_BLOCK`` output rows: what a loss or
+    a race reads of ``ParentCalls`` where the parent is its one balance layer, the row blocks
+    standing for the calls. A part is a quadratic form of a second moment, so never negative (one
+    rounded below zero counts as zero): its sums after some blocks bound the loss from below, as
+    the calls' do."""
+
+    def __init__(self, weight: torch.Tensor, moment: torch.Tensor) -> None:
+        self.weight, self.moment = weight, moment
+        out = weight.shape[0]
+        self.calls = [slice(start, min(start + ROW_BLOCK, out)) for start in range(0, out, ROW_BLOCK)]
+
+    def elements(self, reference: list[torch.Tensor] | None = None) -> int:
+        """The loss is a mean over output columns: ``out``."""
+        return self.weight.shape[0]
+
+    def step(self, width: int) -> int:
+        """Replacements one replay holds: ``STACKED_BYTES`` of a whole weight's float64 difference
+        and product (more than the stacked weights, or a block's parts, take)."""
+        return max(1, STACKED_BYTES // (16 * self.weight.numel()))
+
+    def replay(
+        self, balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor], reference: list, start: int = 0
+    ) -> Iterator[torch.Tensor]:
+        """Per row block from ``start`` on, each replacement's part ``Σ_rows δ M δᵀ`` (float64,
+        ``(n,)``); ``weights``: the one layer's ``n`` replacements laid out ``(n, in, out)``."""
+        (transposed,) = weights.values()
+        m = self.moment.to(transposed.device, torch.float64)
+        for rows in self.calls[start:]:
+            delta = transposed[:, :, rows].transpose(1, 2).double() - self.weight[rows].double()
+            yield ((delta @ m) * delta).flatten(1).sum(1).clamp_min(0).cpu()
 
 
 def _first(output):

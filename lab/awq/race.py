@@ -1,10 +1,10 @@
 """A search's candidates raced through their parent's calls: the first least loss of a group with
 as little of the replay as it takes (issue 41's speed).
 
-A candidate's loss is a sum over the calibration calls of squared differences, each call's part
-non-negative, so its sum after some calls is a lower bound of its loss (float addition of
-non-negative parts never decreases a sum, nor does dividing by the element count reorder two
-sums). Once one candidate of a group has its whole loss, a rival whose partial loss already
+A candidate's loss is a sum over the calibration calls of squared differences (a linear parent's,
+over blocks of its output rows: ``LinearCalls``), each call's part non-negative, so its sum after
+some calls is a lower bound of its loss (float addition of non-negative parts never decreases a
+sum, nor does dividing by the element count reorder two sums). Once one candidate of a group has its whole loss, a rival whose partial loss already
 exceeds it, or equals it later in the grid, cannot be the group's first least: its replay stops
 there. The first candidate run to the end is the one a short scout of every call's first few
 calls ranks first (or one the search names, ``keep``), so the others are measured against a loss
@@ -120,9 +120,9 @@ class Race:
     bounds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.elements = max(self.parent.elements(self.reference), 1)
-        self.calls = len(self.parent.calls)
-        self.linear = self.parent.linear(self.balance, self.moment)
+        self.judged = self.parent.judged(self.balance, self.moment)
+        self.elements = max(self.judged.elements(self.reference), 1)
+        self.calls = len(self.judged.calls)
 
     def run(self, entrants: Sequence[Entrant]) -> None:
         """Every entrant's whole loss into ``known`` where it may lead its heat (or is kept), the
@@ -134,12 +134,9 @@ class Race:
                 by_key.setdefault(entrant.key, []).append(entrant)
         waiting = [_Runner(entries) for entries in by_key.values()]
         waiting = [r for r in waiting if r.may_lead(self.bounds.get(r.key, 0.0))]
-        if self.linear:
-            self._whole(waiting)
-        else:
-            step = self.parent.step(self.width)
-            for start in range(0, len(waiting), step):
-                self._heat(waiting[start : start + step])
+        step = self.judged.step(self.width)
+        for start in range(0, len(waiting), step):
+            self._heat(waiting[start : start + step])
         self._lead(entrants)
 
     def _lead(self, entrants: Sequence[Entrant]) -> None:
@@ -149,14 +146,6 @@ class Race:
             loss = self.known.get(entrant.key)
             if loss is not None and entrant.heat.beaten_by(loss, entrant.position):
                 entrant.heat.leader = (loss, entrant.position)
-
-    def _whole(self, runners: list[_Runner]) -> None:
-        """A linear parent's losses need no replay (``ParentCalls.losses``' form): all at once."""
-        if runners:
-            weights = [r.weights for r in runners]
-            losses = self.parent.losses(self.balance, weights, self.reference, self.width, self.moment)
-            for runner, loss in zip(runners, losses.tolist(), strict=True):
-                self._finished(runner, loss)
 
     def _heat(self, runners: list[_Runner]) -> None:
         """``runners`` (one stacked replay's worth) from the first call. A heat without a leader
@@ -206,7 +195,7 @@ class Race:
         are stopped, their bounds remembered, and the calls done so far returned for the rest to go
         on from). A runner through the last call has its whole loss."""
         runners, weights = stack.front(runners)
-        with closing(self.parent.replay(self.balance, weights, self.reference, done)) as calls:
+        with closing(self.judged.replay(self.balance, weights, self.reference, done)) as calls:
             for call_sums in calls:
                 for runner, value in zip(runners, call_sums.tolist(), strict=True):
                     runner.sum += value
