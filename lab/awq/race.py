@@ -4,14 +4,15 @@ as little of the replay as it takes (issue 41's speed).
 A candidate's loss is a sum over the calibration calls of squared differences (a linear parent's,
 over blocks of its output rows: ``LinearCalls``), each call's part non-negative, so its sum after
 some calls is a lower bound of its loss (float addition of non-negative parts never decreases a
-sum, nor does dividing by the element count reorder two sums). Once one candidate of a group has its whole loss, a rival whose partial loss already
-exceeds it, or equals it later in the grid, cannot be the group's first least: its replay stops
-there. The first candidate run to the end is the one a short scout of every call's first few
-calls ranks first (or one the search names, ``keep``), so the others are measured against a loss
-near the least from the start. The winner and its loss are those of running every candidate
-through every call: the same per-call sums (up to the few ulps by which a batched product's width
-moves them, as the width of any stacked replay does), added in the same order, compared by the same
-rule (``first least``: the smallest finite loss, the earliest in the grid among equal ones).
+sum, nor does dividing by the element count reorder two sums). Once one candidate of a group has
+its whole loss, a rival whose partial loss already exceeds it, or equals it later in the grid,
+cannot be the group's first least: its replay stops there. The first candidate run to the end is
+the one a short scout of every call's first few calls ranks first (or one the search names,
+``keep``), so the others are measured against a loss near the least from the start. The winner and
+its loss are those of running every candidate through every call: the same per-call sums (up to the
+few ulps by which a batched product's width moves them, as the width of any stacked replay does),
+added in the same order, compared by the same rule (``first least``: the smallest finite loss, the
+earliest in the grid among equal ones).
 
 A stopped candidate's partial loss is remembered by its digest: a later group (another observer's
 pass over the same grid point) that already has a lower loss skips it outright, and one that
