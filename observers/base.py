@@ -99,6 +99,8 @@ class Observer:
         self._feature_shape: tuple[int, ...] | None = None
         self._g_idx: torch.Tensor | None = None
         self._across: Reduce | None = None
+        self._apart = 1
+        """How many weights the last observed batch stacks (``observe(apart=…)``)."""
         self._merge: Reduce | None = None
         self._part: torch.Tensor | None = None
         self._local_tokens = 0
@@ -146,7 +148,9 @@ class Observer:
             raise ValueError("observed tensor has no finite values")
         return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None) -> None:
+    def observe(
+        self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None, apart: int = 1
+    ) -> None:
         """Update the statistics with one batch (a weight, or a calibration batch of activations).
 
         Non-finite values are detected cheaply: by the observer's own statistics when it sets
@@ -157,7 +161,16 @@ class Observer:
         rank calls ``observe`` in lockstep with the same reduction (``observers.shared``); a
         rank's part may be empty. Afterwards every rank holds the statistics of the whole batch
         (``merge_rule`` says how exactly).
+
+        ``apart``: ``x`` is that many weights of equal rows stacked, a group or channel spec, each
+        weight to get the qparams it would get observed alone, in one pass. Group and channel
+        statistics are their rows' own; a search whose rule reads the whole weight (a shrink
+        grid's early stop once no group improves, a histogram screen sized by the row count)
+        reads ``_apart``, the last batch's count, and searches each weight as if alone.
         """
+        if apart != 1:
+            self._check_apart(x, apart, across)
+        self._apart = apart
         if across is not None:
             self._observe_part(x, g_idx, across)
             return
@@ -174,6 +187,16 @@ class Observer:
                 x = self._without_nonfinite(x)
                 self._observe(flatten(x, self.spec, self.kind, g_idx=g_idx))
         self.num_observed_tokens += flat.num_tokens
+
+    def _check_apart(self, x: torch.Tensor, apart: int, across: Reduce | None) -> None:
+        """``observe(apart=...)`` reads stacked weights of a group or channel spec, in one process."""
+        if not isinstance(apart, int) or isinstance(apart, bool) or apart < 1:
+            raise ValueError(f"apart must be a positive int, got {apart!r}")
+        if self.kind != "weight" or self.spec.strategy not in ("group", "channel") or across is not None:
+            raise ValueError("apart stacks weights of a group or channel spec, observed in one process")
+        rows = x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else 0
+        if rows % apart:
+            raise ValueError(f"{rows} rows do not split into {apart} stacked weights of equal rows")
 
     def _observe_part(self, x: torch.Tensor, g_idx: torch.Tensor | None, across: Reduce) -> None:
         """``observe`` of one rank's part: every check that could refuse the part runs first and

@@ -184,12 +184,15 @@ def _first_step(rows: int, bins: int) -> int:
     return step
 
 
-def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def l2_range_search(
+    hist: RowHistogram, levels: int, exact_top: int = 64, apart: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the histogram range ``[start, end)`` (bin edges) with the least L2 quantization error.
 
     All pairs on a coarse grid of edges (``_first_step``: every 4th edge for one 2048-bin row),
     then windows around each row's best at finer steps (8x finer each round, down to 1), scored
-    with prefix sums (``_screen_pairs``), so the pairs per row stay bounded.
+    with prefix sums (``_screen_pairs``), so the pairs per row stay bounded. ``apart``: the rows
+    are that many weights' stacked, the grid the one each weight's rows get alone.
     The ``exact_top`` best pairs of each row are then re-scored with the
     exact error (``exact_l2``) and the best is kept.
     """
@@ -197,7 +200,7 @@ def l2_range_search(hist: RowHistogram, levels: int, exact_top: int = 64) -> tup
     rows, bins = counts.shape
     moments = _prefix_moments(counts)
     terms = _edge_terms(moments)
-    step = _first_step(rows, bins)
+    step = _first_step(rows // apart, bins)
     edges, score, end = _screen_grid(terms, step, levels)
     start = edges.unsqueeze(0).expand(rows, -1)
     while step > 1:

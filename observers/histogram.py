@@ -99,7 +99,7 @@ class HistogramObserver(HistogramBase):
 
     def _rows_range(self, hist):
         qmin, qmax = self.spec.int_range
-        start, end = l2_range_search(hist, qmax - qmin + 1)
+        start, end = l2_range_search(hist, qmax - qmin + 1, apart=self._apart)
         return hist.lo + start * hist.width, hist.lo + end * hist.width
 
 

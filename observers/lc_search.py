@@ -94,20 +94,29 @@ def _native_errors(
     return None if errors is None else errors.reshape(count, *groups)
 
 
-def _replay_patience(errors: torch.Tensor, best: torch.Tensor, stale: int, patience: int) -> tuple[int, int, bool]:
-    """The sequential early stop over one chunk's errors ``(C, Q)`` after ``best`` ``(Q,)``: returns
-    (candidates the loop would evaluate, stale count after them, whether it stopped). A candidate
-    improves when any group's error is strictly below that group's best so far; ``patience`` 0
-    never stops. Whole-chunk tensor ops and one host read (on a GPU, one sync per chunk)."""
-    count = errors.shape[0]
+def _replay_patience(
+    errors: torch.Tensor, best: torch.Tensor, stale: torch.Tensor, patience: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequential early stop over one chunk's errors ``(C, Q)`` after ``best`` ``(Q,)``, for
+    the ``S`` searches side by side that ``stale`` ``(S,)`` counts (each over its own ``Q/S``
+    consecutive groups; ``S`` 1: one search over all). Per search: the candidates the loop would
+    evaluate, the stale count after them, whether it has stopped (a count that had reached
+    ``patience`` before the chunk: stopped earlier, nothing more evaluated). A candidate improves a
+    search when any of its groups' error is strictly below that group's best so far; ``patience``
+    0 never stops. Whole-chunk tensor ops, no host read."""
+    count, searches = errors.shape[0], stale.numel()
     previous = torch.cat([best.unsqueeze(0), errors[:-1]]).cummin(dim=0).values
-    improved = (errors < previous).any(dim=1)
-    index = torch.arange(count, device=errors.device)
+    improved = (errors < previous).reshape(count, searches, -1).any(dim=2)
+    index = torch.arange(count, device=errors.device).unsqueeze(1)
     last = torch.where(improved, index, -1).cummax(dim=0).values
     run = torch.where(last >= 0, index - last, stale + index + 1)
-    stop = torch.where(run >= patience, index, count).amin() if patience else torch.tensor(count, device=index.device)
-    stop, stale = torch.stack([stop, run[stop.clamp(max=count - 1)]]).tolist()
-    return (stop + 1, stale, True) if stop < count else (count, stale, False)
+    if not patience:
+        return torch.full_like(stale, count), run[-1], torch.zeros_like(stale, dtype=torch.bool)
+    before = stale >= patience
+    stop = torch.where(run >= patience, index, count).amin(dim=0)
+    after = run.gather(0, stop.clamp(max=count - 1).unsqueeze(0)).squeeze(0)
+    used = torch.where(before, 0, torch.where(stop < count, stop + 1, count))
+    return used, torch.where(before, stale, after), before | (stop < count)
 
 
 def replay_chunk(
@@ -115,21 +124,25 @@ def replay_chunk(
     factors: torch.Tensor,
     best: torch.Tensor,
     best_factor: torch.Tensor,
-    stale: int,
+    stale: torch.Tensor,
     patience: int,
-) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """llm-compressor's sequential loop over one chunk's errors ``(C, Q)`` of the candidate
-    ``factors`` ``(C,)``, after each group's ``best`` error and ``best_factor`` ``(Q,)``: returns the
-    new best errors and factors, the stale count and whether the loop stopped in this chunk. Each
-    group keeps its first lowest error (the argmin over ``[best, evaluated candidates]``: its best
-    unless a candidate is strictly lower, the first of tied candidates). Whole-chunk tensor ops,
-    one host read (``_replay_patience``)."""
+    ``factors`` ``(C,)``, after each group's ``best`` error and ``best_factor`` ``(Q,)``, for the
+    searches ``stale`` ``(S,)`` counts (``_replay_patience``): returns the new best errors and
+    factors, the stale counts and whether every search has stopped. Each group keeps its first
+    lowest error among the candidates its search evaluated (the argmin over ``[best, those
+    candidates]``, the others read as +inf: its best unless a candidate is strictly lower, the
+    first of tied candidates). Whole-chunk tensor ops, one host read."""
     used, stale, stopped = _replay_patience(errors, best, stale, patience)
-    stacked = torch.cat([best.unsqueeze(0), errors[:used]])
+    count = errors.shape[0]
+    evaluated = torch.arange(count, device=errors.device).unsqueeze(1) < used
+    evaluated = evaluated.repeat_interleave(errors.shape[1] // stale.numel(), dim=1)
+    stacked = torch.cat([best.unsqueeze(0), torch.where(evaluated, errors, torch.inf)])
     pick = first_least(stacked, 0)
-    chosen = torch.cat([torch.ones(1, dtype=factors.dtype, device=factors.device), factors[:used]])[pick]
+    chosen = torch.cat([torch.ones(1, dtype=factors.dtype, device=factors.device), factors])[pick]
     best_factor = torch.where(pick > 0, chosen, best_factor)
-    return stacked.gather(0, pick.unsqueeze(0)).squeeze(0), best_factor, stale, stopped
+    return stacked.gather(0, pick.unsqueeze(0)).squeeze(0), best_factor, stale, bool(stopped.all())
 
 
 def _native_float_search(
@@ -174,6 +187,25 @@ def _native_float_search(
     return float_grid_kernel.shrink_search(rows, weight, fmt, factors, steps, norm, patience, direct=True)
 
 
+def row_parts(flat: Flat, apart: int, weight: torch.Tensor | None = None) -> list[tuple[Flat, torch.Tensor | None]]:
+    """A weight's ``flat`` (``(1, rows, …)``) and its error ``weight`` (broadcastable to it) cut
+    into ``apart`` equal runs of rows: the weights stacked in it, each to be searched alone."""
+    rows = flat.data.shape[1]
+    if apart < 1 or rows % apart:
+        raise ValueError(f"{rows} rows do not split into {apart} stacked weights of equal rows")
+    size = rows // apart
+
+    def cut(values: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        if values is None or values.ndim < 2 or values.shape[1] != rows:
+            return values
+        return values[:, i * size : (i + 1) * size]
+
+    return [
+        (Flat(cut(flat.data, i), cut(flat.valid, i), (size, *flat.qparam_shape[1:]), flat.restore), cut(weight, i))
+        for i in range(apart)
+    ]
+
+
 def lc_grid_search(
     flat: Flat,
     spec: QuantSpec,
@@ -184,13 +216,22 @@ def lc_grid_search(
     max_working_bytes: int,
     weight: torch.Tensor | None = None,
     reduce: Reduce | None = None,
+    apart: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group ``(min, max)``: llm-compressor's loop over ``p`` in ``factors`` from
     ``expand·(min, max)``, each group keeping its first lowest error, stopped after ``patience``
     candidates that improved no group (0: never). ``weight`` (broadcastable to ``flat.data``)
     weighs each element's error; padding of ragged groups counts zero. With ``reduce`` the batch is
     split between ranks and the range and every candidate's errors are agreed before the pick.
+    ``apart``: the weight's rows are that many weights stacked, each searched as if alone (its own
+    early stop, ``row_parts``).
     """
+    if apart > 1 and spec.format.kind == "float":  # the native kernel stops once for all it reads
+        found = [
+            lc_grid_search(part, spec, factors, norm, patience, expand, max_working_bytes, part_weight, reduce)
+            for part, part_weight in row_parts(flat, apart, weight)
+        ]
+        return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
     low, high = shared_min_max(*part_min_max(flat), reduce)
     low, high = low * expand, high * expand
     if flat.valid is not None:
@@ -211,7 +252,7 @@ def lc_grid_search(
         chunk = int(reduce(torch.tensor([chunk], device=low.device), Op.MIN))
     best = torch.full(low.shape, torch.finfo(torch.float32).max, device=low.device).reshape(-1)
     best_factor = torch.ones_like(best)
-    stale = 0
+    stale = torch.zeros(apart, dtype=torch.int64, device=low.device)
     for first in range(0, len(factors), chunk):
         part = candidates[first : first + chunk]
         errors = _candidate_errors(data, weight, low, high, part, spec, norm).reshape(len(part), -1)

@@ -42,7 +42,7 @@ from observers.blocks import E4M3_MAX, NVFP4_MAX_TENSOR_AMAX, _amax, e4m3_block_
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, all_finite, as_2d, as_groups, flatten
 from observers.knobs import Knob
-from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk
+from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk, row_parts
 from observers.minmax import AVERAGING_CONSTANT
 from observers.qparams import range_rule
 from observers.quantize import element_codes
@@ -314,16 +314,18 @@ def _replay_vectorized(
     factors: list[float],
     best: torch.Tensor,
     best_factor: torch.Tensor,
-    stale: int,
+    stale: int | torch.Tensor,
     patience: int,
-) -> tuple[int, bool]:
+) -> tuple[int | torch.Tensor, bool]:
     """``_replay`` in whole-chunk tensor ops (``lc_search.replay_chunk``, one host read per chunk),
-    for devices where a per-candidate sync is the cost: same arguments, in-place updates and result."""
+    for devices where a per-candidate sync is the cost, and for weights stacked apart: the same
+    in-place updates and result, the stale count one per search when given so (``(S,)``)."""
     candidates = torch.tensor(factors, dtype=best_factor.dtype, device=best.device)
-    kept, kept_factor, stale, stopped = replay_chunk(errors, candidates, best, best_factor, stale, patience)
+    counts = torch.as_tensor(stale, dtype=torch.int64, device=best.device).reshape(-1)
+    kept, kept_factor, counts, stopped = replay_chunk(errors, candidates, best, best_factor, counts, patience)
     best.copy_(kept)
     best_factor.copy_(kept_factor)
-    return stale, stopped
+    return (int(counts) if isinstance(stale, int) else counts), stopped
 
 
 def _chunk_size(
@@ -350,6 +352,7 @@ def mse_grid_search(
     max_working_bytes: int = DEFAULT_WORKING_BYTES,
     weight: torch.Tensor | None = None,
     reduce: Reduce | None = None,
+    apart: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group ``(min, max)`` minimising ``Σ weight·|fake_quant(x) - x|^norm`` over LC's shrink grid.
 
@@ -364,7 +367,16 @@ def mse_grid_search(
     With ``reduce`` the batch is split between ranks (``observers.shared``): the start range
     and the chunking are agreed and each candidate's errors are summed over the ranks before the
     early-stop rule and the pick, so every rank makes the same choice.
+    ``apart``: the weight's rows are that many weights stacked, each searched as if alone (its own
+    early stop: the replay's stale count one per weight; float grids, whose native kernel stops
+    once for all it reads, search each weight's rows in turn, ``lc_search.row_parts``).
     """
+    if apart > 1 and spec.format.kind == "float":
+        found = [
+            mse_grid_search(part, spec, maxshrink, grid, patience, norm, expand, max_working_bytes, part_weight, reduce)
+            for part, part_weight in row_parts(flat, apart, weight)
+        ]
+        return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
     low, high = shared_min_max(*part_min_max(flat), reduce)
     base_min, base_max = low * expand, high * expand
     if flat.valid is not None:
@@ -392,9 +404,9 @@ def mse_grid_search(
         chunk = int(reduce(torch.tensor([chunk], device=data.device), Op.MIN))
     best = torch.full((data.shape[1],), torch.finfo(torch.float32).max, device=data.device)
     best_factor = torch.ones_like(best)
-    stale = 0
     vectorized = _vectorized(data)
-    replay = _replay_vectorized if vectorized else _replay
+    replay = _replay_vectorized if vectorized or apart > 1 else _replay
+    stale = torch.zeros(apart, dtype=torch.int64, device=data.device) if replay is _replay_vectorized else 0
     for first in range(0, len(factors), chunk):
         chunk_factors = factors[first : first + chunk]
         errors = _chunk_errors(
@@ -458,6 +470,7 @@ class _GridBase(Observer):
             self.max_working_bytes,
             weight=self._error_weight(flat),
             reduce=self._across,
+            apart=self._apart,
         )
         self.min_val, self.max_val = self._combine(low, high)
 
@@ -651,9 +664,12 @@ class IMatrixMSEObserver(_GridBase):
             self.max_working_bytes,
             weight=self._error_weight(flat),
             reduce=self._across,
+            apart=self._apart,
         )
 
-    def observe(self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None) -> None:
+    def observe(
+        self, x: torch.Tensor, g_idx: torch.Tensor | None = None, *, across: Reduce | None = None, apart: int = 1
+    ) -> None:
         if isinstance(x, torch.Tensor) and x.ndim >= 1:
             self._weight_shape_2d = tuple(as_2d(x, "weight").shape)
-        super().observe(x, g_idx=g_idx, across=across)
+        super().observe(x, g_idx=g_idx, across=across, apart=apart)

@@ -73,6 +73,7 @@ class NVFP4ExpandedMSEObserver(MSEGridObserver):
             self.expand,
             self.max_working_bytes,
             reduce=self._across,
+            apart=self._apart,
         )
 
 

@@ -581,9 +581,12 @@ def test_folded_weights_keep_the_float_model(tiny_llama, suite_run) -> None:
 
 @pytest.mark.parametrize("observer", ["memoryless_minmax", "mse_grid", "modelopt_mse", "imatrix_mse"])
 @pytest.mark.parametrize("clip", [None, [0.5, 0.75, 1.0]])
-def test_stacked_candidates_are_the_candidates_made_one_at_a_time(observer: str, clip) -> None:
-    torch.manual_seed(1)
-    weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4, "b": torch.randn(8, 32)}
+@pytest.mark.parametrize(("rows", "seed"), [((12, 8), 1), ((2, 2), 13)])
+def test_stacked_candidates_are_the_candidates_made_one_at_a_time(observer: str, clip, rows, seed) -> None:
+    """Two-row weights have four groups: mse_grid's early stop then bites on some candidates and
+    not others, which stacking keeps apart (``observe(apart=…)``)."""
+    torch.manual_seed(seed)
+    weights = {"a": torch.randn(rows[0], 32) * torch.rand(1, 32) * 4, "b": torch.randn(rows[1], 32)}
     x = torch.randn(64, 32) * torch.rand(32) * 3
     moment = (x.T.double() @ x.double()) / x.shape[0]
     scales = ob.awq.candidate_scales(

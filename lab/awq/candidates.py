@@ -6,7 +6,8 @@ A candidate's arithmetic is llm-compressor's (``W·s`` as a float64 product cast
 likewise). Many candidates are made at once where it changes no number: an observer whose qparams
 are per row or per group of a row (integer and float grids with group or channel scales, no
 global scale) and whose knobs take nothing from the inputs sees every candidate's smoothed weight
-stacked as rows of one weight, so it runs once, not once per candidate; the clip search judges
+stacked as rows of one weight, each kept apart where its search would stop early
+(``observe(apart=…)``), so it runs once, not once per candidate; the clip search judges
 every candidate's shrunk ranges in one tensor expression too.
 """
 
@@ -121,19 +122,21 @@ def hessian_block(observer: str, knobs: dict[str, Any]) -> int:
     return int(knobs.get("block_size", ob.knobs(observer).get("block_size", 16)))
 
 
-def observe(observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any]) -> ob.QParams:
-    """``observer``'s qparams of ``weight`` alone: a search needs no error metrics of every
-    candidate (``ob.run_one`` measures them), and an observer that cannot run raises its
-    ``ValueError``."""
+def observe(
+    observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any], apart: int = 1
+) -> ob.QParams:
+    """``observer``'s qparams of ``weight`` alone (``apart``: of the weights stacked in its rows,
+    each as if alone): a search needs no error metrics of every candidate (``ob.run_one``
+    measures them), and an observer that cannot run raises its ``ValueError``."""
     found = ob.create(observer, spec, "weight", **knobs)
-    found.observe(weight)
+    found.observe(weight, apart=apart)
     return found.qparams()
 
 
 def stackable(observer: str, spec: ob.QuantSpec) -> bool:
-    """Whether the observer's qparams of a weight are its rows' own, so that candidates stacked as
-    rows get each their own qparams: group or channel scales without a global scale, and no knob
-    filled from the inputs (those differ per candidate)."""
+    """Whether candidates stacked as rows get each the qparams it gets alone (``observe(apart=…)``:
+    a shrink grid's early stop kept per candidate): group or channel scales without a global
+    scale, and no knob filled from the inputs (those differ per candidate)."""
     rowwise = spec.strategy in ("group", "channel") and spec.format.scale_kind != "e4m3"
     return rowwise and not any(knob in ob.knobs(observer) for knob in INPUT_STATISTICS)
 
@@ -251,7 +254,8 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
         part = [chunk[i] for i in missing]
         weights = _rows_of(smooth, missing)
         if len(part) > 1 and stackable(observer, spec):
-            found = _rows(observe(observer, weights.flatten(0, 1), spec, knobs), len(part), weights.shape[1])
+            stacked = observe(observer, weights.flatten(0, 1), spec, knobs, apart=len(part))
+            found = _rows(stacked, len(part), weights.shape[1])
         else:
             blocks = _blocks_of(moment)
             found = [
