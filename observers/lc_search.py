@@ -135,10 +135,10 @@ def replay_chunk(
     candidates]``, the others read as +inf: its best unless a candidate is strictly lower, the
     first of tied candidates). Whole-chunk tensor ops, one host read."""
     used, stale, stopped = _replay_patience(errors, best, stale, patience)
-    count = errors.shape[0]
-    evaluated = torch.arange(count, device=errors.device).unsqueeze(1) < used
-    evaluated = evaluated.repeat_interleave(errors.shape[1] // stale.numel(), dim=1)
-    stacked = torch.cat([best.unsqueeze(0), torch.where(evaluated, errors, torch.inf)])
+    count, searches = errors.shape[0], stale.numel()
+    evaluated = (torch.arange(count, device=errors.device).unsqueeze(1) < used).unsqueeze(2)
+    read = torch.where(evaluated, errors.reshape(count, searches, -1), torch.inf).reshape(errors.shape)
+    stacked = torch.cat([best.unsqueeze(0), read])
     pick = first_least(stacked, 0)
     chosen = torch.cat([torch.ones(1, dtype=factors.dtype, device=factors.device), factors])[pick]
     best_factor = torch.where(pick > 0, chosen, best_factor)

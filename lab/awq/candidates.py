@@ -80,8 +80,9 @@ def smoothed(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
 
 def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """``Q(W·s)/s`` in the weight's dtype, as llm-compressor runs the parent with it (a float64
-    quotient, then cast)."""
-    return quantized if scales is None else (quantized / scales.double().view(1, -1)).to(quantized.dtype)
+    quotient, then cast); ``quantized`` ``(n, out, in)`` with ``scales`` ``(n, in)`` gives each of
+    ``n`` its own in one quotient."""
+    return quantized if scales is None else (quantized / scales.double().unsqueeze(-2)).to(quantized.dtype)
 
 
 def diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:
@@ -195,8 +196,9 @@ def make(
             part, stacked = made[start : start + step], smooth[start : start + step]
             joined = _joined([c.qparams[name] for c in part])
             quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
-            for candidate, q in zip(part, quantized, strict=True):
-                candidate.effective[name] = effective(q, candidate.scales)
+            divided = effective(quantized, None if scales is None else scales[start : start + step])
+            for candidate, q in zip(part, divided, strict=True):
+                candidate.effective[name] = q
     for candidate, key in zip(made, keys, strict=True):
         candidate.key = digest(candidate, key)
     return made
