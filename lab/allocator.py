@@ -7,8 +7,9 @@ candidate grid, replay activation and float64 quotient of a search is a fresh ma
 every page faults in zeroed on first touch. An AWQ run on tiny-llama faults in about 22 GB that
 way, a tenth of its time in the kernel. With the threshold and the heap's trim threshold at
 ``KEPT_BYTES``, freed blocks stay in the heap for the next ones: the same run faults a third as
-often. The process's resident peak stays what it was (the same tensors live at once); only what
-it gives back on the way changes. The app, a long-lived server, keeps glibc's defaults.
+often (5.8M → 2.0M minor faults, the kernel's share of its time halved) for a resident peak about
+5% higher (3.18 → 3.33 GB: heap blocks of one size do not always fit the next request of that
+size, ``posix_memalign``'s padding). The app, a long-lived server, keeps glibc's defaults.
 """
 
 from __future__ import annotations

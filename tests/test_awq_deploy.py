@@ -6,6 +6,8 @@ the best by an AWQ figure or the one ``--choose`` names; a stale AWQ file is nev
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import json
 import re
@@ -114,6 +116,32 @@ def test_a_layer_no_later_mapping_divides_deploys_the_searchs_own_qparams(tiny_l
     # qparams are the ones the search judged, the input importance of x/s included
     deployed = deploy.of_run(tiny_llama, awq_run, variant, {r.mapping.name: observer for r in awq_run.results})
     assert _same_as_searched(awq_run, deployed, variant, observer) == 5  # q, k, v, gate, down
+
+
+@pytest.mark.parametrize("variant", [Variant.RTN, Variant.LLM_COMPRESSOR, Variant.OBSERVER_IN_SEARCH])
+def test_a_folded_weight_the_search_quantized_is_not_observed_again(tiny_llama, awq_run, variant, monkeypatch):
+    # a balance layer no later mapping divides folds to the very W·s the search observed (its stored
+    # weight's digest is the searched one's): its qparams are read, not found again; observing F
+    # anyway (the digests cleared) gives the same, and only the divided layers are observed
+    observers = {r.mapping.name: "imatrix_mse" for r in awq_run.results}
+    observed: list[int] = []
+    real_observe = deploy.candidates.observe
+
+    def counting(observer, weight, spec, knobs, apart=1):
+        observed.append(weight.shape[0])
+        return real_observe(observer, weight, spec, knobs, apart)
+
+    monkeypatch.setattr(deploy.candidates, "observe", counting)
+    reading = deploy.of_run(tiny_llama, awq_run, variant, observers)
+    divided = [n for r in awq_run.results for n in r.mapping.balance if reading.output_scales(n) is not None]
+    assert len(observed) == len(divided) == (0 if variant == Variant.RTN else 1)  # up_proj's rows: by down's s
+    cleared = copy.copy(awq_run)
+    cleared.results = [dataclasses.replace(r, weights={}) for r in awq_run.results]
+    observing = deploy.of_run(tiny_llama, cleared, variant, observers)
+    assert len(observed) == len(divided) + len(reading.qparams)
+    for name, qp in reading.qparams.items():
+        assert torch.equal(qp.scale, observing.qparams[name].scale), name
+        assert torch.equal(qp.zero_point, observing.qparams[name].zero_point), name
 
 
 def test_nvfp4_deploys_the_searchs_hessian_qparams_under_one_global_scale(tiny_llama) -> None:

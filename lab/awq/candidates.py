@@ -57,6 +57,13 @@ def scales_key(scales: torch.Tensor | None) -> str:
     return hashlib.sha1(scales.detach().double().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A tensor's dtype, shape and values in a few bytes: equal digests are the same tensor."""
+    found = hashlib.sha1(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    found.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return found.hexdigest()
+
+
 def digest(candidate: Candidate, scales: str | None = None) -> str:
     """A candidate's scales and qparams in a few bytes: two candidates with the same digest quantize
     to the same weights. ``scales``: the candidate's ``scales_key`` when the caller has it."""

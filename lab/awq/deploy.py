@@ -353,8 +353,13 @@ def of_run(
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
-            weight = folded[name] = skeleton.fold(f"{name}.weight", stored(f"{name}.weight"))
-            found[name] = _layer_qparams(run, result, variant, deployed, weight, name, skeleton.output_scales(name))
+            raw = stored(f"{name}.weight")
+            weight = folded[name] = skeleton.fold(f"{name}.weight", raw)
+            s_out = skeleton.output_scales(name)
+            if s_out is None and result.weights.get(name) == candidates.tensor_digest(raw):
+                found[name] = result.qparams[(variant, deployed.observer)][name]  # found on this very F
+            else:
+                found[name] = _layer_qparams(run, result, variant, deployed, weight, name, s_out)
             shapes[name] = tuple(weight.shape)
         qparams |= candidates.share_fused(found, run.spec)
     knobs = {m.observer: dict(run.observers.get(m.observer, {})) for m in mappings}

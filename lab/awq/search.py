@@ -109,6 +109,10 @@ class MappingResult:
     blocks: dict[int, torch.Tensor] = field(default_factory=dict)
     """The inputs' second-moment diagonal blocks (float64) of each size an observer of the run
     takes as a per-block Hessian: what it is given for the folded weights."""
+    weights: dict[str, str] = field(default_factory=dict)
+    """Each balance layer's weight as searched, in a few bytes (``candidates.tensor_digest``): a
+    deployment that folds the same stored weight with the same scales quantizes the weight these
+    qparams were found on, and reads them instead of observing it again."""
 
     def row(self, variant: Variant, observer: str) -> VariantRow:
         return next(r for r in self.rows if r.variant == variant and r.observer == observer)
@@ -231,7 +235,8 @@ def search(
         size: candidates.diagonal_blocks(inputs.moment, size).clone()
         for size in {candidates.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
     }
-    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks)
+    digests = {name: candidates.tensor_digest(weight) for name, weight in weights.items()}
+    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks, digests)
     picked: dict[tuple, tuple[Candidate, dict]] = {}
     figures = _LayerFigures(weights, inputs.moment, spec)
     asks = []
