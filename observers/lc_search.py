@@ -26,6 +26,8 @@ early stop on the kernel's per-group picks without writing any candidate table
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from observers import float_grid_kernel, mse_kernel
@@ -187,9 +189,15 @@ def _native_float_search(
     return float_grid_kernel.shrink_search(rows, weight, fmt, factors, steps, norm, patience, direct=True)
 
 
-def row_parts(flat: Flat, apart: int, weight: torch.Tensor | None = None) -> list[tuple[Flat, torch.Tensor | None]]:
-    """A weight's ``flat`` (``(1, rows, …)``) and its error ``weight`` (broadcastable to it) cut
-    into ``apart`` equal runs of rows: the weights stacked in it, each to be searched alone."""
+def each_apart(
+    flat: Flat,
+    apart: int,
+    weight: torch.Tensor | None,
+    search: Callable[[Flat, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``search(part, part_weight)`` of each of the ``apart`` weights stacked in a weight's ``flat``
+    (``(1, rows, …)``, cut into equal runs of rows, its error ``weight`` with it), as if alone; the
+    ranges stacked back."""
     rows = flat.data.shape[1]
     if apart < 1 or rows % apart:
         raise ValueError(f"{rows} rows do not split into {apart} stacked weights of equal rows")
@@ -200,10 +208,11 @@ def row_parts(flat: Flat, apart: int, weight: torch.Tensor | None = None) -> lis
             return values
         return values[:, i * size : (i + 1) * size]
 
-    return [
-        (Flat(cut(flat.data, i), cut(flat.valid, i), (size, *flat.qparam_shape[1:]), flat.restore), cut(weight, i))
-        for i in range(apart)
+    shape = (size, *flat.qparam_shape[1:])
+    found = [
+        search(Flat(cut(flat.data, i), cut(flat.valid, i), shape, flat.restore), cut(weight, i)) for i in range(apart)
     ]
+    return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
 
 
 def lc_grid_search(
@@ -224,14 +233,15 @@ def lc_grid_search(
     weighs each element's error; padding of ragged groups counts zero. With ``reduce`` the batch is
     split between ranks and the range and every candidate's errors are agreed before the pick.
     ``apart``: the weight's rows are that many weights stacked, each searched as if alone (its own
-    early stop, ``row_parts``).
+    early stop, ``each_apart``).
     """
     if apart > 1 and spec.format.kind == "float":  # the native kernel stops once for all it reads
-        found = [
-            lc_grid_search(part, spec, factors, norm, patience, expand, max_working_bytes, part_weight, reduce)
-            for part, part_weight in row_parts(flat, apart, weight)
-        ]
-        return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
+        return each_apart(
+            flat,
+            apart,
+            weight,
+            lambda part, w: lc_grid_search(part, spec, factors, norm, patience, expand, max_working_bytes, w, reduce),
+        )
     low, high = shared_min_max(*part_min_max(flat), reduce)
     low, high = low * expand, high * expand
     if flat.valid is not None:

@@ -42,7 +42,7 @@ from observers.blocks import E4M3_MAX, NVFP4_MAX_TENSOR_AMAX, _amax, e4m3_block_
 from observers.formats import round_to_float_grid_
 from observers.granularity import Flat, all_finite, as_2d, as_groups, flatten
 from observers.knobs import Knob
-from observers.lc_search import free_scale_spec, lc_grid_search, replay_chunk, row_parts
+from observers.lc_search import each_apart, free_scale_spec, lc_grid_search, replay_chunk
 from observers.minmax import AVERAGING_CONSTANT
 from observers.qparams import range_rule
 from observers.quantize import element_codes
@@ -369,14 +369,11 @@ def mse_grid_search(
     early-stop rule and the pick, so every rank makes the same choice.
     ``apart``: the weight's rows are that many weights stacked, each searched as if alone (its own
     early stop: the replay's stale count one per weight; float grids, whose native kernel stops
-    once for all it reads, search each weight's rows in turn, ``lc_search.row_parts``).
+    once for all it reads, search each weight's rows in turn, ``lc_search.each_apart``).
     """
     if apart > 1 and spec.format.kind == "float":
-        found = [
-            mse_grid_search(part, spec, maxshrink, grid, patience, norm, expand, max_working_bytes, part_weight, reduce)
-            for part, part_weight in row_parts(flat, apart, weight)
-        ]
-        return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
+        knobs = (maxshrink, grid, patience, norm, expand, max_working_bytes)
+        return each_apart(flat, apart, weight, lambda part, w: mse_grid_search(part, spec, *knobs, w, reduce))
     low, high = shared_min_max(*part_min_max(flat), reduce)
     base_min, base_max = low * expand, high * expand
     if flat.valid is not None:
