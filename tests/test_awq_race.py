@@ -35,9 +35,9 @@ class _Table:
     def elements(self, reference) -> int:
         return self._elements
 
-    def replay(self, balance, weights, reference, start: int = 0):
+    def replay(self, balance, weights, reference, order=None):
         ids = [int(i) for i in weights["id"]]
-        for index in range(start, len(self.calls)):
+        for index in range(len(self.calls)) if order is None else order:
             self.work += len(ids)
             yield torch.tensor([self.table[i][index] for i in ids], dtype=torch.float64)
 
@@ -168,6 +168,25 @@ def test_a_kept_candidate_leads_from_the_first_call_without_a_scout() -> None:
     assert parent.work == 38 + 2 * 5 + 4 and race.bounds == {"c4": 20.0, "c3": 20.0, "c2": 18.0, "c1": 18.0}
 
 
+def test_the_calls_run_heaviest_first_once_a_first_candidate_has_run_them_all() -> None:
+    # the kept candidate's loss sits in its last four calls; a rival's too. Run in the given order
+    # each rival would need ten or eleven calls to reach the leader's 4.0, run heaviest first it
+    # needs two (three for 1)
+    table = {c: [0.1 * c] * 8 + [1.0 + 0.5 * c] * 4 for c in range(6)}
+    parent = _Table(table, 1, 64)
+    race, heat = _race(parent), Heat()
+    race.run(_entrants(list(range(6)), heat, keep={0}))
+    assert heat.leader == (4.0, 0) and race.order == [8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert parent.work == 12 + 3 + 4 * 2
+    # a bound is the parts run so far added in call order: the loss of the calls not run left out
+    assert race.bounds == {"c1": 4.5, **{f"c{c}": 2 * (1.0 + 0.5 * c) for c in range(2, 6)}}
+    # a later group runs the heaviest calls first from its first call, and still finds the whole
+    # losses in call order: 5's parts are [0.5] * 8 + [3.5] * 4, added one by one
+    again, before = Heat(), parent.work
+    race.run(_entrants([5], again, keep={0}))
+    assert again.leader == (_whole(table[5], 1), 0) and parent.work == before + 12
+
+
 def test_the_race_on_a_parent_module_picks_what_every_loss_picks() -> None:
     torch.manual_seed(6)
     mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
@@ -223,7 +242,7 @@ def test_the_live_runners_stay_in_front_of_one_stack() -> None:
     from lab.awq.race import _Runner, _Stack
 
     heat = Heat()
-    runners = [_Runner([Entrant(i, f"c{i}", {"w": torch.full((2, 3), float(i))}, heat)]) for i in range(5)]
+    runners = [_Runner([Entrant(i, f"c{i}", {"w": torch.full((2, 3), float(i))}, heat)], 1) for i in range(5)]
     stack = _Stack(runners)
     buffer = stack.weights["w"]
     a, b, c, d, e = runners

@@ -5,6 +5,7 @@ blocks, the four variants' guarantees, the folded weights and the one-line refus
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 
 import pytest
@@ -764,6 +765,34 @@ def test_observers_that_agree_on_a_weight_observed_once_search_it_once(tiny_llam
     assert keys[("moving_average_minmax", "{'averaging_constant': 0.5}")] == keys[("memoryless_minmax", "{}")]
     assert keys[("mse_grid_moving_average", "{}")] == keys[("mse_grid", "{}")]
     assert keys[("mse_grid_moving_average", "{'grid': 20}")] != keys[("mse_grid", "{}")]
+
+
+def test_a_candidate_whose_digest_is_alive_shares_its_effective_weights_and_the_memo_keeps_none() -> None:
+    # a twin observer's candidates are the first one's: they take its effective weights instead of
+    # quantizing and dividing again, equal to those made afresh; once no candidate holds them, the
+    # memo holds nothing, and the next call makes them again
+    torch.manual_seed(4)
+    weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4, "b": torch.randn(8, 32)}
+    x = torch.randn(64, 32) * torch.rand(32) * 3
+    moment = (x.T.double() @ x.double()) / x.shape[0]
+    scales = ob.awq.candidate_scales(
+        x.abs().mean(0), ob.awq.weight_means(list(weights.values()), INT4_G16), ob.AWQSpec(n_grid=4).grid()
+    )
+    fresh = candidates.make(weights, scales, "minmax", INT4_G16, {}, moment)
+    memo: dict = {}
+    first = candidates.make(weights, scales, "memoryless_minmax", INT4_G16, {}, moment, None, memo)
+    twin = candidates.make(weights, scales, "minmax", INT4_G16, {}, moment, None, memo)
+    for one, other, alone in zip(first, twin, fresh, strict=True):
+        assert other.key == one.key == alone.key
+        for name in weights:
+            assert other.effective[name] is one.effective[name]
+            assert torch.equal(other.effective[name], alone.effective[name])
+    assert len(memo["effective"]) == len(first) * len(weights)
+    del first, twin, one, other
+    gc.collect()
+    assert len(memo["effective"]) == 0
+    again = candidates.make(weights, scales, "minmax", INT4_G16, {}, moment, None, memo)
+    assert all(torch.equal(a.effective[n], b.effective[n]) for a, b in zip(again, fresh, strict=True) for n in weights)
 
 
 def test_nvfp4_runs_and_the_clip_search_says_why_it_does_not(tiny_llama) -> None:

@@ -14,6 +14,7 @@ every candidate's shrunk ranges in one tensor expression too.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +182,9 @@ def make(
     qparams (by observer, layer and scales; twins that agree on a weight observed once as one,
     ``once``) and clip searches (by layer, scales and the qparams searched from) across calls:
     each grid point is smoothed once, the clip search's pass runs no observer again, and
-    observers that agree search once."""
+    observers that agree search once. A candidate whose digest another made candidate still
+    alive has (a twin observer's, the min-max family's and the search's) shares its effective
+    weights instead of quantizing and dividing again (``_alive``)."""
     memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
     keys = [scales_key(s) for s in rows]
@@ -196,19 +199,31 @@ def make(
             for candidate, qp in zip(made[chunk], found, strict=True):
                 candidate.qparams[name] = qp
     _share_fused(made, list(weights), spec)
-    for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, scales, keys, memo)
-        step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
-        for start in range(0, len(made), step):
-            part, stacked = made[start : start + step], smooth[start : start + step]
-            joined = _joined([c.qparams[name] for c in part])
-            quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
-            divided = effective(quantized, None if scales is None else scales[start : start + step])
-            for candidate, q in zip(part, divided, strict=True):
-                candidate.effective[name] = q
     for candidate, key in zip(made, keys, strict=True):
         candidate.key = digest(candidate, key)
+    alive = _alive(memo)
+    for name, weight in weights.items():
+        smooth = _smoothed_rows(name, weight, scales, keys, memo)
+        for candidate in made:
+            if (found := alive.get(f"{name}:{candidate.key}")) is not None:
+                candidate.effective[name] = found
+        todo = [i for i, candidate in enumerate(made) if name not in candidate.effective]
+        step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
+            part, stacked = [made[i] for i in chunk], _rows_of(smooth, chunk)
+            joined = _joined([c.qparams[name] for c in part])
+            quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
+            divided = effective(quantized, None if scales is None else scales[chunk])
+            for candidate, q in zip(part, divided, strict=True):
+                candidate.effective[name] = alive[f"{name}:{candidate.key}"] = q
     return made
+
+
+def _alive(memo: dict[str, Any]) -> weakref.WeakValueDictionary:
+    """The effective weights of the candidates still held somewhere (by layer and digest): equal
+    digests quantize to the same weights, and the memo keeps none of them alive itself."""
+    return memo.setdefault("effective", weakref.WeakValueDictionary())
 
 
 def _share_fused(made: list[Candidate], names: list[str], spec: ob.QuantSpec) -> None:
@@ -279,8 +294,10 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
 
 
 def _rows_of(stacked: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``stacked``'s ``rows`` (itself when they are all of it, in order: no copy)."""
-    return stacked if rows == list(range(len(stacked))) else stacked[rows]
+    """``stacked``'s ``rows`` (a view when they follow each other in order: no copy)."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return stacked[rows[0] : rows[0] + len(rows)]
+    return stacked[rows]
 
 
 def once(observer: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:

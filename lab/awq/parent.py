@@ -94,16 +94,16 @@ class ParentCalls:
         balance: dict[str, nn.Linear],
         weights: dict[str, torch.Tensor],
         reference: list[torch.Tensor],
-        start: int = 0,
+        order: Sequence[int] | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Per call from ``start`` on, each replacement's squared difference to the float output
-        summed over the call's real tokens (float64, ``(n,)``): ``weights`` give each balance
-        layer's ``n`` replacements laid out ``(n, in, out)`` (``stacked``), the calls run one by
-        one, so a caller may stop after any (close the iterator: the balance layers' own forwards
-        come back then)."""
+        """Per call (the calls at ``order``'s indices, in its order; None: every call in turn),
+        each replacement's squared difference to the float output summed over the call's real
+        tokens (float64, ``(n,)``): ``weights`` give each balance layer's ``n`` replacements laid
+        out ``(n, in, out)`` (``stacked``), the calls run one by one, so a caller may stop after
+        any (close the iterator: the balance layers' own forwards come back then)."""
         n = next(iter(weights.values())).shape[0]
         with _swapped(balance, weights), torch.no_grad():
-            for index in range(start, len(self.calls)):
+            for index in range(len(self.calls)) if order is None else order:
                 (args, kwargs), valid, ref = self.calls[index], self.valid[index], reference[index]
                 out = _first(self._stacked_call(args, kwargs, ref.shape[0], n))
                 squared = out.reshape(n, *ref.shape).sub_(ref).square_()
@@ -157,13 +157,18 @@ class LinearCalls:
         return max(1, STACKED_BYTES // (16 * self.weight.numel()))
 
     def replay(
-        self, balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor], reference: list, start: int = 0
+        self,
+        balance: dict[str, nn.Linear],
+        weights: dict[str, torch.Tensor],
+        reference: list,
+        order: Sequence[int] | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Per row block from ``start`` on, each replacement's part ``Σ_rows δ M δᵀ`` (float64,
-        ``(n,)``); ``weights``: the one layer's ``n`` replacements laid out ``(n, in, out)``."""
+        """Per row block (those at ``order``'s indices, in its order; None: every block in turn),
+        each replacement's part ``Σ_rows δ M δᵀ`` (float64, ``(n,)``); ``weights``: the one
+        layer's ``n`` replacements laid out ``(n, in, out)``."""
         (transposed,) = weights.values()
         m = self.moment.to(transposed.device, torch.float64)
-        for rows in self.calls[start:]:
+        for rows in self.calls if order is None else [self.calls[index] for index in order]:
             delta = transposed[:, :, rows].transpose(1, 2).double() - self.weight[rows].double()
             yield ((delta @ m) * delta).flatten(1).sum(1).clamp_min(0).cpu()
 

@@ -2,17 +2,19 @@
 as little of the replay as it takes (issue 41's speed).
 
 A candidate's loss is a sum over the calibration calls of squared differences (a linear parent's,
-over blocks of its output rows: ``LinearCalls``), each call's part non-negative, so its sum after
-some calls is a lower bound of its loss (float addition of non-negative parts never decreases a
-sum, nor does dividing by the element count reorder two sums). Once one candidate of a group has
+over blocks of its output rows: ``LinearCalls``), each call's part non-negative, added in call
+order. Its parts so far, added in call order with the calls not yet run adding nothing, are a lower
+bound of its loss: rounding is monotonic, so leaving out a non-negative part never makes a float sum
+larger, nor does dividing by the element count reorder two sums. Once one candidate of a group has
 its whole loss, a rival whose partial loss already exceeds it, or equals it later in the grid,
 cannot be the group's first least: its replay stops there. The first candidate run to the end is
 the one a short scout of every call's first few calls ranks first (or one the search names,
-``keep``), so the others are measured against a loss near the least from the start. The winner and
-its loss are those of running every candidate through every call: the same per-call sums (up to the
-few ulps by which a batched product's width moves them, as the width of any stacked replay does),
-added in the same order, compared by the same rule (``first least``: the smallest finite loss, the
-earliest in the grid among equal ones).
+``keep``), so the others are measured against a loss near the least from the start; its parts then
+set the order the rest of the calls run in, the heaviest first, so a rival out of reach shows it in
+fewer calls. The winner and its loss are those of running every candidate through every call: the
+same per-call sums (up to the few ulps by which a batched product's width moves them, as the width
+of any stacked replay does), added in the same order, compared by the same rule (``first least``:
+the smallest finite loss, the earliest in the grid among equal ones).
 
 A stopped candidate's partial loss is remembered by its digest: a later group (another observer's
 pass over the same grid point) that already has a lower loss skips it outright, and one that
@@ -69,11 +71,21 @@ class Entrant:
 
 class _Runner:
     """One distinct candidate (by digest) in the replay, for every group it is in: stopped only
-    where it can lead none of them and none keeps it."""
+    where it can lead none of them and none keeps it. ``parts``: its sum of each call run so far
+    (0 for the others)."""
 
-    def __init__(self, entries: list[Entrant]) -> None:
+    def __init__(self, entries: list[Entrant], calls: int) -> None:
         self.entries, self.key, self.weights = entries, entries[0].key, entries[0].weights
-        self.sum = 0.0
+        self.parts = [0.0] * calls
+
+    @property
+    def sum(self) -> float:
+        """Its parts added in call order: its whole loss once every call has run, a lower bound
+        before (a call not run adds an exact zero)."""
+        total = 0.0
+        for part in self.parts:
+            total += part
+        return total
 
     def may_lead(self, bound: float) -> bool:
         return any(e.keep or not e.heat.out_of_reach(bound, e.position) for e in self.entries)
@@ -124,6 +136,10 @@ class Race:
         self.judged = self.parent.judged(self.balance, self.moment)
         self.elements = max(self.judged.elements(self.reference), 1)
         self.calls = len(self.judged.calls)
+        self.order = list(range(self.calls))
+        """The calls in the order a replay runs them: as given until a first candidate has run
+        them all, then its heaviest parts first (``_learn_order``)."""
+        self._heaviest: list[int] | None = None
 
     def run(self, entrants: Sequence[Entrant]) -> None:
         """Every entrant's whole loss into ``known`` where it may lead its heat (or is kept), the
@@ -133,7 +149,7 @@ class Race:
         for entrant in sorted(entrants, key=lambda e: (not e.keep, e.position)):
             if entrant.key not in self.known:
                 by_key.setdefault(entrant.key, []).append(entrant)
-        waiting = [_Runner(entries) for entries in by_key.values()]
+        waiting = [_Runner(entries, self.calls) for entries in by_key.values()]
         waiting = [r for r in waiting if r.may_lead(self.bounds.get(r.key, 0.0))]
         step = self.judged.step(self.width)
         for start in range(0, len(waiting), step):
@@ -155,7 +171,9 @@ class Race:
         at the first call where it is out of reach."""
         for runner in runners:
             self.bounds.pop(runner.key, None)
-            runner.sum = 0.0
+            runner.parts = [0.0] * self.calls
+        if self._heaviest is not None:
+            self.order = list(self._heaviest)
         running, done, stack = list(runners), 0, _Stack(runners)
         while running:
             open_heats = {id(e.heat): e.heat for r in running for e in r.entries if e.heat.leader is None}
@@ -167,10 +185,23 @@ class Race:
                 if not firsts:
                     continue
                 self._advance(_Stack(list(firsts.values())), list(firsts.values()), done, self.calls)
+                self._learn_order(list(firsts.values()), done)
                 running = [r for r in running if id(r) not in firsts]
                 continue
             done = self._advance(stack, running, done, self.calls, stop=True)
             running = [r for r in running if r.key not in self.known and r.key not in self.bounds]
+
+    def _learn_order(self, finished: list[_Runner], done: int) -> None:
+        """Once, from the first candidates run through every call: the calls ordered by their
+        summed parts, heaviest first (ties in call order). The ``done`` calls the running
+        candidates have already run keep their places; later heats run the whole order."""
+        if self._heaviest is not None:
+            return
+        weight = [sum(r.parts[c] for r in finished if math.isfinite(r.parts[c])) for c in range(self.calls)]
+        heaviest = sorted(range(self.calls), key=lambda c: -weight[c])
+        run = set(self.order[:done])
+        self.order[done:] = [c for c in heaviest if c not in run]
+        self._heaviest = heaviest
 
     def _scout(self) -> int:
         return max(1, self.calls // SCOUT_SHARE)
@@ -191,15 +222,16 @@ class Race:
         return running[min(placed)[2]] if placed else None
 
     def _advance(self, stack: _Stack, runners: list[_Runner], done: int, until: int, stop: bool = False) -> int:
-        """``runners`` (each ``done`` calls into its sum; their weights in ``stack``) through calls
-        ``done..until`` stacked together; with ``stop``, until one of them is out of reach (those
-        are stopped, their bounds remembered, and the calls done so far returned for the rest to go
-        on from). A runner through the last call has its whole loss."""
+        """``runners`` (each through the first ``done`` calls of ``order``; their weights in
+        ``stack``) through its calls ``done..until`` stacked together; with ``stop``, until one of
+        them is out of reach (those are stopped, their bounds remembered, and the calls done so far
+        returned for the rest to go on from). A runner through the last call has its whole loss."""
         runners, weights = stack.front(runners)
-        with closing(self.judged.replay(self.balance, weights, self.reference, done)) as calls:
-            for call_sums in calls:
+        order = self.order[done:]
+        with closing(self.judged.replay(self.balance, weights, self.reference, order)) as calls:
+            for index, call_sums in zip(order, calls, strict=True):
                 for runner, value in zip(runners, call_sums.tolist(), strict=True):
-                    runner.sum += value
+                    runner.parts[index] = value
                 done += 1
                 if done == self.calls:
                     for runner in runners:
