@@ -561,6 +561,8 @@ class IMatrixMSEObserver(_GridBase):
     (e.g. ``observers.column_importance(captured_inputs)``, what the lab passes), else what
     ``observe_inputs(x)`` collected (sum of squares and token count in fp32, as llm-compressor's
     forward hook does); without either, or when it is all zero, it warns and runs unweighted.
+    Weights stacked and observed apart (``observe(x, apart=n)``) may each have their own: an
+    ``(n, in)`` knob, row ``i`` weighting weight ``i`` as it would alone.
     NVFP4 candidates are scored with free fp32 scales as llm-compressor does
     (``observers.lc_search``); the chosen range then goes through the NVFP4 rule.
     Knobs: ``maxshrink`` 0.95, ``grid`` 20, ``patience`` 5, ``norm`` 3.0 (llm-compressor 0.14's
@@ -587,7 +589,7 @@ class IMatrixMSEObserver(_GridBase):
             torch.Tensor,
             optional=True,
             editable=False,
-            expects="a 1-D float tensor of shape (in,)",
+            expects="a float tensor of shape (in,), or (n, in) for n weights observed apart",
             doc="Error weight per input column, e.g. observers.column_importance(inputs); None uses observe_inputs",
         ),
     }
@@ -602,9 +604,10 @@ class IMatrixMSEObserver(_GridBase):
         imp = self.importance
         if imp is None:
             return
-        if imp.ndim != 1 or not imp.dtype.is_floating_point:
+        if imp.ndim not in (1, 2) or not imp.dtype.is_floating_point:
             raise ValueError(
-                f"importance must be a 1-D float tensor of shape (in,), got shape {tuple(imp.shape)} {imp.dtype}"
+                "importance must be a float tensor of shape (in,), or (n, in) for n weights observed apart, "
+                f"got shape {tuple(imp.shape)} {imp.dtype}"
             )
         if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
             raise ValueError("importance must be finite and >= 0")
@@ -635,6 +638,8 @@ class IMatrixMSEObserver(_GridBase):
 
     def _error_weight(self, flat: Flat) -> torch.Tensor | None:
         importance = self._importance()
+        if importance is not None and importance.ndim == 2:
+            return self._error_weight_apart(importance, flat)
         if importance is None or not bool((importance > 0).any()):
             warnings.warn(f"{self.name} got no importance (or only zeros); running unweighted", stacklevel=4)
             return None
@@ -645,6 +650,27 @@ class IMatrixMSEObserver(_GridBase):
             raise ValueError(f"importance has {importance.numel()} entries but the weight has {columns} input columns")
         importance = importance / (importance.mean() + torch.finfo(torch.float32).tiny)
         full = importance.reshape(1, -1).expand(weight_2d)
+        return flatten(full, self.spec, "weight", g_idx=self._g_idx).data
+
+    def _error_weight_apart(self, importance: torch.Tensor, flat: Flat) -> torch.Tensor:
+        """The error weight of ``n`` stacked weights, row ``i`` of ``importance`` ``(n, in)`` over
+        weight ``i``'s rows, each normalized by its own mean as alone; a weight whose row has no
+        positive value is weighted by ones (unweighted, the same sums), with the warning alone gives."""
+        rows, columns = self._weight_shape_2d
+        if tuple(importance.shape) != (self._apart, columns):
+            raise ValueError(
+                f"importance of shape {tuple(importance.shape)} needs one row per weight observed apart "
+                f"({self._apart}) and one column per input column ({columns})"
+            )
+        importance = importance.to(device=flat.data.device, dtype=torch.float32)
+        unweighted = ~(importance > 0).any(dim=1, keepdim=True)
+        if bool(unweighted.any()):
+            warnings.warn(
+                f"{self.name} got no importance (or only zeros) for some weights; those run unweighted", stacklevel=4
+            )
+            importance = torch.where(unweighted, torch.ones_like(importance), importance)
+        importance = importance / (importance.mean(dim=1, keepdim=True) + torch.finfo(torch.float32).tiny)
+        full = importance.repeat_interleave(rows // self._apart, dim=0)
         return flatten(full, self.spec, "weight", g_idx=self._g_idx).data
 
     def _observe(self, flat: Flat) -> None:

@@ -5,6 +5,9 @@ by the row count)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -68,3 +71,47 @@ def test_apart_is_refused_where_it_cannot_hold() -> None:
     activations = ob.create("minmax", ob.QuantSpec(dtype="int8", symmetric=True, strategy="channel"), "activation")
     with pytest.raises(ValueError, match="group or channel spec"):
         activations.observe(x, apart=2)
+
+
+@pytest.mark.parametrize("observer", ["imatrix_mse", "nvfp4_expanded_imatrix"])
+def test_each_stacked_weight_may_have_its_own_importance(observer: str) -> None:
+    # an (n, in) importance gives weight i row i, normalized by its own mean, as alone; a row of
+    # zeros runs that weight unweighted, as an all-zero importance does alone (with its warning)
+    assert "importance" in ob.knobs(observer)
+    differs = 0
+    for seed in range(20):
+        weights = _weights(seed, 2)
+        importance = torch.rand(len(weights), 32, generator=torch.Generator().manual_seed(seed)) * 3
+        if seed % 4 == 0:
+            importance[seed % len(weights)] = 0.0
+        apart = ob.create(observer, INT4_G16, "weight", importance=importance, patience=1)
+        with _warns_if(seed % 4 == 0):
+            apart.observe(torch.cat(weights), apart=len(weights))
+        alone = []
+        for weight, row in zip(weights, importance, strict=True):
+            one = ob.create(observer, INT4_G16, "weight", importance=row, patience=1)
+            with _warns_if(not bool((row > 0).any())):
+                one.observe(weight)
+            alone.append(one.qparams())
+        assert torch.equal(apart.qparams().scale, torch.cat([q.scale for q in alone])), seed
+        assert torch.equal(apart.qparams().zero_point, torch.cat([q.zero_point for q in alone])), seed
+        shared = ob.create(observer, INT4_G16, "weight", importance=importance.mean(0), patience=1)
+        shared.observe(torch.cat(weights), apart=len(weights))
+        differs += not torch.equal(shared.qparams().scale, apart.qparams().scale)
+    assert differs > 0  # one importance for all would give other qparams: each row is read
+    with pytest.raises(ValueError, match=r"one row per weight observed apart \(5\)"):
+        ob.create(observer, INT4_G16, "weight", importance=torch.ones(4, 32)).observe(torch.cat(weights), apart=5)
+    with pytest.raises(ValueError, match=r"\(in,\), or \(n, in\) for n weights observed apart"):
+        ob.create(observer, INT4_G16, "weight", importance=torch.ones(2, 2, 32))
+
+
+@contextlib.contextmanager
+def _warns_if(zero: bool):
+    """The all-zero importance warning where ``zero``, no warning at all otherwise."""
+    if zero:
+        with pytest.warns(UserWarning, match="only zeros"):
+            yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield

@@ -5,10 +5,11 @@ qparams on each smoothed weight (optionally clip-searched per group), and the ef
 A candidate's arithmetic is llm-compressor's (``W·s`` as a float64 product cast back, ``Q(W·s)/s``
 likewise). Many candidates are made at once where it changes no number: an observer whose qparams
 are per row or per group of a row (integer and float grids with group or channel scales, no
-global scale) and whose knobs take nothing from the inputs sees every candidate's smoothed weight
-stacked as rows of one weight, each kept apart where its search would stop early
-(``observe(apart=…)``), so it runs once, not once per candidate; the clip search judges
-every candidate's shrunk ranges in one tensor expression too.
+global scale) and whose knobs take nothing from the inputs but a per-column importance (one row
+per candidate) sees every candidate's smoothed weight stacked as rows of one weight, each kept
+apart where its search would stop early (``observe(apart=…)``), so it runs once, not once per
+candidate; whatever the observer, such qparams quantize every candidate in one product, and the
+clip search judges every candidate's shrunk ranges in one tensor expression too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ STACKED_ELEMENTS = 48 << 20
 
 INPUT_STATISTICS = ("importance", "hessian")
 """Observer knobs filled from the smoothed inputs, which differ per candidate."""
+
+PER_WEIGHT_STATISTICS = ("importance",)
+"""Those an observer takes one row per stacked weight (``(n, in)``, ``observe(apart=n)``)."""
 
 
 @dataclass
@@ -114,7 +118,8 @@ def statistic_knobs(
     """The observer's knobs with the input statistics it takes filled for the smoothed inputs
     ``x/s``, unless the person gave them: the mean square per column (``importance``, from the
     inputs' ``diagonal``) and the per-block second moment (``hessian``, from ``blocks(size)``, the
-    inputs' diagonal blocks of that size)."""
+    inputs' diagonal blocks of that size). ``scales`` ``(n, in)`` (``n`` stacked candidates) give
+    one importance row per candidate."""
     taken = ob.knobs(observer)
     filled = dict(knobs)
     inverse = None if scales is None else 1.0 / scales
@@ -142,12 +147,18 @@ def observe(
     return found.qparams()
 
 
+def rowwise(spec: ob.QuantSpec) -> bool:
+    """Whether qparams are per row or per group of a row (group or channel scales without a global
+    scale): candidates stacked as rows are then quantized, and clip-searched, each as alone."""
+    return spec.strategy in ("group", "channel") and spec.format.scale_kind != "e4m3"
+
+
 def stackable(observer: str, spec: ob.QuantSpec) -> bool:
     """Whether candidates stacked as rows get each the qparams it gets alone (``observe(apart=…)``:
-    a shrink grid's early stop kept per candidate): group or channel scales without a global
-    scale, and no knob filled from the inputs (those differ per candidate)."""
-    rowwise = spec.strategy in ("group", "channel") and spec.format.scale_kind != "e4m3"
-    return rowwise and not any(knob in ob.knobs(observer) for knob in INPUT_STATISTICS)
+    a shrink grid's early stop kept per candidate): ``rowwise`` qparams, and no knob filled from
+    the inputs (those differ per candidate) but those taken one row per stacked weight."""
+    taken = ob.knobs(observer)
+    return rowwise(spec) and not any(k in taken for k in INPUT_STATISTICS if k not in PER_WEIGHT_STATISTICS)
 
 
 def _rows(qp: ob.QParams, count: int, rows: int) -> list[ob.QParams]:
@@ -189,7 +200,7 @@ def make(
     rows = [None] if scales is None else list(scales)
     keys = [scales_key(s) for s in rows]
     made = [Candidate(s, {}, {}) for s in rows]
-    together = stackable(observer, spec)
+    together = rowwise(spec)
     for name, weight in weights.items():
         smooth = _smoothed_rows(name, weight, scales, keys, memo)
         step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
@@ -277,11 +288,12 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     if missing:
         part = [chunk[i] for i in missing]
         weights = _rows_of(smooth, missing)
+        blocks = _blocks_of(moment)
         if len(part) > 1 and stackable(observer, spec):
-            stacked = observe(observer, weights.flatten(0, 1), spec, knobs, apart=len(part))
+            each = statistic_knobs(observer, knobs, moment.diagonal(), blocks, torch.stack(part))
+            stacked = observe(observer, weights.flatten(0, 1), spec, each, apart=len(part))
             found = _rows(stacked, len(part), weights.shape[1])
         else:
-            blocks = _blocks_of(moment)
             found = [
                 observe(observer, w, spec, statistic_knobs(observer, knobs, moment.diagonal(), blocks, s))
                 for w, s in zip(weights, part, strict=True)
