@@ -15,6 +15,7 @@ from safetensors import safe_open
 import observers as ob
 import sample_models
 from lab.awq.mappings import NOT_A_DECODER
+from lab.awq.search import Variant
 from lab.cli import main
 
 BASE = ("--format", "int4", "--strategy", "group", "--group-size", "16", "--samples", "4", "--seq-len", "32")
@@ -48,6 +49,25 @@ def test_the_cli_prints_the_four_ways_and_writes_them_beside_the_json(tmp_path) 
     assert target.exists() and f"{tmp_path / 'run.awq.json'}" in out.splitlines()[-1]
 
 
+def test_the_model_level_effect_is_the_deployed_variants_unless_every_one_is_asked_for(tmp_path) -> None:
+    layers = r"re:model\.layers\.0\.mlp\..*"
+    flags = ("--observers", "minmax,mse_grid", "--awq", "--awq-n-grid", "3")
+    measured = {}
+    for extra in (("--awq-variant", "clip-search"), ("--awq-model-level", "all")):
+        target = tmp_path / f"{extra[1]}.json"
+        code, out, err = _cli("run", "tiny-llama", "--layers", layers, *BASE, *flags, *extra, "--out", str(target))
+        assert code == 0, err
+        document = json.loads(target.with_name(f"{extra[1]}.awq.json").read_text())
+        measured[extra[1]] = {(r["observer"], r["variant"]): r["kl"] for r in document["model"]}
+        best = [line.split("\t")[1] for line in out.splitlines() if line.startswith("best model-level\t")]
+        assert best == sorted({variant for _, variant in measured[extra[1]]}, key=[str(v) for v in Variant].index)
+    assert set(measured["clip-search"]) == {("minmax", "clip-search"), ("mse_grid", "clip-search")}
+    assert len(measured["all"]) == 2 * 4
+    # the one variant measured alone has the figures it has among all four (up to the last bits a
+    # wider stacked pass sums in another order)
+    assert all(measured["all"][key] == pytest.approx(kl, rel=1e-4) for key, kl in measured["clip-search"].items())
+
+
 def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_model_whole(tmp_path, monkeypatch):
     # --sequential: the analysis and AWQ both walk the blocks one loaded at a time, and so do the
     # model-level effect and the checkpoint's writer
@@ -65,7 +85,13 @@ def test_a_checkpoint_run_layer_by_layer_searches_deploys_and_never_loads_the_mo
     assert not opened[0]._require_runtime().module.ready  # nothing loaded the whole model
     document = json.loads((tmp_path / "run.awq.json").read_text())
     assert len(document["mappings"]) == 3 and document["deployed"]["variant"] == "llm-compressor"
-    assert len(document["model"]) == 2 * 4 and (written / "config.json").exists()  # two observers, four variants
+    # the deployed variant's model-level effect (what the issue asks for), per observer
+    assert [(r["observer"], r["variant"]) for r in document["model"]] == [
+        ("minmax", "llm-compressor"),
+        ("mse_grid", "llm-compressor"),
+    ]
+    assert (written / "config.json").exists()
+    assert "(the other layers float; the deployed variant's, --awq-model-level all for every one)" in out
     assert sum(line.startswith("deploy\tmodel.layers.1.") for line in out.splitlines()) == 3
 
 
@@ -96,6 +122,8 @@ def test_awq_rides_the_analysis_calibration_pass(tmp_path, monkeypatch, observer
     ("model", "flags", "message"),
     [
         ("tiny-llama", ["--awq-n-grid", "5"], "--awq-n-grid need --awq"),
+        ("tiny-llama", ["--awq-model-level", "all"], "--awq-model-level need --awq"),
+        ("tiny-llama", ["--awq", "--awq-model-level", "some"], "invalid choice: 'some'"),
         ("tiny-llama", ["--awq", "--awq-n-grid", "2"], "n_grid must be an integer in [3, 1000], got 2"),
         ("tiny-llama", ["--awq", "--awq-clip-step", "0.9"], "clip_step must be a number in [0.01, 0.5]"),
         ("tiny-llama", ["--awq", "--awq-duo-scaling", "maybe"], "invalid choice: 'maybe'"),
@@ -130,7 +158,7 @@ def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded_and_
 
     target, directory = tmp_path / "moe.json", tmp_path / "ck"
     layers = r"re:model\.layers\.0\.(self_attn\.q_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)"
-    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2")
+    flags = ("--observers", "minmax", "--awq", "--awq-n-grid", "3", "--samples", "2", "--awq-model-level", "all")
     code, out, err = _cli(
         "run", "tiny-moe", "--layers", layers, *BASE, *flags, "--out", str(target), "--checkpoint", str(directory),
         "--quiet",
@@ -139,8 +167,10 @@ def test_tiny_moe_runs_the_four_ways_on_its_experts_and_deploys_them_folded_and_
     rows = [line.split("\t") for line in out.splitlines() if line.startswith("model.layers.0.") and "\trtn " in line]
     assert len(rows) == 4  # q/k/v, the experts' gate/up, up -> down of the routed experts 0 and 1
     assert "gate_proj, up_proj of 4 experts" in rows[1][0]
-    assert "# model-level, held-out text, every balance layer quantized by the variant" in out  # experts included
-    assert sum(line.startswith("best model-level\t") for line in out.splitlines()) == 4
+    assert (
+        "# model-level, held-out text, every balance layer quantized by the variant (the other layers float)\n" in out
+    )
+    assert sum(line.startswith("best model-level\t") for line in out.splitlines()) == 4  # experts included, all four
     assert "deploy\tAWQ llm-compressor" in out
     # The experts are packed one projection per expert, as transformers saves Mixtral
     # (block_sparse_moe.experts.<e>.w1/w3/w2), and load into the fused weights as the lab's

@@ -21,7 +21,7 @@ import observers as ob
 from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
 from lab.awq.effect import model_effect
-from lab.awq.options import conflict, spec_of, variant_of
+from lab.awq.options import conflict, model_level_variants, spec_of, variant_of
 from lab.awq.run import AWQRun, AWQWalk, searched_mappings, walk_of_config
 from lab.awq.search import Variant
 from lab.awq.table import awq_frame, awq_lines, effect_lines
@@ -115,7 +115,7 @@ def ride(
     out.writelines(awq_lines(found))
     evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory)
     try:
-        effect, unmeasured = model_effect(model, found, evaluator), None
+        effect, unmeasured = model_effect(model, found, evaluator, model_level_variants(args)), None
     except ValueError as err:
         effect, unmeasured = pd.DataFrame(), " ".join(str(err).split())
     metric = evaluator.default_metric

@@ -14,6 +14,10 @@ def flag(knob: str) -> str:
     return "--awq-" + knob.replace("_", "-")
 
 
+MODEL_LEVEL = ("deployed", "all")
+"""``--awq-model-level``: the deployed variant's model-level effect (the default), or every variant's."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--awq`` and one flag per AWQ knob, defaults and help from the knob's declaration."""
     parser.add_argument(
@@ -31,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each mapping takes the observer --choose names for its layers, else the best by --choose-by when it is an "
         "awq: figure, else by awq:mapping_error; rtn deploys the analysis's own choices",
     )
+    parser.add_argument(
+        "--awq-model-level",
+        choices=MODEL_LEVEL,
+        default=None,
+        help="whose model-level effect on held-out text the run measures: the variant --awq-variant deploys "
+        "(default), or all four variants (one held-out pass of the model per distinct deployment, four times "
+        "as many)",
+    )
     for name, knob in ob.AWQ_KNOBS.items():
         kind = str if knob.choices else knob.type
         parser.add_argument(
@@ -43,7 +55,8 @@ def spec_of(args: argparse.Namespace) -> ob.AWQSpec | None:
     is one ``ValueError`` line."""
     given = {name: getattr(args, f"awq_{name}") for name in ob.AWQ_KNOBS if getattr(args, f"awq_{name}") is not None}
     if not args.awq:
-        given = [flag(name) for name in given] + (["--awq-variant"] if args.awq_variant is not None else [])
+        options = (("--awq-variant", args.awq_variant), ("--awq-model-level", args.awq_model_level))
+        given = [flag(name) for name in given] + [option for option, value in options if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} need --awq")
         return None
@@ -56,6 +69,13 @@ def spec_of(args: argparse.Namespace) -> ob.AWQSpec | None:
 def variant_of(args: argparse.Namespace) -> Variant:
     """The variant the run deploys (``--awq-variant``)."""
     return DEPLOYED_VARIANT if args.awq_variant is None else Variant(args.awq_variant)
+
+
+def model_level_variants(args: argparse.Namespace) -> tuple[Variant, ...]:
+    """The variants whose model-level effect the run measures (``--awq-model-level``): the one it
+    deploys, what the issue asks for, unless every one is asked for (each distinct deployment is
+    one held-out pass of the whole model)."""
+    return tuple(Variant) if args.awq_model_level == "all" else (variant_of(args),)
 
 
 def conflict(settings: Any) -> str | None:

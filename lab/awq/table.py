@@ -127,7 +127,10 @@ def effect_lines(effect: pd.DataFrame, metric: str, higher_is_better: bool) -> l
     if effect.empty:
         return []
     metrics = [c for c in effect.columns if c not in ("observer", "variant")]
-    lines = ["# model-level, held-out text, every balance layer quantized by the variant (the other layers float)\n"]
+    which = "" if effect["variant"].nunique() > 1 else "; the deployed variant's, --awq-model-level all for every one"
+    lines = [
+        f"# model-level, held-out text, every balance layer quantized by the variant (the other layers float{which})\n"
+    ]
     for observer, rows in effect.groupby("observer", sort=False):
         cells = [f"{r.variant} " + " ".join(f"{m}={getattr(r, m):.4g}" for m in metrics) for r in rows.itertuples()]
         lines.append(f"model\t{observer}\t" + "\t".join(cells) + "\n")
