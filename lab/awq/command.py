@@ -114,12 +114,14 @@ def ride(
     found = walk.result()
     out.writelines(awq_lines(found))
     evaluator = Evaluator(model, sequential=config.sequential, max_memory=config.max_memory)
+    measured = model_level_variants(args)
     try:
-        effect, unmeasured = model_effect(model, found, evaluator, model_level_variants(args)), None
+        effect, unmeasured = model_effect(model, found, evaluator, measured), None
     except ValueError as err:
         effect, unmeasured = pd.DataFrame(), " ".join(str(err).split())
     metric = evaluator.default_metric
-    out.writelines(effect_lines(effect, metric, higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")))
+    better = higher_is_better(f"{MODEL_METRIC_PREFIX}{metric}")
+    out.writelines(effect_lines(effect, metric, better, deployed_only=len(measured) == 1))
     if effect.empty:
         why = unmeasured or decided["undeployable"] or "no observer deploys on every mapping"
         out.write(f"# model-level: not measured ({why})\n")

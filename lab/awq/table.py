@@ -121,13 +121,14 @@ def awq_lines(run: AWQRun) -> list[str]:
     return lines
 
 
-def effect_lines(effect: pd.DataFrame, metric: str, higher_is_better: bool) -> list[str]:
-    """The model-level table as the CLI prints it: per observer every variant's metrics, and per
-    variant the best observer by ``metric``."""
+def effect_lines(effect: pd.DataFrame, metric: str, higher_is_better: bool, deployed_only: bool = False) -> list[str]:
+    """The model-level table as the CLI prints it: per observer every measured variant's metrics,
+    and per variant the best observer by ``metric``; ``deployed_only``: only the deployed variant
+    was asked for, and the header says how to ask for every one."""
     if effect.empty:
         return []
     metrics = [c for c in effect.columns if c not in ("observer", "variant")]
-    which = "" if effect["variant"].nunique() > 1 else "; the deployed variant's, --awq-model-level all for every one"
+    which = "; the deployed variant's, --awq-model-level all for every one" if deployed_only else ""
     lines = [
         f"# model-level, held-out text, every balance layer quantized by the variant (the other layers float{which})\n"
     ]
