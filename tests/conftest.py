@@ -5,10 +5,14 @@ AppTest tests run ``app.py`` in this process, so they declare the roots as ``scr
 hands them on (``sys.argv`` after ``--``): the test run's temporary folder (where every
 ``tmp_path`` lies) for data and models, a folder of it for outputs. Each test starts with the
 server's settings read anew and no shared results kept from an earlier test.
+
+The browser tests share one Chromium a module: Debian's, found on the PATH (the README's test
+command installs it, ``scripts/chromium.sh``), driven by Playwright.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -27,3 +31,19 @@ def served_roots(tmp_path_factory, monkeypatch):
         serving.shared_runs.clear()
         serving.history.clear()
     return outputs
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("chromium is not installed: `bash scripts/test.sh` installs it (scripts/chromium.sh)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()

@@ -30,7 +30,6 @@ from lab.serve.config import Auth, ServeConfig, ServeConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "access-tests-token-0123456789abcdef"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 
 # ---------------------------------------------------------------- the rules
 
@@ -187,16 +186,6 @@ def _handshake(port: int, cookie: str = "") -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
         connection.sendall(request.encode())
         return connection.recv(1024).split(b"\r\n", 1)[0]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 @pytest.mark.slow

@@ -207,7 +207,11 @@ def test_the_race_on_a_parent_module_picks_what_every_loss_picks() -> None:
     assert torch.allclose(losses, torch.tensor(by_hand, dtype=torch.float64), rtol=1e-5)
     race, heat = Race(parent, {"0": mlp[0]}, reference, 32, torch.eye(16).double()), Heat()
     race.run([Entrant(i, f"w{i}", {"0": w}, heat) for i, w in enumerate(weights)])
-    assert heat.leader == (float(losses[3]), 3) == (float(losses.min()), int(losses.argmin()))
+    # The pick is exact; the loss is the same per-call sums added in the same order, but the race's
+    # batched products are narrower than ``losses``' (fewer candidates stacked), and a BLAS may block
+    # a product of another width otherwise: the loss agrees to float32 rounding, not to the bit.
+    assert heat.leader[1] == 3 == int(losses.argmin())
+    assert math.isclose(heat.leader[0], float(losses[3]), rel_tol=1e-5)
     assert len(race.bounds) >= 3  # the far ones stopped before the last call
 
 

@@ -22,7 +22,6 @@ from playwright.sync_api import expect
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 LAYER_REGEX = r"re:encoder\.layer\.0\.attention\.self\.(query|key|value)$"  # one fused unit
 SLOW_MS = 240_000
 TOKEN = "browser-tests-token-0123456789"
@@ -98,19 +97,6 @@ def served_base(tmp_path_factory) -> Path:
 def app_url(served_base) -> Iterator[str]:
     with _served_app(served_base, "streamlit") as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("chromium is not installed: run `apt-get install -y chromium` (CI's .ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 @pytest.fixture

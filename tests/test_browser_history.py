@@ -25,7 +25,6 @@ from test_browser import (
     _settle,
     _shot,
     _sign_in,
-    browser,  # noqa: F401  (the fixture)
 )
 
 from lab.cli import main

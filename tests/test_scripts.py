@@ -172,3 +172,58 @@ def test_failed_install_leaves_no_stamp_so_the_next_run_rebuilds(checkout, monke
     result, calls = _setup(checkout)
     assert result.returncode == 0 and _built(calls)
     assert (checkout / ".venv" / ".requirements.sha256").is_file()
+
+
+# ---------------------------------------------------------------- chromium.sh
+
+FAKE_APT_GET = """#!/bin/bash
+echo "apt-get $*" >>"$FAKE_LOG"
+"""
+
+
+def _chromium(tmp_path: Path, *, uid: int, chromium: bool, sudo: bool) -> tuple[subprocess.CompletedProcess, list]:
+    """Run chromium.sh with a PATH of fakes only (``id``, ``apt-get``, maybe ``chromium`` and ``sudo``)."""
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir()
+    fakes = {"apt-get": FAKE_APT_GET, "id": f"#!/bin/bash\necho {uid}\n"}
+    if chromium:
+        fakes["chromium"] = "#!/bin/bash\n"
+    if sudo:
+        fakes["sudo"] = '#!/bin/bash\necho "sudo $*" >>"$FAKE_LOG"\nshift\n"$@"\n'
+    for name, text in fakes.items():
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    environment = {"PATH": str(fake_bin), "FAKE_LOG": str(log)}
+    result = subprocess.run(
+        ["/bin/bash", str(ROOT / "scripts" / "chromium.sh")], capture_output=True, text=True, env=environment
+    )
+    return result, log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_test_command_installs_chromium_when_it_is_missing(tmp_path):
+    result, calls = _chromium(tmp_path, uid=0, chromium=False, sudo=False)
+    assert result.returncode == 0, result.stderr
+    assert calls == ["apt-get update -qq", "apt-get install -y -qq chromium"]
+
+
+def test_chromium_is_installed_through_sudo_for_a_user(tmp_path):
+    result, calls = _chromium(tmp_path, uid=1000, chromium=False, sudo=True)
+    assert result.returncode == 0, result.stderr
+    assert "apt-get install -y -qq chromium" in calls and any(call.startswith("sudo -n apt-get") for call in calls)
+
+
+def test_a_present_chromium_is_left_alone_and_a_user_without_sudo_is_told(tmp_path):
+    (tmp_path / "present").mkdir()
+    result, calls = _chromium(tmp_path / "present", uid=0, chromium=True, sudo=False)
+    assert result.returncode == 0 and calls == []
+    (tmp_path / "user").mkdir()
+    result, calls = _chromium(tmp_path / "user", uid=1000, chromium=False, sudo=False)
+    assert result.returncode == 0 and calls == []
+    assert "chromium is missing" in result.stderr
+
+
+def test_the_readme_test_command_sets_up_chromium_before_the_tests():
+    lines = (ROOT / "scripts" / "test.sh").read_text().splitlines()
+    assert lines.index("bash scripts/chromium.sh") < next(i for i, line in enumerate(lines) if "pytest" in line)
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
