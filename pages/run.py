@@ -6,6 +6,7 @@ import streamlit as st
 import observers as ob
 from lab import results, ui
 from lab.awq import session as awq_session
+from lab.awq.run import Step
 from lab.settings import check_knobs
 from lab.ui import history, serving
 from observers.gptq import ACTORDER_ALIASES, SCALES
@@ -135,12 +136,14 @@ def awq_knob_editor(values: dict) -> None:
 
 def awq_walk(config) -> tuple[awq_session.AWQWalk | None, str | None]:
     """AWQ's walk for the analysis's calibration pass to carry, with a progress bar of its own
-    (mappings searched, seconds, the mapping just searched), made inside the server's heavy-run
+    (the mapping being searched and its candidates judged, seconds), made inside the server's heavy-run
     slot (it records the held-out text's block calls); or, when AWQ refuses, the one line saying why."""
     bar, timer = st.progress(0.0, text="AWQ: recording the held-out text"), ui.Timer()
 
-    def progress(done: int, total: int, mapping: str) -> None:
-        bar.progress(done / total, text=f"AWQ: {done}/{total} mappings · {timer.elapsed:.1f} s · {mapping}")
+    def progress(step: Step) -> None:
+        share = (step.number - 1 + step.done / max(step.total, 1)) / step.mappings
+        where = f"mapping {step.number}/{step.mappings}, {step.done}/{step.total} candidates"
+        bar.progress(share, text=f"AWQ: {where} · {timer.elapsed:.1f} s · {step.name}")
 
     try:
         with serving.heavy_slot(bar):

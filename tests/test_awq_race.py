@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lab.awq.moment import InputMoment
 from lab.awq.parent import ParentCalls
 from lab.awq.race import Entrant, Heat, Race
 
@@ -29,7 +30,7 @@ class _Table:
     def judged(self, balance, moment) -> _Table:
         return self
 
-    def step(self, width: int) -> int:
+    def step(self, width: int, activations: int = 0) -> int:
         return self._step
 
     def elements(self, reference) -> int:
@@ -235,7 +236,7 @@ def test_a_search_whose_every_candidate_has_no_finite_loss_is_one_error() -> Non
     module = _Poisoned()
     x = torch.randn(1, 12, 16)
     parent = ParentCalls(module, [((x,), {})], [torch.ones(1, 12, dtype=torch.bool)])
-    moment = (x[0].T.double() @ x[0].double()) / 12
+    moment = InputMoment.of(x[0])
     inputs = MappingInputs(parent, {"proj": module.proj}, x[0].abs().mean(0), moment, 8)
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16, symmetric=True)
     with pytest.raises(ValueError, match="no candidate gave a finite loss"):

@@ -19,6 +19,7 @@ import observers as ob
 from lab.awq import candidates
 from lab.awq.deploy import of_run
 from lab.awq.mappings import NOT_A_DECODER, resolve
+from lab.awq.moment import InputMoment
 from lab.awq.run import _hooked, run_awq
 from lab.awq.search import SEARCH_OBSERVER, Variant
 from lab.awq.table import awq_frame
@@ -174,7 +175,7 @@ def test_an_moe_parent_judges_stacked_candidates_as_it_judges_each_alone(tiny_mo
         for k in (1, 2, 3)
     ]
     reference = calls.outputs()
-    moment = torch.eye(256, dtype=torch.float64)
+    moment = InputMoment.of_matrix(torch.eye(256, dtype=torch.float64), 64)
     stacked = calls.losses(balance, noisy, reference, 512, moment)
     alone = torch.cat([calls.losses(balance, [r], reference, 512, moment) for r in noisy])
     assert torch.allclose(stacked, alone, rtol=1e-6) and bool((stacked > 0).all())
@@ -589,7 +590,7 @@ def test_stacked_candidates_are_the_candidates_made_one_at_a_time(observer: str,
     torch.manual_seed(seed)
     weights = {"a": torch.randn(rows[0], 32) * torch.rand(1, 32) * 4, "b": torch.randn(rows[1], 32)}
     x = torch.randn(64, 32) * torch.rand(32) * 3
-    moment = (x.T.double() @ x.double()) / x.shape[0]
+    moment = InputMoment.of(x)
     scales = ob.awq.candidate_scales(
         x.abs().mean(0), ob.awq.weight_means(list(weights.values()), INT4_G16), ob.AWQSpec(n_grid=4).grid()
     )
@@ -608,7 +609,7 @@ def test_every_observer_reads_the_smoothed_grid_as_views_and_leaves_it_as_it_was
     torch.manual_seed(2)
     weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4}
     x = torch.randn(64, 32) * torch.rand(32) * 3
-    moment = (x.T.double() @ x.double()) / x.shape[0]
+    moment = InputMoment.of(x)
     scales = ob.awq.candidate_scales(x.abs().mean(0), None, ob.AWQSpec(n_grid=5, duo_scaling="off").grid())
     memo: dict = {}
     candidates.make(weights, scales, "memoryless_minmax", INT4_G16, {}, moment, None, memo)
@@ -628,7 +629,7 @@ def test_a_clip_search_keeps_the_ratio_whose_output_error_is_least() -> None:
     spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=4, symmetric=True)
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
     x[:, 0] = 0.0
-    moment = x.T.double() @ x.double() / x.shape[0]
+    moment = InputMoment.of(x)
     found = candidates.make({"w": weight}, None, "memoryless_minmax", spec, {}, moment, [0.25, 0.5, 1.0])[0]
     plain = ob.run_one("memoryless_minmax", weight, spec, "weight").qparams
     ratio = (found.qparams["w"].max_val / plain.max_val).reshape(-1)
@@ -645,7 +646,7 @@ def test_a_linear_parents_loss_is_its_mean_squared_output_difference_raced_by_ro
     parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, 40, dtype=torch.bool)])
     spreads = (0.05, 0.01, 0.3, 0.012, 0.2, 0.5)
     replaced = [layer.weight.detach() + spread * torch.randn(layer.out_features, 16) for spread in spreads]
-    moment = (x[0].T.double() @ x[0].double()) / 40
+    moment = InputMoment.of(x[0])
     reference = parent.outputs()
     assert isinstance(parent.judged({"w": layer}, moment), LinearCalls)  # 40 tokens outnumber 16 columns
     linear = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
@@ -719,7 +720,7 @@ def test_fused_layers_share_the_scale_a_server_keeps_in_every_candidate(tiny_lla
     prefix = "model.layers.0.self_attn"
     weights = {f"{prefix}.{p}_proj": tiny_llama.weight(f"{prefix}.{p}_proj").float() for p in "qkv"}
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
-    moment = x.T.double() @ x.double() / 64
+    moment = InputMoment.of(x)
     scales = ob.awq.candidate_scales(
         x.abs().mean(0), ob.awq.weight_means(list(weights.values()), spec), ob.AWQSpec(n_grid=3).grid()
     )
@@ -742,7 +743,7 @@ def test_observers_that_agree_on_a_weight_observed_once_search_it_once(tiny_llam
     # point and gives every twin the same qparams; other knobs are other qparams
     weights = {"w": tiny_llama.weight("model.layers.0.mlp.gate_proj").float()}
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
-    moment = x.T.double() @ x.double() / 64
+    moment = InputMoment.of(x)
     scales = ob.awq.candidate_scales(x.abs().mean(0), None, ob.AWQSpec(n_grid=3, duo_scaling="off").grid())
     created = []
     real = ob.create
@@ -774,7 +775,7 @@ def test_a_candidate_whose_digest_is_alive_shares_its_effective_weights_and_the_
     torch.manual_seed(4)
     weights = {"a": torch.randn(12, 32) * torch.rand(1, 32) * 4, "b": torch.randn(8, 32)}
     x = torch.randn(64, 32) * torch.rand(32) * 3
-    moment = (x.T.double() @ x.double()) / x.shape[0]
+    moment = InputMoment.of(x)
     scales = ob.awq.candidate_scales(
         x.abs().mean(0), ob.awq.weight_means(list(weights.values()), INT4_G16), ob.AWQSpec(n_grid=4).grid()
     )

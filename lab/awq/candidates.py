@@ -23,16 +23,18 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.awq.budget import STACKED_ELEMENTS
+from lab.awq.moment import InputMoment
 from lab.runtime import fusion
 from lab.runtime import scales as scales_rule
-
-STACKED_ELEMENTS = 48 << 20
-"""Weight elements (candidates × clip ratios × the weight) one stacked step holds."""
 
 INPUT_STATISTICS = ("importance", "hessian")
 """Observer knobs filled from the smoothed inputs, which differ per candidate."""
 
 PER_WEIGHT_STATISTICS = ("importance",)
+
+_SMOOTHED = "smoothed:"
+"""The memo's keys of smoothed weights (``_smoothed_rows``, ``forget_smoothed``)."""
 """Those an observer takes one row per stacked weight (``(n, in)``, ``observe(apart=n)``)."""
 
 
@@ -95,12 +97,6 @@ def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Ten
     quotient, then cast); ``quantized`` ``(n, out, in)`` with ``scales`` ``(n, in)`` gives each of
     ``n`` its own in one quotient."""
     return quantized if scales is None else (quantized / scales.double().unsqueeze(-2)).to(quantized.dtype)
-
-
-def diagonal_blocks(moment: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``(in/size, size, size)`` diagonal blocks of an ``(in, in)`` second moment."""
-    groups = moment.shape[0] // size
-    return moment.reshape(groups, size, groups, size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
 def scaled_blocks(blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -183,9 +179,10 @@ def make(
     observer: str,
     spec: ob.QuantSpec,
     knobs: dict[str, Any],
-    moment: torch.Tensor,
+    moment: InputMoment,
     clip: list[float] | None = None,
     memo: dict[str, Any] | None = None,
+    elements: int = STACKED_ELEMENTS,
 ) -> list[Candidate]:
     """One candidate per row of ``scales`` (``(n, in)``; None: one, unsmoothed), ``observer``'s
     qparams on each balance layer's smoothed weight, clip-searched per group with ``clip``'s
@@ -195,7 +192,8 @@ def make(
     each grid point is smoothed once, the clip search's pass runs no observer again, and
     observers that agree search once. A candidate whose digest another made candidate still
     alive has (a twin observer's, the min-max family's and the search's) shares its effective
-    weights instead of quantizing and dividing again (``_alive``)."""
+    weights instead of quantizing and dividing again (``_alive``). ``elements``: the weight
+    elements one stacked step holds (``lab.awq.budget``)."""
     memo = {} if memo is None else memo
     rows = [None] if scales is None else list(scales)
     keys = [scales_key(s) for s in rows]
@@ -203,7 +201,7 @@ def make(
     together = rowwise(spec)
     for name, weight in weights.items():
         smooth = _smoothed_rows(name, weight, scales, keys, memo)
-        step = max(1, STACKED_ELEMENTS // (weight.numel() * (len(clip) if clip else 1))) if together else 1
+        step = max(1, elements // (weight.numel() * (len(clip) if clip else 1))) if together else 1
         for start in range(0, len(rows), step):
             chunk = slice(start, start + step)
             found = _qparams(name, smooth[chunk], rows[chunk], keys[chunk], observer, spec, knobs, moment, clip, memo)
@@ -212,14 +210,66 @@ def make(
     _share_fused(made, list(weights), spec)
     for candidate, key in zip(made, keys, strict=True):
         candidate.key = digest(candidate, key)
+    smooth_of = lambda name, weight: _smoothed_rows(name, weight, scales, keys, memo)  # noqa: E731
+    _fill_effective(made, weights, scales, smooth_of, spec, memo, elements)
+    return made
+
+
+def light(candidate: Candidate) -> Candidate:
+    """``candidate`` without its effective weights (its scales, qparams and digest): what a search
+    keeps of a pick once the race is over, a few kilobytes instead of a copy of the balance layers;
+    ``rebuilt`` makes the weights again when a figure needs them."""
+    return Candidate(candidate.scales, candidate.qparams, {}, digest(candidate))
+
+
+def rebuilt(
+    weights: dict[str, torch.Tensor],
+    made: list[Candidate],
+    spec: ob.QuantSpec,
+    memo: dict[str, Any] | None = None,
+    elements: int = STACKED_ELEMENTS,
+) -> list[Candidate]:
+    """``made`` (``light`` candidates) with their effective weights made again, as ``make`` made
+    them (the same arithmetic, so the same bits): candidates with scales and those without each in
+    one stacked pass, sharing a twin's weights while one holding them lives (``memo``)."""
+    memo = {} if memo is None else memo
+    found = [Candidate(c.scales, c.qparams, {}, digest(c)) for c in made]
+    unsmoothed = [c for c in found if c.scales is None]
+    if unsmoothed:
+        unsmoothed_of = lambda _, weight: weight.unsqueeze(0).expand(len(unsmoothed), -1, -1)  # noqa: E731
+        _fill_effective(unsmoothed, weights, None, unsmoothed_of, spec, memo, elements)
+    smoothed_ones = [c for c in found if c.scales is not None]
+    if smoothed_ones:
+        scales = torch.stack([c.scales for c in smoothed_ones])
+        smoothed_of = lambda _, weight: smoothed(weight, scales)  # noqa: E731
+        _fill_effective(smoothed_ones, weights, scales, smoothed_of, spec, memo, elements)
+    return found
+
+
+def _fill_effective(
+    made: list[Candidate],
+    weights: dict[str, torch.Tensor],
+    scales: torch.Tensor | None,
+    smooth_of: Callable[[str, torch.Tensor], torch.Tensor],
+    spec: ob.QuantSpec,
+    memo: dict[str, Any],
+    elements: int,
+) -> None:
+    """Each candidate's effective weight ``Q(W·s)/s`` per layer (``smooth_of(name, weight)``: the
+    layer smoothed by every row of ``scales``, stacked ``(n, out, in)``; None: unsmoothed), a
+    twin's taken while one holding it lives (``_alive``), the rest quantized and divided stacked
+    where the qparams are per row (``rowwise``)."""
     alive = _alive(memo)
+    together = rowwise(spec)
     for name, weight in weights.items():
-        smooth = _smoothed_rows(name, weight, scales, keys, memo)
         for candidate in made:
             if (found := alive.get(f"{name}:{candidate.key}")) is not None:
                 candidate.effective[name] = found
         todo = [i for i, candidate in enumerate(made) if name not in candidate.effective]
-        step = max(1, STACKED_ELEMENTS // weight.numel()) if together else 1
+        if not todo:
+            continue
+        smooth = smooth_of(name, weight)
+        step = max(1, elements // weight.numel()) if together else 1
         for start in range(0, len(todo), step):
             chunk = todo[start : start + step]
             part, stacked = [made[i] for i in chunk], _rows_of(smooth, chunk)
@@ -228,7 +278,13 @@ def make(
             divided = effective(quantized, None if scales is None else scales[chunk])
             for candidate, q in zip(part, divided, strict=True):
                 candidate.effective[name] = alive[f"{name}:{candidate.key}"] = q
-    return made
+
+
+def forget_smoothed(memo: dict[str, Any]) -> None:
+    """Drop the smoothed weights ``make`` remembered (``_smoothed_rows``): a search done with a
+    slice of its grid lets them go, so it never holds the whole grid's smoothed weights at once."""
+    for key in [key for key in memo if key.startswith(_SMOOTHED)]:
+        del memo[key]
 
 
 def _alive(memo: dict[str, Any]) -> weakref.WeakValueDictionary:
@@ -260,18 +316,13 @@ def share_fused(qparams: dict[str, ob.QParams], spec: ob.QuantSpec) -> dict[str,
     return shared
 
 
-def _blocks_of(moment: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    """``blocks(size)``: the diagonal blocks of ``moment`` of that size."""
-    return lambda size: diagonal_blocks(moment, size)
-
-
 def _smoothed_rows(
     name: str, weight: torch.Tensor, scales: torch.Tensor | None, keys: list[str], memo: dict
 ) -> torch.Tensor:
     """``smoothed(weight, s)`` for each row of ``scales`` (``keys``: their ``scales_key``; None: the
     weight itself), stacked ``(n, out, in)`` and made once per layer and grid (``memo``): every
     observer and pass of a search smooths the same grid points, and reads them as views."""
-    key = f"smoothed:{name}:{':'.join(keys)}"
+    key = f"{_SMOOTHED}{name}:{':'.join(keys)}"
     if key not in memo:
         memo[key] = weight.unsqueeze(0) if scales is None else smoothed(weight, scales)
     return memo[key]
@@ -288,7 +339,7 @@ def _qparams(name, smooth, chunk, chunk_keys, observer, spec, knobs, moment, cli
     if missing:
         part = [chunk[i] for i in missing]
         weights = _rows_of(smooth, missing)
-        blocks = _blocks_of(moment)
+        blocks = moment.blocks
         if len(part) > 1 and stackable(observer, spec):
             each = statistic_knobs(observer, knobs, moment.diagonal(), blocks, torch.stack(part))
             stacked = observe(observer, weights.flatten(0, 1), spec, each, apart=len(part))
@@ -354,7 +405,7 @@ def _joined(qps: list[ob.QParams]) -> ob.QParams:
 
 
 def _clip_search(
-    weights: torch.Tensor, qps: list[ob.QParams], spec, ratios: list[float], scales: list, moment: torch.Tensor
+    weights: torch.Tensor, qps: list[ob.QParams], spec, ratios: list[float], scales: list, moment: InputMoment
 ) -> list[ob.QParams]:
     """Per candidate and group, the share of the observer's range (among ``ratios``) whose part of
     the layer's output error on the smoothed inputs ``x/s`` is least (the first least, in the
@@ -365,7 +416,7 @@ def _clip_search(
     n, rows, columns = weights.shape
     size = spec.group_size if spec.strategy == "group" else columns
     joined = _joined(qps)
-    unscaled = diagonal_blocks(moment, size)
+    unscaled = moment.blocks(size)
     blocks = torch.stack([scaled_blocks(unscaled, s) for s in scales]).float()
     best = ob.awq.clip_picks(weights, ob.awq.shrunk(joined, spec, ratios), blocks, spec)
     chosen = torch.tensor(ratios, dtype=torch.float32, device=weights.device)[best].reshape(joined.min_val.shape)

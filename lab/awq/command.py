@@ -22,7 +22,7 @@ from lab.awq import deploy
 from lab.awq.deploy import AWQDeploy
 from lab.awq.effect import model_effect
 from lab.awq.options import conflict, model_level_variants, spec_of, variant_of
-from lab.awq.run import AWQRun, AWQWalk, searched_mappings, walk_of_config
+from lab.awq.run import AWQRun, AWQWalk, Step, searched_mappings, walk_of_config
 from lab.awq.search import Variant
 from lab.awq.table import awq_frame, awq_lines, effect_lines
 from lab.effect.evaluate import Evaluator
@@ -59,6 +59,21 @@ def check(args: argparse.Namespace, config: Any, sweep: bool) -> ob.AWQSpec | No
     if args.choose_by.startswith(f"{AWQ_METRIC_PREFIX}gptq_") and config.gptq is None:
         raise ValueError(f"--choose-by {args.choose_by} ranks observers under AWQ then GPTQ: it needs --gptq")
     return awq
+
+
+class MappingBars:
+    """The walk's progress as one bar per mapping (its candidates judged, the time left), the
+    mapping's number and name beside it: a 7B-wide mapping searches for minutes."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.number = 0
+        self.bar = ProgressBar(stream, "candidates")
+
+    def __call__(self, step: Step) -> None:
+        if step.number != self.number:
+            self.number, self.bar = step.number, ProgressBar(self.stream, "candidates")
+        self.bar(step.done, step.total, f"AWQ {step.number}/{step.mappings} {step.name}")
 
 
 def analysed(
@@ -109,7 +124,7 @@ def ride(
         decided["deployment"], decided["undeployable"] = _deployment(found, model, args)
         _write(_document(found, config, decided, pd.DataFrame(), None), None, path_for(args.out))
 
-    walk = walk_of_config(model, layers, config, awq, None if args.quiet else ProgressBar(err), searched)
+    walk = walk_of_config(model, layers, config, awq, None if args.quiet else MappingBars(err), searched)
     analysis = analyse(walk)
     found = walk.result()
     out.writelines(awq_lines(found))

@@ -17,8 +17,8 @@ from contextlib import ExitStack, closing, contextmanager
 import torch
 from torch import nn
 
-STACKED_BYTES = 256 << 20
-"""Bytes of a parent's widest activation one stacked call may hold across its replacements."""
+from lab.awq.budget import ACTIVATION_BYTES
+from lab.awq.moment import InputMoment
 
 ROW_BLOCK = 32
 """Output rows of a linear parent's loss summed as one part (``LinearCalls``)."""
@@ -52,13 +52,15 @@ class ParentCalls:
         replacements: Sequence[dict[str, torch.Tensor]],
         reference: list[torch.Tensor],
         width: int,
-        moment: torch.Tensor,
+        moment: InputMoment,
+        activations: int = ACTIVATION_BYTES,
     ) -> torch.Tensor:
         """Each replacement's loss (float64, ``(len(replacements),)``): ``replacements`` give every
         balance layer's weight ``(out, in)``; ``width`` is the parent's widest activation per token.
-        The sums are ``judged``'s: the calls, or a linear parent's blocks of output rows."""
+        The sums are ``judged``'s: the calls, or a linear parent's blocks of output rows;
+        ``activations``: the bytes of the widest activation one stacked call holds."""
         judged = self.judged(balance, moment)
-        step = judged.step(width)
+        step = judged.step(width, activations)
         sums = torch.zeros(len(replacements), dtype=torch.float64)
         for start in range(0, len(replacements), step):
             chunk = replacements[start : start + step]
@@ -67,19 +69,19 @@ class ParentCalls:
                     sums[start : start + len(chunk)] += call_sums
         return sums / max(judged.elements(reference), 1)
 
-    def judged(self, balance: dict[str, nn.Linear], moment: torch.Tensor) -> ParentCalls | LinearCalls:
+    def judged(self, balance: dict[str, nn.Linear], moment: InputMoment) -> ParentCalls | LinearCalls:
         """What a loss is summed over: the calls, or, for a parent that is its one balance layer
         (``o_proj``, ``down_proj``) whose tokens outnumber its input columns, the blocks of its
         output rows (``LinearCalls``: the same mean squared difference without running the tokens,
         each replacement costing ``out·in²`` instead of ``tokens·in·out``)."""
         tokens = sum(int(v.sum()) if v.dim() and v.numel() else 0 for v in self.valid)
-        if list(balance.values()) == [self.module] and tokens > moment.shape[0]:
-            return LinearCalls(self.module.weight.detach(), moment)
+        if list(balance.values()) == [self.module] and tokens > moment.columns:
+            return LinearCalls(self.module.weight.detach(), moment.full())
         return self
 
-    def step(self, width: int) -> int:
-        """Replacements one stacked call holds (``STACKED_BYTES`` of the widest activation)."""
-        return max(1, STACKED_BYTES // max(1, max(int(v.numel()) for v in self.valid) * width * 4))
+    def step(self, width: int, activations: int = ACTIVATION_BYTES) -> int:
+        """Replacements one stacked call holds (``activations`` bytes of the widest activation)."""
+        return max(1, activations // max(1, max(int(v.numel()) for v in self.valid) * width * 4))
 
     def elements(self, reference: list[torch.Tensor]) -> int:
         """The output elements of real tokens a loss is the mean over."""
@@ -151,10 +153,10 @@ class LinearCalls:
         """The loss is a mean over output columns: ``out``."""
         return self.weight.shape[0]
 
-    def step(self, width: int) -> int:
-        """Replacements one replay holds: ``STACKED_BYTES`` of a whole weight's float64 difference
-        and product (more than the stacked weights, or a block's parts, take)."""
-        return max(1, STACKED_BYTES // (16 * self.weight.numel()))
+    def step(self, width: int, activations: int = ACTIVATION_BYTES) -> int:
+        """Replacements one replay holds: ``activations`` bytes of a whole weight's float64
+        difference and product (more than the stacked weights, or a block's parts, take)."""
+        return max(1, activations // (16 * self.weight.numel()))
 
     def replay(
         self,

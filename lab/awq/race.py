@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lab.awq.budget import ACTIVATION_BYTES
+from lab.awq.moment import InputMoment
 from lab.awq.parent import ParentCalls, stacked
 
 SCOUT_SHARE = 8
@@ -128,7 +130,9 @@ class Race:
     balance: dict[str, nn.Linear]
     reference: list[torch.Tensor]
     width: int
-    moment: torch.Tensor
+    moment: InputMoment
+    activations: int = ACTIVATION_BYTES
+    """Bytes of the parent's widest activation one stacked replay holds (``lab.awq.budget``)."""
     known: dict[str, float] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)
 
@@ -151,7 +155,7 @@ class Race:
                 by_key.setdefault(entrant.key, []).append(entrant)
         waiting = [_Runner(entries, self.calls) for entries in by_key.values()]
         waiting = [r for r in waiting if r.may_lead(self.bounds.get(r.key, 0.0))]
-        step = self.judged.step(self.width)
+        step = self.judged.step(self.width, self.activations)
         for start in range(0, len(waiting), step):
             self._heat(waiting[start : start + step])
         self._lead(entrants)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -28,9 +29,11 @@ import torch
 from torch import nn
 
 import observers as ob
+from lab.awq.budget import SearchBudget, search_budget
 from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
 from lab.awq.mappings import Mapping, Mappings, resolve
+from lab.awq.moment import InputMoment
 from lab.awq.parent import ParentCalls, forward_swapped
 from lab.awq.search import MappingInputs, MappingResult, search
 from sample_models import Model
@@ -46,8 +49,21 @@ from sample_models.replay import (
     structure,
 )
 
-Progress = Callable[[int, int, str], None]
-"""``progress(done, total, what)``: called after each mapping."""
+
+@dataclass(frozen=True)
+class Step:
+    """Where a walk is: mapping ``number`` (from 1) of ``mappings``, ``name``d, with ``done`` of the
+    ``total`` candidates its search judges judged (``done == total`` once the mapping is over)."""
+
+    number: int
+    mappings: int
+    name: str
+    done: int
+    total: int
+
+
+Progress = Callable[[Step], None]
+"""``progress(step)``: called as each mapping's search goes (a bar per mapping)."""
 
 
 @dataclass
@@ -74,7 +90,10 @@ class AWQWalk:
     that does not divide a balance layer, or a model without mappings, is one ``ValueError`` before
     anything runs. ``passed`` says whether a pass has walked its last mapping's block, ``seconds``
     how long the walk itself took (recording the held-out calls, searching), not the pass it rode;
-    ``listed``: each balance layer's name in the model's list (``searched_mappings``)."""
+    ``listed``: each balance layer's name in the model's list (``searched_mappings``). What a
+    mapping's search holds at once is within ``max_memory`` (None: half the free memory) less the
+    block it searches and its smoothed copy (``lab.awq.budget``): a budget too small for one
+    candidate of a mapping is one ``ValueError`` before anything runs too."""
 
     def __init__(
         self,
@@ -101,6 +120,7 @@ class AWQWalk:
         mappings, self.listed = searched_mappings(model, layers)
         self.wanted = list(mappings.found)
         _check_shapes(model, self.wanted, spec, self.listed)
+        self.budget = _budget(model, self.wanted, self.listed, max_memory)
         self.spec, self.awq, self.observers, self.gptq = spec, awq or ob.AWQSpec(), dict(observers), gptq
         self.progress, self.searched = progress, searched
         self.last = max(m.block for m in self.wanted)
@@ -157,17 +177,31 @@ class AWQWalk:
             if mapping.smooth not in seen:
                 self.left_out.append(f"{mapping.name}: no calibration token reached it: not smoothed")
                 continue
-            inputs = seen[mapping.smooth]
-            found = search(mapping, inputs, self.spec, self.awq, self.observers, self.gptq, checked.get(mapping.smooth))
+            found = search(
+                mapping,
+                seen[mapping.smooth],
+                self.spec,
+                self.awq,
+                self.observers,
+                self.gptq,
+                checked.get(mapping.smooth),
+                self.budget,
+                self._progress_of(mapping),
+            )
             self.results.append(found)
             _smooth(changed, mapping, prefix, found.searched)
-            if self.progress is not None:
-                self.progress(len(self.results), len(self.wanted), mapping.name)
         self.checking.advance(index, changed)
         self._inputs = BlockInputs()
         if index == self.last and self.searched is not None:
             self.searched(self.result())
         return lambda module: forward_swapped(block, changed.forward)
+
+    def _progress_of(self, mapping: Mapping) -> Callable[[int, int], None] | None:
+        """The search's ``progress(done, total)`` as this walk's steps of ``mapping``."""
+        if self.progress is None:
+            return None
+        number = self.wanted.index(mapping) + 1
+        return lambda done, total: self.progress(Step(number, len(self.wanted), mapping.name, done, total))
 
     def result(self) -> AWQRun:
         """What the walk found (after the pass)."""
@@ -324,13 +358,31 @@ def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec, lis
                 )
 
 
+def _budget(model: Model, mappings: list[Mapping], listed: dict[str, str], max_memory: int | None) -> SearchBudget:
+    """The searches' budget under ``max_memory`` (``lab.awq.budget.search_budget``: less the largest
+    searched block's listed layers and its copy), checked against every mapping's candidate (its
+    balance layers' weights) before the walk starts."""
+    infos = {info.name: info for info in model.layers()}
+    size = torch.empty((), dtype=model.dtype).element_size()
+    prefix = f"{blocks_name(model)}."
+    blocks: dict[int, int] = {}
+    for name, info in infos.items():
+        index = name[len(prefix) :].split(".", 1)[0]
+        if name.startswith(prefix) and index.isdigit():
+            blocks[int(index)] = blocks.get(int(index), 0) + info.params * size
+    budget = search_budget(max_memory, max(blocks.get(m.block, 0) for m in mappings), model.device)
+    for mapping in mappings:
+        budget.check(mapping.name, sum(math.prod(infos[listed[name]].shape) * size for name in mapping.balance))
+    return budget
+
+
 class _Inputs:
     """A mapping's input statistics as the batches pass: llm-compressor's float32 sum of ``|x|``
-    and token count, and the float64 sum of ``x xᵀ``."""
+    and token count, and the second moment of ``x`` (``InputMoment``)."""
 
     def __init__(self) -> None:
         self.abs_sum: torch.Tensor | None = None
-        self.outer: torch.Tensor | None = None
+        self.moment: InputMoment | None = None
         self.count = 0
 
     def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
@@ -338,8 +390,9 @@ class _Inputs:
         rows = rows.detach()
         batch_sum = rows.abs().float().sum(dim=0)
         self.abs_sum = batch_sum if self.abs_sum is None else self.abs_sum + batch_sum
-        wide = rows.double()
-        self.outer = wide.T @ wide if self.outer is None else self.outer + wide.T @ wide
+        if self.moment is None:
+            self.moment = InputMoment(rows.shape[-1])
+        self.moment.add(rows)
         self.count += rows.shape[0]
 
 
@@ -388,7 +441,7 @@ def _observe_block(
             ParentCalls(parent, parents[m.parent], valid),
             {name: block.get_submodule(name[len(prefix) :]) for name in m.balance},
             x_mean,
-            found.outer / found.count,
+            found.moment,
             _widest(parent),
         )
     return seen

@@ -19,6 +19,7 @@ inputs) and its clipped share say where the error comes from.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -28,8 +29,10 @@ from torch import nn
 
 import observers as ob
 from lab.awq import candidates, then_gptq
+from lab.awq.budget import SearchBudget
 from lab.awq.candidates import Candidate
 from lab.awq.mappings import Mapping
+from lab.awq.moment import InputMoment
 from lab.awq.parent import ParentCalls
 from lab.awq.race import Entrant, Heat, Race
 
@@ -59,7 +62,7 @@ class MappingInputs:
     parent: ParentCalls
     balance: dict[str, nn.Linear]
     x_mean: torch.Tensor
-    moment: torch.Tensor
+    moment: InputMoment
     width: int
 
 
@@ -118,68 +121,106 @@ class MappingResult:
         return next(r for r in self.rows if r.variant == variant and r.observer == observer)
 
 
-CANDIDATE_BYTES = 512 << 20
-"""Bytes of effective weights made and raced at once: candidates stream through the judge, and
-only each ask's winner and kept candidate stay."""
-
-
 class _Judge:
-    """A mapping's candidates judged on its parent's output, made a few grid points at a time and
+    """A mapping's candidates judged on its parent's output, made a slice of the grid at a time and
     raced through the parent's calls (``race``: a candidate's replay stops once its partial loss
     shows it cannot be its group's first least): the float output computed once, each candidate's
     llm-compressor loss (the mean squared difference), the float output's energy per element (the
     relative errors' reference). A candidate whose qparams another already had at the same grid
     point (the min-max family agree on every weight) is not judged again: its loss, or the bound
-    that stopped it, is looked up by the qparams' digest."""
+    that stopped it, is looked up by the qparams' digest.
 
-    def __init__(self, inputs: MappingInputs, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> None:
-        self.inputs, self.weights, self.spec = inputs, weights, spec
+    What it holds at once is ``budget``'s: the candidates of one raced batch (``budget.batch``) and
+    the smoothed weights of one slice of the grid, made once for every group of the slice and let
+    go after it; a group's first least and kept candidate are held ``light`` (scales and qparams),
+    their weights made again when a figure needs them (``rebuilt``). ``progress(done)`` hears the
+    candidates judged so far."""
+
+    def __init__(
+        self,
+        inputs: MappingInputs,
+        weights: dict[str, torch.Tensor],
+        spec: ob.QuantSpec,
+        budget: SearchBudget,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.inputs, self.weights, self.spec, self.progress = inputs, weights, spec, progress
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
         self.race = Race(inputs.parent, inputs.balance, self.reference, inputs.width, inputs.moment)
         self._memo: dict[str, Any] = {}
-        size = sum(w.numel() * w.element_size() for w in weights.values())
-        self.step = max(1, CANDIDATE_BYTES // max(size, 1))
+        self.step = budget.batch(sum(w.numel() * w.element_size() for w in weights.values()))
+        self.done = 0
 
-    def first_least(self, scales: torch.Tensor, asks: list[_Ask]) -> list[_Outcome]:
+    def first_least(self, scales: torch.Tensor, asks: list[_Ask], first: int | None = None) -> list[_Outcome]:
         """Each ask's first least candidate and kept one (``_Outcome``), every ask raced together
-        (``Race``: one stacked replay of all their candidates, a few asks' worth of weights made
-        at a time); an ask whose observer cannot run has its error instead."""
+        (``Race``: one stacked replay of all their candidates, a batch of candidates at a time),
+        the grid made a slice at a time (``_slices``: ``first``, a grid point likely to lead, in
+        the first); an ask whose observer cannot run has its error instead."""
         outcomes, heats = [_Outcome() for _ in asks], [Heat() for _ in asks]
         batch: list[tuple[int, list, list[Candidate], list[Entrant]]] = []
-        for a, ask in enumerate(asks):
-            for start in range(0, len(ask.indices), self.step):
-                part = ask.indices[start : start + self.step]
-                rows = None if part == [None] else scales[part]
+        for part in _slices(asks, len(scales), self.step, first):
+            for a, ask in enumerate(asks):
+                wanted = [index for index in part if index in ask.indices]
+                if not wanted or outcomes[a].error is not None:
+                    continue
+                rows = None if wanted == [None] else scales[wanted]
                 try:
                     made = candidates.make(
                         self.weights, rows, ask.observer, self.spec, ask.knobs, self.inputs.moment, ask.clip, self._memo
                     )
                 except ValueError as err:
                     outcomes[a].error = str(err)
-                    break
+                    continue
+                positions = [ask.indices.index(index) for index in wanted]
                 entrants = [
-                    Entrant(start + i, candidates.digest(c), c.effective, heats[a], ask.keep == start + i)
-                    for i, c in enumerate(made)
+                    Entrant(position, candidates.digest(c), c.effective, heats[a], ask.keep == position)
+                    for position, c in zip(positions, made, strict=True)
                 ]
-                batch.append((a, part, made, entrants))
+                batch.append((a, wanted, made, entrants))
                 if sum(len(made) for _, _, made, _ in batch) >= self.step:
                     self._settle(batch, heats, outcomes)
                     batch = []
+            candidates.forget_smoothed(self._memo)
         self._settle(batch, heats, outcomes)
         return outcomes
 
     def _settle(self, batch: list, heats: list[Heat], outcomes: list[_Outcome]) -> None:
-        """Race a batch's candidates and keep, per ask, its leader and kept candidate if here."""
+        """Race a batch's candidates and keep, per ask, its leader and kept candidate if here
+        (``light``: their weights go with the batch)."""
         live = [item for item in batch if outcomes[item[0]].error is None]
         self.race.run([e for _, _, _, entrants in live for e in entrants])
         for a, part, made, entrants in live:
             leader = heats[a].leader
             for i, entrant in enumerate(entrants):
                 if leader is not None and leader[1] == entrant.position:
-                    outcomes[a].winner = (part[i], made[i], leader[0])
+                    outcomes[a].winner = (part[i], candidates.light(made[i]), leader[0])
                 if entrant.keep:
-                    outcomes[a].kept = (part[i], made[i], self.race.known[entrant.key])
+                    outcomes[a].kept = (part[i], candidates.light(made[i]), self.race.known[entrant.key])
+        self.done += sum(len(made) for _, _, made, _ in batch)
+        if self.progress is not None and batch:
+            self.progress(self.done)
+
+    def with_weights(self, picked: list[Candidate]) -> Iterator[list[Candidate]]:
+        """``picked`` (``light``) with their effective weights made again, a batch at a time."""
+        for start in range(0, len(picked), self.step):
+            yield candidates.rebuilt(self.weights, picked[start : start + self.step], self.spec, self._memo)
+
+
+def _slices(asks: list[_Ask], count: int, step: int, first: int | None) -> Iterator[list]:
+    """The grid points a search makes together, in turn: the unsmoothed weights (``[None]``) when
+    an ask wants them, then the ``count`` grid points a slice at a time, as many as leave each ask
+    a share of a raced batch of ``step`` candidates, ``first`` at the head of the first slice (the
+    race then finds a near-least loss early; its picks do not depend on the order)."""
+    if any(None in ask.indices for ask in asks):
+        yield [None]
+    gridded = sum(1 for ask in asks if None not in ask.indices)
+    if not gridded:
+        return
+    order = list(range(count)) if first is None else [first, *(i for i in range(count) if i != first)]
+    size = max(1, step // gridded)
+    for start in range(0, count, size):
+        yield order[start : start + size]
 
 
 @dataclass(frozen=True)
@@ -205,6 +246,10 @@ class _Outcome:
     error: str | None = None
 
 
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: a search's candidates judged so far, of all it will judge."""
+
+
 @torch.no_grad()
 def search(
     mapping: Mapping,
@@ -214,15 +259,22 @@ def search(
     observers: dict[str, dict[str, Any]],
     gptq: ob.GPTQSpec | None = None,
     held_out: MappingInputs | None = None,
+    budget: SearchBudget | None = None,
+    progress: Progress | None = None,
 ) -> MappingResult:
     """The mapping's rows for every observer (``{name: knobs}``) under every variant; with ``gptq``,
     each row's error once GPTQ follows AWQ too; with ``held_out`` (the same mapping's inputs on
-    held-out text), every figure on those tokens as well (``measure_held_out``)."""
+    held-out text), every figure on those tokens as well (``_HeldOut``). What it holds at once is
+    within ``budget`` (default: the caps of ``lab.awq.budget``); ``progress`` hears the candidates
+    judged."""
     weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
+    budget = SearchBudget() if budget is None else budget
+    budget.check(mapping.name, sum(w.numel() * w.element_size() for w in weights.values()))
     grid = awq.grid()
     w_mean = ob.awq.weight_means(list(weights.values()), spec) if any(duo for _, duo in grid) else None
     scales = ob.awq.candidate_scales(inputs.x_mean, w_mean, grid)
-    judge = _Judge(inputs, weights, spec)
+    total = len(grid) + len(observers) * (1 + 2 * len(grid))
+    judge = _Judge(inputs, weights, spec, budget, None if progress is None else lambda done: progress(done, total))
     everywhere = list(range(len(grid)))
     (searched,) = judge.first_least(scales, [_Ask(everywhere, SEARCH_OBSERVER, {})])
     if searched.error is not None:
@@ -232,13 +284,11 @@ def search(
     best = searched.winner[0]
 
     blocks = {
-        size: candidates.diagonal_blocks(inputs.moment, size).clone()
+        size: inputs.moment.blocks(size).clone()
         for size in {candidates.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
     }
     digests = {name: candidates.tensor_digest(weight) for name, weight in weights.items()}
-    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal().clone(), blocks, digests)
-    picked: dict[tuple, tuple[Candidate, dict]] = {}
-    figures = _LayerFigures(weights, inputs.moment, spec)
+    result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal(), blocks, digests)
     asks = []
     for observer, knobs in observers.items():
         asks += [
@@ -246,41 +296,41 @@ def search(
             _Ask(everywhere, observer, knobs, keep=best),
             _Ask(everywhere, observer, knobs, awq.clip_ratios()),
         ]
-    outcomes = judge.first_least(scales, asks)
-    for number, (observer, knobs) in enumerate(observers.items()):
+    outcomes = judge.first_least(scales, asks, first=best)
+    kept: dict[tuple[Variant, str], tuple] = {}
+    failed: dict[tuple[Variant, str], str] = {}
+    for number, observer in enumerate(observers):
         rtn, inside, clipped = outcomes[3 * number : 3 * number + 3]
-        kept = {
-            Variant.RTN: rtn.kept,
-            Variant.LLM_COMPRESSOR: inside.kept,
-            Variant.OBSERVER_IN_SEARCH: inside.winner,
-            Variant.CLIP_SEARCH: clipped.winner,
+        picks = {
+            Variant.RTN: (rtn.kept, rtn.error),
+            Variant.LLM_COMPRESSOR: (inside.kept, inside.error),
+            Variant.OBSERVER_IN_SEARCH: (inside.winner, inside.error),
+            Variant.CLIP_SEARCH: (clipped.winner, clipped.error),
         }
-        failed = {
-            Variant.RTN: rtn.error,
-            Variant.LLM_COMPRESSOR: inside.error,
-            Variant.OBSERVER_IN_SEARCH: inside.error,
-            Variant.CLIP_SEARCH: clipped.error,
-        }
+        for variant, (pick, error) in picks.items():
+            if pick is None:
+                failed[(variant, observer)] = error or "no candidate gave a finite loss"
+            else:
+                kept[(variant, observer)] = pick
+    measured = _Measured(judge, weights, spec, held_out)
+    measured.measure([candidate for _, candidate, _ in kept.values()])
+    if gptq is not None:
+        measured.measure_gptq({key: (candidate, observers[key[1]]) for key, (_, candidate, _) in kept.items()}, gptq)
+    for observer in observers:
         for variant in Variant:
-            if kept[variant] is None:
-                why = failed[variant] or "no candidate gave a finite loss"
-                result.rows.append(VariantRow(observer, variant, error=why))
+            key = (variant, observer)
+            if key in failed:
+                result.rows.append(VariantRow(observer, variant, error=failed[key]))
                 continue
-            index, candidate, loss = kept[variant]
+            index, candidate, loss = kept[key]
             ratio, duo = (None, None) if index is None else grid[index]
-            row = _row(observer, variant, candidate, loss, judge.energy, figures, ratio, duo)
-            result.rows.append(row)
+            result.rows.append(measured.row(key, candidate, loss, ratio, duo))
             if candidate.scales is not None:
-                result.scales[(variant, observer)] = candidate.scales
-            result.qparams[(variant, observer)] = candidate.qparams
-            picked[(variant, observer)] = (candidate, knobs)
-    made = {} if gptq is None else then_gptq.gptq_candidates(weights, picked, inputs.moment, spec, gptq)
-    if made:
-        error = _errors(inputs, made, judge.reference, judge.energy)
-        result = replace(result, rows=[replace(r, gptq_error=error.get((r.variant, r.observer))) for r in result.rows])
-    if held_out is None:
-        return result
-    return measure_held_out(result, held_out, spec, {key: c for key, (c, _) in picked.items()}, made)
+                result.scales[key] = candidate.scales
+            result.qparams[key] = candidate.qparams
+    if progress is not None and judge.done < total:
+        progress(total, total)
+    return result
 
 
 def _errors(inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float) -> dict[tuple, float]:
@@ -297,18 +347,18 @@ class _LayerFigures:
     energies are computed once, and a candidate another row already picked (observers that agree,
     a variant keeping another's pick) is looked up by its digest."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], moment: torch.Tensor, spec: ob.QuantSpec) -> None:
-        self.weights, self.spec = weights, spec
-        self.hessian = moment.float()
-        self.energy = {name: ob.output_energy(w, self.hessian) for name, w in weights.items()}
+    def __init__(self, weights: dict[str, torch.Tensor], moment: InputMoment, spec: ob.QuantSpec) -> None:
+        self.weights, self.spec, self.moment = weights, spec, moment
+        self.energy = {name: moment.energy(w) for name, w in weights.items()}
         self._errors: dict[str, dict[str, float]] = {}
         self._clipped: dict[str, dict[str, float]] = {}
 
     def errors(self, candidate: Candidate) -> dict[str, float]:
+        """The candidate's layer errors (its effective weights are needed the first time only)."""
         key = candidates.digest(candidate)
         if key not in self._errors:
             self._errors[key] = {
-                name: ob.layer_output_error(w, candidate.effective[name], self.hessian, self.energy[name])
+                name: self.moment.layer_error(w, candidate.effective[name], self.energy[name])
                 for name, w in self.weights.items()
             }
         return self._errors[key]
@@ -320,52 +370,93 @@ class _LayerFigures:
         return self._clipped[key]
 
 
-def _row(observer, variant, candidate: Candidate, loss, energy, figures: _LayerFigures, ratio, duo) -> VariantRow:
-    return VariantRow(
-        observer,
-        variant,
-        mapping_error=loss / energy if energy > 0 else 0.0,
-        mapping_loss=loss,
-        layer_errors=figures.errors(candidate),
-        clipped=figures.clipped(candidate),
-        ratio=ratio,
-        duo=duo,
-    )
+class _HeldOut:
+    """A search's picks on held-out inputs (the same mapping's statistics and parent calls on
+    held-out text; the picks' weights do not depend on the tokens): the parent's float output and
+    its energy once, each pick's loss by digest, each layer's figures."""
+
+    def __init__(self, inputs: MappingInputs, spec: ob.QuantSpec) -> None:
+        self.inputs = inputs
+        self.reference = inputs.parent.outputs()
+        self.energy = inputs.parent.energy(self.reference)
+        weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
+        self.figures = _LayerFigures(weights, inputs.moment, spec)
+        self.losses: dict[str, float] = {}
+
+    def measure(self, made: list[Candidate]) -> None:
+        """The losses and layer figures of ``made`` (with their effective weights)."""
+        parent = self.inputs.parent
+        losses = parent.losses(
+            self.inputs.balance, [c.effective for c in made], self.reference, self.inputs.width, self.inputs.moment
+        )
+        self.losses.update({c.key: float(loss) for c, loss in zip(made, losses, strict=True)})
+        for candidate in made:
+            self.figures.errors(candidate)
+
+    def error(self, candidate: Candidate) -> float:
+        loss = self.losses[candidates.digest(candidate)]
+        return loss / self.energy if self.energy > 0 else 0.0
 
 
-@torch.no_grad()
-def measure_held_out(
-    result: MappingResult,
-    inputs: MappingInputs,
-    spec: ob.QuantSpec,
-    picked: dict[tuple, Candidate],
-    gptq: dict[tuple, Candidate] | None = None,
-) -> MappingResult:
-    """``result`` with each row's pick (``picked``, by ``(variant, observer)``: the candidates the
-    search kept, whose weights do not depend on the tokens) measured on held-out inputs
-    (``inputs``: the same mapping's statistics and parent calls on held-out text): the mapping's
-    and each layer's error there, and with ``gptq`` (AWQ then GPTQ's candidates by ``(variant,
-    observer)``) their mapping error."""
-    weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
-    reference = inputs.parent.outputs()
-    energy = inputs.parent.energy(reference)
-    distinct = {candidates.digest(c): c for c in picked.values()}
-    losses = inputs.parent.losses(
-        inputs.balance, [c.effective for c in distinct.values()], reference, inputs.width, inputs.moment
-    )
-    loss_of = dict(zip(distinct, (float(v) for v in losses), strict=True))
-    after_gptq = _errors(inputs, gptq, reference, energy) if gptq else {}
-    figures = _LayerFigures(weights, inputs.moment, spec)
-    rows = []
-    for row in result.rows:
-        key = (row.variant, row.observer)
-        candidate = picked.get(key)
-        if candidate is None:
-            rows.append(row)
-            continue
-        loss = loss_of[candidates.digest(candidate)]
-        held = loss / energy if energy > 0 else 0.0
-        layers = figures.errors(candidate)
-        found = replace(row, held_out_error=held, held_out_layer_errors=layers, gptq_held_out_error=after_gptq.get(key))
-        rows.append(found)
-    return replace(result, rows=rows)
+class _Measured:
+    """The figures of a search's picks (``light`` candidates), their weights made again a batch at
+    a time (``_Judge.with_weights``) and let go after: each layer's error and clipped share on the
+    calibration inputs, with ``held_out`` the mapping's and each layer's error there, and AWQ then
+    GPTQ's errors (``measure_gptq``)."""
+
+    def __init__(
+        self, judge: _Judge, weights: dict[str, torch.Tensor], spec: ob.QuantSpec, held_out: MappingInputs | None
+    ) -> None:
+        self.judge = judge
+        self.figures = _LayerFigures(weights, judge.inputs.moment, spec)
+        self.held_out = None if held_out is None else _HeldOut(held_out, spec)
+        self.gptq: dict[tuple, float] = {}
+        self.gptq_held_out: dict[tuple, float] = {}
+        self.weights, self.spec = weights, spec
+
+    def measure(self, picked: list[Candidate]) -> None:
+        distinct = list({candidates.digest(c): c for c in picked}.values())
+        for made in self.judge.with_weights(distinct):
+            for candidate in made:
+                self.figures.errors(candidate)
+            if self.held_out is not None:
+                self.held_out.measure(made)
+
+    def measure_gptq(self, kept: dict[tuple, tuple[Candidate, dict]], gptq: ob.GPTQSpec) -> None:
+        """AWQ then GPTQ (``then_gptq``) of every kept pick, a batch at a time (the picks sharing
+        scales, and so GPTQ's factors, together): the parent's error on the calibration and
+        held-out inputs."""
+        keys = sorted(kept, key=lambda key: candidates.scales_key(kept[key][0].scales))
+        judge = self.judge
+        for start in range(0, len(keys), judge.step):
+            chunk = {key: kept[key] for key in keys[start : start + judge.step]}
+            made = then_gptq.gptq_candidates(self.weights, chunk, judge.inputs.moment, self.spec, gptq)
+            if not made:
+                continue
+            self.gptq.update(_errors(judge.inputs, made, judge.reference, judge.energy))
+            if self.held_out is not None:
+                checked = self.held_out
+                self.gptq_held_out.update(_errors(checked.inputs, made, checked.reference, checked.energy))
+
+    def row(self, key: tuple[Variant, str], candidate: Candidate, loss: float, ratio, duo) -> VariantRow:
+        variant, observer = key
+        energy = self.judge.energy
+        row = VariantRow(
+            observer,
+            variant,
+            mapping_error=loss / energy if energy > 0 else 0.0,
+            mapping_loss=loss,
+            layer_errors=self.figures.errors(candidate),
+            clipped=self.figures.clipped(candidate),
+            ratio=ratio,
+            duo=duo,
+            gptq_error=self.gptq.get(key),
+        )
+        if self.held_out is None:
+            return row
+        return replace(
+            row,
+            held_out_error=self.held_out.error(candidate),
+            held_out_layer_errors=self.held_out.figures.errors(candidate),
+            gptq_held_out_error=self.gptq_held_out.get(key),
+        )

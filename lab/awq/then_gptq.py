@@ -18,6 +18,7 @@ import torch
 import observers as ob
 from lab.awq import candidates
 from lab.awq.candidates import Candidate
+from lab.awq.moment import InputMoment
 from lab.gptq.layer import gptq_weight
 
 
@@ -33,7 +34,7 @@ def smoothed_hessian(moment: torch.Tensor, scales: torch.Tensor | None) -> torch
 def gptq_candidates(
     weights: MappingType[str, torch.Tensor],
     kept: MappingType[tuple, tuple[Candidate, dict]],
-    moment: torch.Tensor,
+    moment: InputMoment,
     spec: ob.QuantSpec,
     gptq: ob.GPTQSpec,
 ) -> dict[tuple, Candidate]:
@@ -50,7 +51,7 @@ def gptq_candidates(
         same = candidates.digest(candidate) + (f":{observer}" if gptq.scales == "refit" else "")
         if same not in seen:
             if where not in hessians:
-                hessians[where] = smoothed_hessian(moment, scales)
+                hessians[where] = smoothed_hessian(moment.full(), scales)
             seen[same] = _through_gptq(weights, candidate, observer, knobs, hessians[where], spec, gptq, factors, where)
         if seen[same] is not None:
             done[key] = seen[same]
