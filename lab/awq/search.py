@@ -147,7 +147,10 @@ class _Judge:
         self.inputs, self.weights, self.spec, self.progress = inputs, weights, spec, progress
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
-        self.race = Race(inputs.parent, inputs.balance, self.reference, inputs.width, inputs.moment)
+        self.race = Race(
+            inputs.parent, inputs.balance, self.reference, inputs.width, inputs.moment, budget.activations()
+        )
+        self.budget = budget
         self._memo: dict[str, Any] = {}
         self.step = budget.batch(sum(w.numel() * w.element_size() for w in weights.values()))
         self.done = 0
@@ -167,7 +170,15 @@ class _Judge:
                 rows = None if wanted == [None] else scales[wanted]
                 try:
                     made = candidates.make(
-                        self.weights, rows, ask.observer, self.spec, ask.knobs, self.inputs.moment, ask.clip, self._memo
+                        self.weights,
+                        rows,
+                        ask.observer,
+                        self.spec,
+                        ask.knobs,
+                        self.inputs.moment,
+                        ask.clip,
+                        self._memo,
+                        self.budget.elements(),
                     )
                 except ValueError as err:
                     outcomes[a].error = str(err)
@@ -204,7 +215,8 @@ class _Judge:
     def with_weights(self, picked: list[Candidate]) -> Iterator[list[Candidate]]:
         """``picked`` (``light``) with their effective weights made again, a batch at a time."""
         for start in range(0, len(picked), self.step):
-            yield candidates.rebuilt(self.weights, picked[start : start + self.step], self.spec, self._memo)
+            part = picked[start : start + self.step]
+            yield candidates.rebuilt(self.weights, part, self.spec, self._memo, self.budget.elements())
 
 
 def _slices(asks: list[_Ask], count: int, step: int, first: int | None) -> Iterator[list]:
@@ -333,11 +345,13 @@ def search(
     return result
 
 
-def _errors(inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float) -> dict[tuple, float]:
-    """Each candidate's (by key) relative error of the parent's output on ``inputs``' tokens."""
-    losses = inputs.parent.losses(
-        inputs.balance, [c.effective for c in made.values()], reference, inputs.width, inputs.moment
-    )
+def _errors(
+    inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float, activations: int
+) -> dict[tuple, float]:
+    """Each candidate's (by key) relative error of the parent's output on ``inputs``' tokens
+    (``activations``: the bytes a stacked call's widest activation holds)."""
+    effective = [c.effective for c in made.values()]
+    losses = inputs.parent.losses(inputs.balance, effective, reference, inputs.width, inputs.moment, activations)
     return {key: float(loss) / energy if energy > 0 else 0.0 for key, loss in zip(made, losses, strict=True)}
 
 
@@ -375,8 +389,8 @@ class _HeldOut:
     held-out text; the picks' weights do not depend on the tokens): the parent's float output and
     its energy once, each pick's loss by digest, each layer's figures."""
 
-    def __init__(self, inputs: MappingInputs, spec: ob.QuantSpec) -> None:
-        self.inputs = inputs
+    def __init__(self, inputs: MappingInputs, spec: ob.QuantSpec, activations: int) -> None:
+        self.inputs, self.activations = inputs, activations
         self.reference = inputs.parent.outputs()
         self.energy = inputs.parent.energy(self.reference)
         weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
@@ -386,9 +400,9 @@ class _HeldOut:
     def measure(self, made: list[Candidate]) -> None:
         """The losses and layer figures of ``made`` (with their effective weights)."""
         parent = self.inputs.parent
-        losses = parent.losses(
-            self.inputs.balance, [c.effective for c in made], self.reference, self.inputs.width, self.inputs.moment
-        )
+        effective = [c.effective for c in made]
+        inputs = self.inputs
+        losses = parent.losses(inputs.balance, effective, self.reference, inputs.width, inputs.moment, self.activations)
         self.losses.update({c.key: float(loss) for c, loss in zip(made, losses, strict=True)})
         for candidate in made:
             self.figures.errors(candidate)
@@ -409,7 +423,7 @@ class _Measured:
     ) -> None:
         self.judge = judge
         self.figures = _LayerFigures(weights, judge.inputs.moment, spec)
-        self.held_out = None if held_out is None else _HeldOut(held_out, spec)
+        self.held_out = None if held_out is None else _HeldOut(held_out, spec, judge.budget.activations())
         self.gptq: dict[tuple, float] = {}
         self.gptq_held_out: dict[tuple, float] = {}
         self.weights, self.spec = weights, spec
@@ -433,10 +447,12 @@ class _Measured:
             made = then_gptq.gptq_candidates(self.weights, chunk, judge.inputs.moment, self.spec, gptq)
             if not made:
                 continue
-            self.gptq.update(_errors(judge.inputs, made, judge.reference, judge.energy))
+            activations = judge.budget.activations()
+            self.gptq.update(_errors(judge.inputs, made, judge.reference, judge.energy, activations))
             if self.held_out is not None:
                 checked = self.held_out
-                self.gptq_held_out.update(_errors(checked.inputs, made, checked.reference, checked.energy))
+                found = _errors(checked.inputs, made, checked.reference, checked.energy, activations)
+                self.gptq_held_out.update(found)
 
     def row(self, key: tuple[Variant, str], candidate: Candidate, loss: float, ratio, duo) -> VariantRow:
         variant, observer = key
