@@ -43,7 +43,7 @@ def histogram(data, drawn, spec, title: str, specs=None) -> None:
 
 with ui.guard("Drawing the histogram"):
     histogram(
-        entry.data, chosen, entry.spec, f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})"
+        entry.values, chosen, entry.spec, f"{entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})"
     )
     st.caption("Each observer's lines mark where its format clips: the ends of the values it can represent.")
     ui.metrics_note(entry)
@@ -134,7 +134,7 @@ if entry.tool_results:
     if by_tool:
         with ui.guard("Drawing the tools' ranges"):
             title = f"{entry.layer} · {entry.tensor} as each tool would quantize it"
-            histogram(entry.data, by_tool, entry.spec, title, specs=tool_specs)
+            histogram(entry.values, by_tool, entry.spec, title, specs=tool_specs)
         st.dataframe(ranges.range_table(by_tool, entry.spec, tool_specs), hide_index=True)
 
 
@@ -144,7 +144,7 @@ def another_view(other, heading: str, note: str, title: str) -> None:
     st.caption(note)
     other_results = [r for r in other.results if r.name in shown]
     with ui.guard(f"Drawing the histogram ({heading.lower()})"):
-        histogram(other.data, other_results, other.spec, f"{entry.layer} · {entry.tensor} {title}")
+        histogram(other.values, other_results, other.spec, f"{entry.layer} · {entry.tensor} {title}")
     st.dataframe(ranges.range_table(other_results, other.spec), hide_index=True)
 
 
@@ -177,14 +177,16 @@ if entry.tensor == "weight":
 elif entry.tensor in ("k", "v") and entry.num_tokens > 0:
     st.subheader("Per-head ranges")
     with ui.guard("Drawing per-head ranges"):
-        st.plotly_chart(plots.head_range_figure(entry.data), theme="streamlit")
-        st.plotly_chart(plots.token_channel_figure(plots.per_token_view(entry.data)), theme="streamlit")
+        st.plotly_chart(plots.head_range_figure(entry.extremes), theme="streamlit")
+        per_token = plots.per_token_view(entry.data)
+        figure = plots.token_channel_figure(per_token, channels=plots.per_token_view(entry.extremes))
+        st.plotly_chart(figure, theme="streamlit")
 elif entry.num_tokens > 0:
     st.subheader("Per-token vs per-channel abs-max")
     with ui.guard("Drawing activation outliers"):
-        st.plotly_chart(plots.token_channel_figure(entry.data), theme="streamlit")
+        st.plotly_chart(plots.token_channel_figure(entry.data, channels=entry.extremes), theme="streamlit")
         st.plotly_chart(
-            plots.channel_range_figure(entry.data, -1, title="min/max per hidden channel"), theme="streamlit"
+            plots.channel_range_figure(entry.extremes, -1, title="min/max per hidden channel"), theme="streamlit"
         )
 else:
     st.warning(f"{entry.layer} · {entry.tensor} observed no tokens.")

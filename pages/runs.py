@@ -18,12 +18,12 @@ history = serving.history()
 kept = history.runs()
 st.caption(
     f"Every run this server computed, newest first, kept in `{serving.served().describe()['output']}/runs` "
-    f"across restarts: the newest {history.size} (`--history-size`), older ones removed first; "
+    f"across restarts: {history.bounds} (`--history-size`, `--history-bytes`), older ones removed first; "
     f"{sum(r.size for r in kept) / 1e6:,.0f} MB on disk. Runs this session asks for are recorded as asked for "
     f"by **{ui.plain(ws.who)}**."
 )
-if history.pruned:
-    st.info(f"Since this server started, {history.pruned} older run(s) were removed to keep the newest {history.size}.")
+if history.pruned_note():
+    st.info(f"Since this server started, {history.pruned_note()}.")
 if not kept:
     st.info("No runs yet: a run made on the Run page (or the Overview's demo) appears here for the whole team.")
     st.page_link("pages/run.py", label="Go to Run", icon=":material/play_arrow:")
@@ -159,4 +159,4 @@ for entry, name in zip(entries, ("A", "B"), strict=True):
     with ui.guard(f"Drawing run {name}'s ranges"):
         drawn = [r for r in entry.results if r.qparams is not None]
         title = f"{name}: {entry.layer} · {entry.tensor} ({entry.spec.dtype}, {entry.spec.strategy})"
-        st.plotly_chart(plots.range_histogram(entry.data, drawn, entry.spec, title=title), theme="streamlit")
+        st.plotly_chart(plots.range_histogram(entry.values, drawn, entry.spec, title=title), theme="streamlit")

@@ -85,7 +85,8 @@ def test_the_runs_page_lists_opens_and_compares_kept_runs(history_root):
     assert list(table["run"]) == [second.id, first.id] and list(table["who"]) == ["token", "token"]
     assert list(table["model"]) == ["minilm", "minilm"] and list(table["GPTQ"]) == [False, False]
     assert table["layers"][0].startswith("6: encoder.layer.0.attention.self.query")
-    assert "the newest 2 (`--history-size`)" in _captions(at) and "They differ in formats." in _captions(at)
+    assert "the newest 2 runs within 20 GB (`--history-size`, `--history-bytes`)" in _captions(at)
+    assert "They differ in formats." in _captions(at)
     side = at.dataframe[1].value
     assert {"sqnr_db · A", "sqnr_db · B", "clips above · A", "scale median · B"} <= set(side.columns)
     assert len(at.get("plotly_chart")) == 3  # the figure's bars and each run's ranges
@@ -107,6 +108,14 @@ def test_the_runs_page_lists_opens_and_compares_kept_runs(history_root):
     for page in ("ranges", "scales", "error"):  # a kept weight is read from its model when a page asks
         at.switch_page(f"pages/{page}.py").run()
         _ok(at)
+    key = ("encoder.layer.0.attention.output.dense", "input")
+    entry = ws.analysis.entry(*key)
+    assert entry.kept_values is not None and entry.data.shape[0] < entry.metrics_tokens  # the sample, bounded
+    for page in ("ranges", "error"):  # drawn from it: the histogram and channels of every token, the rest on a subset
+        at.switch_page(f"pages/{page}.py").run()
+        at.selectbox(key="w:tensor").set_value(key).run()
+        _ok(at)
+        assert f"This kept run holds {entry.kept_note}, a seeded subset" in _captions(at)
 
 
 def test_a_link_opens_a_run_for_another_session(history_root):
@@ -148,7 +157,7 @@ def test_a_person_deletes_only_their_own_runs_and_the_page_says_what_it_pruned(h
     at.switch_page("pages/runs.py").run()
     _ok(at)
     assert len(at.dataframe[0].value) == 2 and not (history_root / theirs.id).exists()  # the oldest went
-    pruned = "Since this server started, 1 older run(s) were removed to keep the newest 2."
+    pruned = "Since this server started, 1 older run(s) were removed to keep the newest 2 runs within 20 GB."
     assert [i.value for i in at.info] == [pruned]
 
 

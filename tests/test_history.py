@@ -1,8 +1,10 @@
-"""The team's run history (``lab.history``): a kept run opens as it was (every figure, qparam and
-sample, nothing recomputed), the index keeps every run two writers add at once (threads and
-processes), a person deletes only their own runs, the history prunes the oldest past its size, and
-the CLI's runs join it (``python -m observers history add``). Also who asked, in the files: the
-lab JSON's ``provenance`` and the checkpoint's notes."""
+"""The team's run history (``lab.history``): a kept run opens as it was (every figure and qparam,
+nothing recomputed), in a number of bytes a tensor that the calibration tokens do not change and
+without copying a sample, the index keeps every run two writers add at once (threads and
+processes), a person deletes only their own runs, the history prunes the oldest past its size and
+its bytes and refuses a run larger than them all, and the CLI's runs join it (``python -m observers
+history add``). Also who asked, in the files: the lab JSON's ``provenance`` and the checkpoint's
+notes."""
 
 from __future__ import annotations
 
@@ -17,22 +19,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from torch.profiler import ProfilerActivity, profile
 
 import observers as ob
 from lab import provenance
 from lab.analyse.analysis import Analysis, TensorAnalysis
+from lab.analyse.kept_values import HISTOGRAM_BINS, KEPT_VALUES
 from lab.analyse.result_cache import ResultCache
 from lab.cli import main
 from lab.export import compressed_tensors, lab_json, recipe
 from lab.history import compare, run_file
 from lab.history.index import RunIndex, RunRecord
 from lab.history.run_file import KeptRun, RunFileError
-from lab.history.store import HISTORY_DIR, LAB_FILE, History, HistoryError
+from lab.history.store import HISTORY_DIR, LAB_FILE, History, HistoryError, parse_history_bytes
 from lab.results import choose, report
 from lab.serve import roots
 from lab.serve.access import local_path, sign_in_page
 from lab.serve.config import Auth, ServeConfig
-from lab.serve.session_runs import SessionRun
+from lab.serve.session_runs import SessionRun, kept
 from lab.settings import RunSettings, SpecSettings
 from observers.suite import SuiteResult
 from sample_models import open_model
@@ -138,9 +143,9 @@ def test_a_kept_run_opens_as_it_was_computed(nvfp4, tmp_path):
     assert_same_analysis(opened.analysis, nvfp4.analysis)
     assert_same_analysis(opened.transformed, nvfp4.transformed)
     assert opened.unpropagated is None and opened.request == run.request
-    weights = [e for e in opened.analysis.entries if e.tensor == "weight"]
-    assert weights and all(callable(e.source) for e in weights)  # read from the model, not kept
-    assert all(not callable(e.source) for e in opened.transformed.entries)  # rotated weights are in no file
+    weights = [e for part in (opened.analysis, opened.transformed) for e in part.entries if e.tensor == "weight"]
+    assert weights and all(callable(e.source) for e in weights)  # read from the model (rotated by the seed), not kept
+    assert all(not callable(e.source) for e in opened.transformed.entries if e.tensor == "input")
     served = [e for e in opened.analysis.entries if e.served is not None]
     assert {e.layer for e in served} >= set(LAYERS[:3])
     assert any(e.gptq for e in opened.analysis.entries) and any(e.tool_results for e in opened.analysis.entries)
@@ -156,6 +161,112 @@ def test_a_kept_run_stores_each_sample_once(nvfp4, tmp_path):
     document = json.loads((tmp_path / "run" / run_file.DOCUMENT).read_text())
     inputs = [e["sample"] for e in document["analysis"]["entries"] if e["tensor"] == "input"]
     assert len(inputs) == 4 and len(set(inputs[:3])) == 1 and inputs[3] != inputs[0]
+
+
+def _with_samples(analysis: Analysis, tokens: int) -> Analysis:
+    """``analysis`` as if it had kept ``tokens`` seeded tokens of each input (the layers reading
+    one input share one sample, as q, k and v do)."""
+    samples: dict[bytes, torch.Tensor] = {}
+
+    def sampled(entry: TensorAnalysis) -> TensorAnalysis:
+        if entry.tensor != "input":
+            return entry
+        width, read = entry.data.shape[1], entry.data.numpy().tobytes()
+        if read not in samples:
+            generator = torch.Generator().manual_seed(len(samples))
+            samples[read] = torch.randn(tokens, width, generator=generator) * (1 + torch.arange(width))
+        return replace(entry, source=samples[read], total_shape=(tokens, width), metrics_tokens=tokens)
+
+    return replace(analysis, entries=[sampled(entry) for entry in analysis.entries])
+
+
+def test_a_kept_run_takes_the_same_bytes_whatever_the_calibration_tokens(int8, tmp_path):
+    """Of each input a run keeps what the pages draw (its histogram, each channel's extremes, at most
+    ``KEPT_VALUES`` values of tokens), so 8 times the tokens take the very same bytes, and a
+    reopened run draws the histogram and channel ranges of every token (issue 54)."""
+    sizes = []
+    for tokens in (2_000, 16_000):
+        run = KeptRun(_with_samples(int8.analysis, tokens))
+        run_file.save(run, tmp_path / str(tokens))
+        sizes.append((tmp_path / str(tokens) / run_file.TENSORS).stat().st_size)
+        opened = run_file.load(tmp_path / str(tokens), _weight_of).analysis
+        for mine, theirs in zip(opened.entries, run.analysis.entries, strict=True):
+            for a, b in zip(mine.results, theirs.results, strict=True):
+                same_result(a, b)  # the metrics on the whole sample, as computed
+            if mine.tensor != "input":
+                assert mine.kept_values is None and callable(mine.source)
+                continue
+            assert mine.data.numel() <= KEPT_VALUES and mine.data.shape[1] == theirs.data.shape[1]
+            assert float(mine.kept_values.histogram.counts.sum()) == theirs.data.numel()
+            assert (mine.kept_values.histogram.lo, mine.kept_values.histogram.hi) == (
+                float(theirs.data.min()),
+                float(theirs.data.max()),
+            )
+            assert torch.equal(mine.extremes, theirs.extremes) and mine.shape == theirs.shape
+            assert mine.kept_note == f"{mine.data.shape[0]:,} of the {tokens:,} tokens the metrics saw"
+    assert sizes[0] == sizes[1]
+    document = json.loads((tmp_path / "16000" / run_file.DOCUMENT).read_text())
+    with safe_open(str(tmp_path / "16000" / run_file.TENSORS), "pt") as stored:
+        for entry in document["analysis"]["entries"]:
+            if entry["tensor"] == "input":
+                width = entry["total_shape"][1]
+                keys = [entry["sample"], entry["values"]["histogram"], entry["values"]["extremes"]]
+                held = sum(stored.get_tensor(key).nbytes for key in keys)
+                assert held <= 4 * KEPT_VALUES + 8 * HISTOGRAM_BINS + 2 * 4 * width
+
+
+def test_a_kept_run_holds_attention_states_the_same_bounded_way(int8, tmp_path):
+    """Keys and values ``(batch, heads, seq, head_dim)``: whole sequence positions of every head are
+    kept, each head's and channel's extremes are of every position."""
+    generator = torch.Generator().manual_seed(3)
+    states = torch.randn(1, 12, 3_000, 32, generator=generator)
+    states[0, 5, 17, 9] = 90.0
+    spec = ob.QuantSpec("int8")
+    results = ob.run_suite(states, spec, names=["minmax"], kind="attention")
+    block = "encoder.layer.0.attention.self"
+    entry = TensorAnalysis(block, "k", spec, states, results, total_shape=tuple(states.shape), rank=None)
+    entry.metrics_tokens = 3_000
+    run_file.save(KeptRun(replace(int8.analysis, entries=[entry])), tmp_path / "run")
+    (kept,) = run_file.load(tmp_path / "run", _weight_of).analysis.entries
+    assert kept.data.shape == (1, 12, KEPT_VALUES // 384, 32)
+    assert torch.equal(kept.extremes, entry.extremes) and kept.extremes.shape == (2, 12, 1, 32)
+    assert float(kept.kept_values.histogram.counts.sum()) == states.numel() and kept.kept_values.histogram.hi == 90.0
+    assert kept.kept_note == f"{KEPT_VALUES // 384:,} of the 3,000 tokens the metrics saw"
+    assert kept.num_tokens == entry.num_tokens == 3_000
+
+
+def test_keeping_a_run_copies_no_sample(int8, tmp_path):
+    """The CLI's calibration peak grew with the samples once ``run --out`` kept its run, which
+    copied every sample whole (issue 54): keeping one allocates nothing near a sample's size."""
+    run = KeptRun(_with_samples(int8.analysis, 32_000))
+    sample = 32_000 * 384 * 4
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as allocations:
+        run_file.save(run, tmp_path / "run")
+    largest = max(event.cpu_memory_usage for event in allocations.events())
+    assert 0 < largest <= sample / 4
+
+
+def test_a_smoothquant_runs_weights_are_read_again_through_its_kept_scales(tmp_path):
+    computed = _computed(SpecSettings(dtype="int8", strategy="channel"), observers=("minmax",), transform="smoothquant")
+    run_file.save(KeptRun(computed.analysis, computed.transformed), tmp_path / "run")
+    opened = run_file.load(tmp_path / "run", _weight_of)
+    assert_same_analysis(opened.transformed, computed.transformed)  # the weights included, bit for bit
+    weights = [e for e in opened.transformed.entries if e.tensor == "weight"]
+    assert weights and all(callable(e.source) and e.smoothing is not None for e in weights)
+    assert not torch.equal(weights[0].data, _weight_of(weights[0].layer))  # scaled, not the model's own
+
+
+def test_a_version_1_run_reads_as_it_did(int8, tmp_path):
+    """Version 1 kept whole samples (no histogram, no extremes): such a run opens with them."""
+    run_file.save(KeptRun(int8.analysis), tmp_path / "run")
+    path = tmp_path / "run" / run_file.DOCUMENT
+    document = json.loads(path.read_text())
+    for entry in document["analysis"]["entries"]:
+        del entry["values"], entry["smoothing"]
+    path.write_text(json.dumps(document | {"version": 1}))
+    opened = run_file.load(tmp_path / "run", _weight_of).analysis
+    assert_same_analysis(opened, int8.analysis)
+    assert all(entry.kept_values is None for entry in opened.entries)
 
 
 def test_the_kept_lab_json_names_the_run_and_who_asked(int8, tmp_path):
@@ -196,6 +307,55 @@ def test_the_history_prunes_the_oldest_past_its_size(int8, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted(ids[2:])
     with pytest.raises(HistoryError, match="at least 1"):
         History(tmp_path, 0)
+
+
+def test_the_history_prunes_the_oldest_past_its_bytes_and_says_so(int8, tmp_path):
+    run = KeptRun(_with_samples(int8.analysis, 2_000))
+    size = History(tmp_path / "probe", 10).record(run, "alice").size
+    history = History(tmp_path / "runs", 10, int(2.5 * size))
+    ids = [history.record(run, "alice").id for _ in range(4)]
+    assert [r.id for r in history.runs()] == ids[:1:-1] and history.pruned == 2
+    assert sum(r.size for r in history.runs()) <= history.max_bytes
+    assert sorted(p.name for p in history.root.iterdir() if p.is_dir()) == sorted(ids[2:])
+    bound = f"{int(2.5 * size) / 1e6:.3g} MB"
+    assert history.bounds == f"the newest 10 runs within {bound}"
+    assert history.pruned_note() == f"2 older run(s) were removed to keep the newest 10 runs within {bound}"
+    assert History(tmp_path / "runs", 10).pruned_note() is None
+
+
+def test_a_run_larger_than_the_whole_history_is_refused_and_the_others_stay(int8, tmp_path):
+    """Keeping it would remove every other run for one: it is refused in one line, nothing of it is
+    left on disk, and the server shows it with that note."""
+    history = History(tmp_path, 10, 1_500_000)
+    small = history.record(KeptRun(int8.analysis), "alice")
+    large = KeptRun(_with_samples(int8.analysis, 2_000))
+    words = (
+        r"this run takes \d\.\d+ MB on disk, more than the whole history keeps \(--history-bytes 1\.5 MB\): it is not"
+    )
+    with pytest.raises(HistoryError, match=words):
+        history.record(large, "bob")
+    assert [r.id for r in history.runs()] == [small.id] and history.pruned == 0
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [small.id]
+    shown = kept(replace(int8, analysis=large.analysis), lambda run: history.record(run, "bob"), {})
+    assert shown.kept is None and shown.notes[-1].startswith("This run was not kept in the team's history: this run")
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("5G", "--history-bytes: memory size '5G' must be a positive number with an optional unit"),
+        ("-1GB", "--history-bytes: memory size '-1GB' must be a positive number"),
+        ("0", "--history-bytes: memory size '0' must be a positive number"),
+        ("1.5", "--history-bytes must be at least 1 MB, got 1 bytes"),
+        ("20", "--history-bytes must be at least 1 MB, got 20 bytes \\(write a unit: 20GB\\)"),
+    ],
+)
+def test_a_bad_history_bytes_is_one_line(text, words, tmp_path):
+    with pytest.raises(HistoryError, match=words):
+        parse_history_bytes(text)
+    assert parse_history_bytes("20GB") == 20 * 10**9 and parse_history_bytes("1.5 GiB") == 3 * 2**29
+    with pytest.raises(HistoryError, match="at least 1 MB"):
+        History(tmp_path, 10, 999_999)
 
 
 def _record(i: int, who: str) -> RunRecord:
@@ -254,7 +414,7 @@ def test_a_directory_that_is_not_a_run_is_refused_in_one_line(int8, tmp_path):
     run_file.save(KeptRun(int8.analysis), tmp_path / "good")
     document = json.loads((tmp_path / "good" / run_file.DOCUMENT).read_text())
     (tmp_path / "good" / run_file.DOCUMENT).write_text(json.dumps(document | {"version": 99}))
-    with pytest.raises(RunFileError, match="not an Observer Lab run of version 1"):
+    with pytest.raises(RunFileError, match="not an Observer Lab run of version 1 or 2"):
         run_file.load(tmp_path / "good", _weight_of)
     (tmp_path / "good" / run_file.DOCUMENT).write_text(json.dumps(document | {"analysis": {"facts": {}}}))
     with pytest.raises(RunFileError, match="holds a broken run: KeyError"):
@@ -344,6 +504,25 @@ def test_the_cli_keeps_its_runs_and_adds_them_to_a_servers_history(tmp_path, mon
     assert main(["history", "add", "missing.json", "--output-root", "served"], io.StringIO(), err) == 2
     assert err.getvalue().count("\n") == 1 and "has no run beside it (missing.run)" in err.getvalue()
     assert main(["history", "add", "a.json", "--output-root", "served", "--history-size", "0"], io.StringIO(), err) == 2
+    err = io.StringIO()
+    assert (
+        main(["history", "add", "a.json", "--output-root", "served", "--history-bytes", "5G"], io.StringIO(), err) == 2
+    )
+    assert err.getvalue().count("\n") == 1 and "--history-bytes: memory size '5G'" in err.getvalue()
+
+
+def test_the_cli_keeps_the_same_bytes_whatever_the_samples(tmp_path, monkeypatch):
+    """``run --out`` keeps its run in the bounded form: three times the samples, the same bytes."""
+    monkeypatch.chdir(tmp_path)
+    for samples in (8, 24):
+        argv = ["run", "minilm", "--layers", "encoder.layer.0.output.dense", "--kinds", "input", "--format", "int8"]
+        argv += ["--observers", "minmax", "--samples", str(samples), "--seq-len", "64", "--out", f"s{samples}.json"]
+        assert main([*argv, "--quiet"], io.StringIO(), err := io.StringIO()) == 0, err.getvalue()
+    sizes = [(tmp_path / f"s{samples}.run" / run_file.TENSORS).stat().st_size for samples in (8, 24)]
+    assert sizes[0] == sizes[1]
+    (entry,) = run_file.load(tmp_path / "s24.run", _weight_of).analysis.entries
+    assert entry.data.shape == (KEPT_VALUES // 1536, 1536) and entry.metrics_tokens > 3 * entry.data.shape[0]
+    assert float(entry.kept_values.histogram.counts.sum()) == entry.metrics_tokens * 1536
 
 
 def test_a_kept_runs_model_is_held_to_the_servers_roots(tmp_path):
@@ -371,8 +550,6 @@ def test_the_sign_in_page_goes_on_to_the_run_a_link_named():
 
 
 def test_a_run_that_cannot_be_kept_is_still_shown_with_a_note(int8):
-    from lab.serve.session_runs import kept
-
     def full_disk(run: KeptRun) -> RunRecord:
         raise OSError(28, "No space left on device")
 

@@ -54,6 +54,7 @@ def test_defaults_expose_only_folders_under_the_app_directory(tmp_path, monkeypa
     assert (tmp_path / "lab-data").is_dir() and (tmp_path / "lab-outputs").is_dir()
     assert all(root.is_relative_to(tmp_path.resolve()) or "huggingface" in str(root) for root in config.model_roots)
     assert config.heavy_runs == 1 and config.shared_cache_bytes == 10**9
+    assert (config.history_size, config.history_bytes) == (200, 20 * 10**9)
 
 
 def test_a_declared_root_that_does_not_exist_stops_the_launcher(tmp_path, capsys, monkeypatch):
@@ -68,6 +69,18 @@ def test_a_declared_root_that_does_not_exist_stops_the_launcher(tmp_path, capsys
     assert "is not a directory" in capsys.readouterr().err
     assert launcher.main(["--heavy-runs", "0"]) == 2
     assert launcher.main(["--shared-cache", "lots"]) == 2
+
+
+@pytest.mark.parametrize("text", ["5G", "-1GB", "0", "20", "lots"])
+def test_a_bad_history_bytes_stops_the_launcher_in_one_line(text, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default roots are made here
+    executed = []
+    monkeypatch.setattr(os, "execv", lambda *a: executed.append(a))
+    assert launcher.main([f"--history-bytes={text}"]) == 2 and executed == []
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --history-bytes")
+    config, _ = ServeConfig.parse(["--history-bytes", "5.5 GB"], cwd=tmp_path)
+    assert config.history_bytes == 5_500_000_000 and ServeConfig.parse(config.to_argv())[0] == config
 
 
 def test_the_launcher_hands_streamlit_its_flags_and_the_app_its_roots(served, tree):
@@ -270,6 +283,7 @@ def test_different_runs_queue_and_the_waiting_session_is_told_how_many_are_ahead
 
     def second():
         first_started.wait(30)
+
         def waiting(line: str) -> None:
             lines.append(line)
             second_waits.set()

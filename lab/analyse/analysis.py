@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.analyse.kept_values import KeptValues, ValueHistogram, extremes_of
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.run_config import RunConfig
 from lab.gptq.layer import GPTQRow
@@ -55,7 +56,9 @@ class TensorAnalysis:
     """The suite's results on one tensor of one layer.
 
     ``source`` is an activation's kept sample of tokens (``data``), or a function that reads a
-    weight again from its checkpoint when a page asks for it: an analysis holds no whole weight.
+    weight again from its checkpoint when a page asks for it: an analysis holds no whole weight. An
+    activation of a run reopened from the history holds a seeded subset of that sample's tokens
+    (``kept_values``; ``lab.analyse.kept_values``).
     ``total_shape`` is the shape over every calibration token (of every rank, when ranks split
     the batches; ``data`` is then this rank's sample), a weight's shape; ``rank`` is None for what
     all ranks computed together, else the rank that computed a weight's results."""
@@ -89,11 +92,41 @@ class TensorAnalysis:
     per_layer: list[SuiteResult] = field(default_factory=list)
     """With ``served``: each observer's result with this tensor's own scales, in ``results``' order
     (what a runtime that does not fuse, e.g. transformers' own forward, runs)."""
+    kept_values: KeptValues | None = None
+    """Of an activation of a run reopened from the history (``lab.history.run_file``): the
+    histogram and per-channel extremes of the whole sample its metrics saw, where ``data`` holds a
+    seeded subset of the sample's tokens (``kept_values.KEPT_VALUES`` values)."""
+    smoothing: torch.Tensor | None = None
+    """Of a weight under a SmoothQuant transform: the scales its input columns are multiplied by
+    (``lab.calibrate.observed.weight_view``), so the transformed weight is read from the model again."""
 
     @property
     def data(self) -> torch.Tensor:
         """The tensor: an activation's sample, or the weight read again (as the run's transform shows it)."""
         return self.source() if callable(self.source) else self.source
+
+    @property
+    def values(self) -> torch.Tensor | ValueHistogram:
+        """What a value histogram draws: ``data``, or a reopened run's histogram of the whole sample."""
+        return self.data if self.kept_values is None else self.kept_values.histogram
+
+    @property
+    def extremes(self) -> torch.Tensor:
+        """Of an activation or attention states: each channel's min and max over every token of the
+        sample, as two tokens (``kept_values.extremes_of``), what per-channel figures draw."""
+        return extremes_of(self.data) if self.kept_values is None else self.kept_values.extremes
+
+    @property
+    def kept_note(self) -> str | None:
+        """ "170 of the 5,825 tokens the metrics saw" when a reopened run holds a subset of the sample
+        (``kept_values``): what the figures re-derived from values draw on; None otherwise."""
+        if self.kept_values is None or self.metrics_tokens is None:
+            return None
+        data = self.data
+        held = int(data.shape[0] * data.shape[2]) if self.tensor in KV_TENSORS else int(data.shape[0])
+        if held >= self.metrics_tokens:
+            return None
+        return f"{held:,} of the {self.metrics_tokens:,} tokens the metrics saw"
 
     @property
     def metrics_note(self) -> str | None:

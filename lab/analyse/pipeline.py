@@ -168,9 +168,13 @@ def analyse(
             for name in names:
                 tick(f"{layer} · {tensor} · {name}")
         for _, members in fused_groups(weights, level("weight")) if "weight" in shared else [(w, [w]) for w in weights]:
-            reads = [partial(_read_weight, model, layer, config, calibrated.smoothing.get(layer)) for layer in members]
+            smoothing = [calibrated.smoothing.get(layer) for layer in members]
+            reads = [partial(_read_weight, model, name, config, s) for name, s in zip(members, smoothing, strict=True)]
             given = [calibrated.statistics.get(layer, {}) | {"gptq_held_out": held_out.get(layer)} for layer in members]
-            found += _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank)
+            group = _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank)
+            for entry, scales in zip(group, smoothing, strict=True):
+                entry.smoothing = scales
+            found += group
         if "input" in shared:
             inputs = [e for e in found if e.tensor == "input"]
             for unit, members in fused_groups([e.layer for e in inputs], level("input")):

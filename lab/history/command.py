@@ -16,7 +16,7 @@ from typing import IO, Any
 from lab import provenance
 from lab.analyse.analysis import Analysis
 from lab.history import run_file
-from lab.history.store import DEFAULT_HISTORY_SIZE, HISTORY_DIR, History
+from lab.history.store import DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_SIZE, HISTORY_DIR, History, parse_history_bytes
 
 
 def who() -> str:
@@ -34,8 +34,10 @@ def made_by(earlier: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def save_beside(analysis: Analysis, lab_path: str, model: str, device: str) -> Path:
-    """Keep the run ``run --out lab_path`` made beside the file (``x.json`` → ``x.run``), whole,
-    so that ``history add`` takes it to a server's history; ``model`` and ``device`` open it again."""
+    """Keep the run ``run --out lab_path`` made beside the file (``x.json`` → ``x.run``), as a
+    server's history keeps one (``run_file``: a bounded number of bytes a tensor, never the
+    calibration sample), so that ``history add`` takes it to a server's history; ``model`` and
+    ``device`` open it again."""
     directory = run_file.directory_for(lab_path)
     run_file.save(run_file.KeptRun(analysis, request={"source": model, "device": device, "dtype": "fp32"}), directory)
     return directory
@@ -53,16 +55,18 @@ def add_parser(commands: Any) -> None:
         parser.add_argument(
             "--history-size", type=int, default=DEFAULT_HISTORY_SIZE, help="the server's --history-size"
         )
+        parser.add_argument("--history-bytes", default=DEFAULT_HISTORY_BYTES, help="the server's --history-bytes")
 
 
 def run(args: argparse.Namespace, out: IO[str]) -> None:
     """``history add`` or ``history list``."""
-    history = History(Path(args.output_root) / HISTORY_DIR, args.history_size)
+    history = History(Path(args.output_root) / HISTORY_DIR, args.history_size, parse_history_bytes(args.history_bytes))
     if args.action == "add":
         record = history.add(Path(args.file), who())
         out.write(f"kept run {record.id} ({record.model}, {len(record.layers)} layer(s)) in {history.root}\n")
-        if history.pruned:
-            out.write(f"removed {history.pruned} older run(s): the history keeps the newest {history.size}\n")
+        note = history.pruned_note()
+        if note:
+            out.write(f"{note}\n")
         return
     for record in history.runs():
         out.write(f"{record.id}\t{record.when}\t{record.who}\t{record.model}\t{record.formats}\n")

@@ -3,14 +3,20 @@
 A run directory holds ``run.json`` (how to open the model again, and per analysis of the run: the
 model's facts, the run's config, and per analysed tensor its spec and every observer's result:
 metrics, knobs, errors, as served and each layer's own, the GPTQ rows and each tool's default) and
-``tensors.safetensors`` (every tensor those name: qparams, an activation's kept sample of tokens,
-activation order's group index, GPTQ's Hessian, the tensors a weight observer took as knobs).
-Nothing is pickled: a run directory is read as data.
+``tensors.safetensors`` (every tensor those name: qparams, what the pages draw of an activation,
+activation order's group index, GPTQ's Hessian, SmoothQuant's scales, the tensors a weight
+observer took as knobs). Nothing is pickled: a run directory is read as data.
 
-A run is up to three analyses (``KeptRun``): as asked, through the transform, and calibrated on
-the float model (with propagation). A weight of the first and third is not kept (it is in the
-model's files): ``load(directory, weight_of)`` reads it with ``weight_of(layer)`` when a page asks,
-as an analysis's own entries do. The transformed weights exist in no file, so they are kept.
+Its bytes do not grow with the calibration data: of an activation's sample (up to ``SAMPLE_BYTES``
+of tokens, what its metrics were computed on) a run keeps what the pages draw
+(``lab.analyse.kept_values``: the histogram of every value, each channel's extremes, a seeded
+subset of at most ``KEPT_VALUES`` values of tokens), and no weight: ``load(directory, weight_of)``
+reads one with ``weight_of(layer)`` when a page asks, through the run's transform (a Hadamard
+rotation from its seed, SmoothQuant's kept scales). A GPTQ Hessian (``in²`` floats a layer, once
+per distinct input) is kept whole: it is what makes a GPTQ weight again (the Ranges page, the
+checkpoint), short of calibrating again; the history's byte bound counts it.
+
+Version 2; a version 1 directory (whole samples, transformed weights kept) reads as it did.
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ import torch
 
 import observers as ob
 from lab.analyse.analysis import Analysis, Served, TensorAnalysis, ToolResult
+from lab.analyse.kept_values import KeptValues, ValueHistogram, kept_rows, summarise
 from lab.analyse.model_facts import ModelFacts
 from lab.analyse.run_config import RunConfig
 from lab.analyse.tools import ToolProfile
+from lab.calibrate.observed import weight_view
 from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
 from lab.gptq.layer import GPTQRow
 from observers.suite import SuiteResult
 
 FORMAT = "observer-lab-run"
-VERSION = 1
+VERSION = 2
+READS = (1, VERSION)
+"""The versions ``load`` reads: 1 kept whole samples and transformed weights, read as they are."""
 DOCUMENT, TENSORS = "run.json", "tensors.safetensors"
 SUFFIX = ".run"
 _QPARAM_FIELDS = ("scale", "zero_point", "min_val", "max_val", "global_scale")
@@ -73,11 +83,14 @@ def directory_for(lab_path: str | os.PathLike) -> Path:
 class _Tensors:
     """The tensors of one run file, each under a key the document names: a tensor whose contents
     were put before (a knob every observer of a layer took, the one input q, k and v read) is
-    stored once, and each is stored in its own memory (safetensors stores no shared memory)."""
+    stored once, and each in memory of its own (safetensors stores no shared memory): a view is
+    copied, a tensor owning its memory (a Hessian) is not. ``kept`` memoizes what is kept of an
+    activation's sample, by the sample (q, k and v read one)."""
 
     def __init__(self) -> None:
         self.found: dict[str, torch.Tensor] = {}
         self.keys: dict[tuple, str] = {}
+        self.kept: dict[int, tuple[torch.Tensor, KeptValues]] = {}
 
     def put(self, key: str, tensor: torch.Tensor | None) -> str | None:
         if tensor is None:
@@ -86,7 +99,8 @@ class _Tensors:
         raw = stored.reshape(-1).view(torch.uint8).numpy()
         content = (str(stored.dtype), tuple(stored.shape), hashlib.sha256(raw).hexdigest())
         if content not in self.keys:
-            self.found[key], self.keys[content] = stored.clone(), key
+            whole = stored.storage_offset() == 0 and stored.untyped_storage().nbytes() == stored.nbytes
+            self.found[key], self.keys[content] = stored if whole else stored.clone(), key
         return self.keys[content]
 
 
@@ -102,7 +116,7 @@ def save(run: KeptRun, directory: Path, beside: Mapping[str, bytes] | None = Non
         raise RunFileError(f"{directory} exists and is not a run this lab wrote: it is left alone")
     tensors = _Tensors()
     analyses = {
-        part: None if analysis is None else _analysis(analysis, part[0], tensors, keep_weights=part == "transformed")
+        part: None if analysis is None else _analysis(analysis, part[0], tensors)
         for part, analysis in zip(_PARTS, (run.analysis, run.transformed, run.unpropagated), strict=True)
     }
     document = {"format": FORMAT, "version": VERSION, "request": json_safe(run.request), **analyses}
@@ -127,36 +141,52 @@ def is_run(directory: Path) -> bool:
         return False
 
 
-def _analysis(analysis: Analysis, key: str, tensors: _Tensors, keep_weights: bool) -> dict[str, Any]:
+def _analysis(analysis: Analysis, key: str, tensors: _Tensors) -> dict[str, Any]:
     return {
         "facts": json_safe(asdict(analysis.facts)),
         "config": json_safe(analysis.config.to_dict()),
         "seconds": analysis.seconds,
         "warnings": list(analysis.warnings),
         "calibration": json_safe(analysis.calibration),
-        "entries": [_entry(entry, f"{key}{i}", tensors, keep_weights) for i, entry in enumerate(analysis.entries)],
+        "entries": [_entry(entry, f"{key}{i}", tensors) for i, entry in enumerate(analysis.entries)],
     }
 
 
-def _entry(entry: TensorAnalysis, key: str, tensors: _Tensors, keep_weights: bool) -> dict[str, Any]:
-    kept = not callable(entry.source) or keep_weights
-    sample = tensors.put(f"{key}.sample", entry.data) if kept else None
-    return {
+def _entry(entry: TensorAnalysis, key: str, tensors: _Tensors) -> dict[str, Any]:
+    record = {
         "layer": entry.layer,
         "tensor": entry.tensor,
         "spec": entry.spec.to_dict(),
         "total_shape": None if entry.total_shape is None else list(entry.total_shape),
         "rank": entry.rank,
         "metrics_tokens": entry.metrics_tokens,
-        "sample": sample,
         "g_idx": tensors.put(f"{key}.g_idx", entry.g_idx),
         "hessian": tensors.put(f"{key}.hessian", entry.hessian),
+        "smoothing": tensors.put(f"{key}.smoothing", entry.smoothing),
         "results": [_result(r, f"{key}.r{j}", tensors) for j, r in enumerate(entry.results)],
         "per_layer": [_result(r, f"{key}.own{j}", tensors) for j, r in enumerate(entry.per_layer)],
         "served": None if entry.served is None else asdict(entry.served),
         "gptq": [json_safe(asdict(row)) for row in entry.gptq],
         "tools": [_tool(run, f"{key}.t{j}", tensors) for j, run in enumerate(entry.tool_results)],
     }
+    return record | _values(entry, key, tensors)
+
+
+def _values(entry: TensorAnalysis, key: str, tensors: _Tensors) -> dict[str, Any]:
+    """What is kept of an activation's sample (``sample``: its kept rows, ``values``: its histogram
+    and extremes; none of a weight, read from the model again)."""
+    if callable(entry.source):
+        return {"sample": None, "values": None}
+    data = entry.data
+    if data.numel() == 0:  # no token: nothing to draw
+        return {"sample": tensors.put(f"{key}.sample", data), "values": None}
+    if id(data) not in tensors.kept:
+        tensors.kept[id(data)] = (kept_rows(data), entry.kept_values or summarise(data))
+    rows, kept = tensors.kept[id(data)]
+    histogram = kept.histogram
+    values = {"lo": histogram.lo, "hi": histogram.hi, "histogram": tensors.put(f"{key}.histogram", histogram.counts)}
+    values["extremes"] = tensors.put(f"{key}.extremes", kept.extremes)
+    return {"sample": tensors.put(f"{key}.sample", rows), "values": values}
 
 
 def _result(result: SuiteResult, key: str, tensors: _Tensors) -> dict[str, Any]:
@@ -202,8 +232,8 @@ def load(directory: Path, weight_of: WeightOf) -> KeptRun:
         tensors = load_file(str(directory / TENSORS))
     except (OSError, ValueError) as err:
         raise RunFileError(f"{directory} is not a readable run: {err}") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
-        raise RunFileError(f"{directory} is not an Observer Lab run of version {VERSION}")
+    if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") not in READS:
+        raise RunFileError(f"{directory} is not an Observer Lab run of version {' or '.join(map(str, READS))}")
     try:
         found = [None if document[part] is None else _read(document[part], tensors, weight_of) for part in _PARTS]
         request = dict(document["request"])
@@ -228,15 +258,17 @@ def _read(document: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of:
     blocks = facts.get("attention_blocks")
     kv = {name: tuple(shape) for name, shape in facts.get("kv_shapes", {}).items()}
     model_facts = ModelFacts(facts["source"], facts["layer_types"], shapes, tuple(blocks) if blocks else None, kv)
-    entries = [_read_entry(record, tensors, weight_of) for record in document["entries"]]
     config = RunConfig.from_dict(document["config"])
+    entries = [_read_entry(record, tensors, weight_of, config) for record in document["entries"]]
     warnings, calibration = list(document["warnings"]), document["calibration"]
     return Analysis(model_facts, config, entries, document["seconds"], warnings, calibration)
 
 
-def _read_entry(record: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf) -> TensorAnalysis:
-    sample = record["sample"]
-    source = tensors[sample] if sample is not None else partial(weight_of, record["layer"])
+def _read_entry(
+    record: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf, config: RunConfig
+) -> TensorAnalysis:
+    sample, smoothing = record["sample"], _get(tensors, record.get("smoothing"))
+    source = tensors[sample] if sample is not None else partial(_weight, weight_of, record["layer"], config, smoothing)
     shape = record["total_shape"]
     entry = TensorAnalysis(
         layer=record["layer"],
@@ -258,7 +290,17 @@ def _read_entry(record: dict[str, Any], tensors: dict[str, torch.Tensor], weight
         else Served(**{**record["served"], "members": tuple(record["served"]["members"])})
     )
     entry.per_layer = [_read_result(r, tensors) for r in record["per_layer"]]
+    entry.smoothing = smoothing
+    values = record.get("values")
+    if values is not None:
+        histogram = ValueHistogram(values["lo"], values["hi"], tensors[values["histogram"]])
+        entry.kept_values = KeptValues(histogram, tensors[values["extremes"]])
     return entry
+
+
+def _weight(weight_of: WeightOf, layer: str, config: RunConfig, smoothing: torch.Tensor | None) -> torch.Tensor:
+    """A kept run's weight, read from its model as the run's transform shows it."""
+    return weight_view(config, weight_of(layer), smoothing)
 
 
 def _read_result(record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> SuiteResult:

@@ -67,7 +67,7 @@ def report_figures(analysis: Analysis, metric: str) -> list[go.Figure]:
     figures = [plots.metric_heatmap(frame, metric), plots.metric_bars(frame, metric)]
     for entry in analysis.entries:
         title = f"{plots.tensor_label(entry.layer, entry.tensor)}: values and where each observer clips"
-        figures.append(plots.range_histogram(entry.data, entry.results, entry.spec, title=title))
+        figures.append(plots.range_histogram(entry.values, entry.results, entry.spec, title=title))
     return figures
 
 

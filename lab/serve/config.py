@@ -1,7 +1,7 @@
 """What the person starting the server declares: who may use it (``--auth``: a token, an OpenID
 Connect sign-in with an allow-list, or nobody asked on a loopback address), the roots a browser may
-read from and write to, how many heavy runs compute at once, and how many bytes of results are kept
-for the next person.
+read from and write to, how many heavy runs compute at once, how many bytes of results are kept
+for the next person, and how many runs (and bytes of them) the team's history keeps.
 
 ``ServeConfig.parse(argv)`` reads the flags ``python -m lab.serve`` (``scripts/app.sh``) takes beside
 Streamlit's own, and which the launcher hands on to ``app.py`` after ``--``; the same parser runs in
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from lab.history.store import DEFAULT_HISTORY_SIZE
+from lab.history.store import DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_SIZE, HistoryError, parse_history_bytes
 from lab.settings import parse_bytes
 
 DEFAULT_DATA_ROOT = "lab-data"
@@ -74,6 +74,8 @@ class ServeConfig:
     """``--auth oidc``: who may sign in, each an email or ``*@domain`` (case-insensitive)."""
     history_size: int = DEFAULT_HISTORY_SIZE
     """Runs kept in the team's history (``<output root>/runs``)."""
+    history_bytes: int = field(default_factory=lambda: parse_history_bytes(DEFAULT_HISTORY_BYTES))
+    """Bytes the team's history's runs may take on disk, the oldest pruned first."""
 
     @property
     def hub_allowed(self) -> bool:
@@ -105,8 +107,12 @@ class ServeConfig:
         allow = _allow_list(args.allow, auth)
         if args.history_size < 1:
             raise ServeConfigError(f"--history-size must be at least 1, got {args.history_size}")
+        try:
+            kept_bytes = parse_history_bytes(args.history_bytes)
+        except HistoryError as err:
+            raise ServeConfigError(str(err)) from None
         found = (data, models, output_root, args.heavy_runs, cache, UPLOADS_ROOT, auth, token_file, allow)
-        return cls(*found, args.history_size), rest
+        return cls(*found, args.history_size, kept_bytes), rest
 
     def to_argv(self) -> list[str]:
         """Flags that ``parse`` reads back into this config (what the launcher hands to ``app.py``)."""
@@ -116,7 +122,7 @@ class ServeConfig:
         argv += ["--shared-cache", str(self.shared_cache_bytes), "--auth", self.auth.value]
         argv += ["--token-file", str(self.token_file)] if self.token_file is not None else []
         argv += [arg for pattern in self.allow for arg in ("--allow", pattern)]
-        return argv + ["--history-size", str(self.history_size)]
+        return argv + ["--history-size", str(self.history_size), "--history-bytes", str(self.history_bytes)]
 
     def describe(self) -> dict[str, str]:
         """The roots as the pages show them, by what they are for."""
@@ -138,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-file", default=None, metavar="FILE")
     parser.add_argument("--allow", action="append", default=[], metavar="EMAIL")
     parser.add_argument("--history-size", type=int, default=DEFAULT_HISTORY_SIZE, metavar="N")
+    parser.add_argument("--history-bytes", default=DEFAULT_HISTORY_BYTES, metavar="SIZE")
     return parser
 
 

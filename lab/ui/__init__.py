@@ -390,12 +390,18 @@ def plain(text: str) -> str:
 
 
 def metrics_note(entry: TensorAnalysis) -> None:
-    """Under an activation's histogram or metrics: a caption when they saw a sample of its tokens."""
+    """Under an activation's histogram or metrics: a caption when they saw a sample of its tokens,
+    and one when a reopened run holds a subset of that sample (``TensorAnalysis.kept_note``)."""
     if entry.metrics_note:
         note = entry.metrics_note
         st.caption(
             f"{note[:1].upper()}{note[1:]}: the histogram and error metrics are computed on a seeded sample; "
             "the qparams saw every token."
+        )
+    if entry.kept_note:
+        st.caption(
+            f"This kept run holds {entry.kept_note}, a seeded subset: the error histogram, run-time scales and "
+            "per-token abs-max are drawn on them; the value histogram and per-channel ranges on every one."
         )
 
 

@@ -41,9 +41,10 @@ def shared_runs() -> SharedRuns:
 
 @st.cache_resource(show_spinner=False)
 def history() -> History:
-    """The server's run history: ``<output root>/runs``, the newest ``--history-size`` runs."""
+    """The server's run history: ``<output root>/runs``, the newest ``--history-size`` runs within
+    ``--history-bytes``."""
     config = served()
-    return History(config.output_root / HISTORY_DIR, config.history_size)
+    return History(config.output_root / HISTORY_DIR, config.history_size, config.history_bytes)
 
 
 def keeper(ws: Workspace) -> Keep | None:

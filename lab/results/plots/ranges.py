@@ -13,21 +13,35 @@ import torch
 from plotly.subplots import make_subplots
 
 import observers as ob
+from lab.analyse.kept_values import ValueHistogram
 from lab.results.plots.style import DATA_COLOR, _numpy, _ok, legend_on_top, observer_color
 from lab.results.ranges import envelope
 from observers.suite import SuiteResult
 
+Values = torch.Tensor | ValueHistogram
+"""What a value histogram draws: the values, or their histogram (a run reopened from the history)."""
+
+
+def extent(x: Values) -> tuple[float, float]:
+    """The smallest and largest value."""
+    if isinstance(x, ValueHistogram):
+        return x.lo, x.hi
+    flat = x.detach().to(torch.float32).flatten()
+    return float(flat.min()), float(flat.max())
+
 
 def value_histogram(
-    x: torch.Tensor, bins: int = 200, lo: float | None = None, hi: float | None = None
+    x: Values, bins: int = 200, lo: float | None = None, hi: float | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(bin_edges, counts)`` of the values of ``x`` over ``[lo, hi]`` (default: data range)."""
-    flat = x.detach().to(torch.float32).flatten()
-    lo = float(flat.min()) if lo is None else lo
-    hi = float(flat.max()) if hi is None else hi
+    if lo is None or hi is None:
+        low, high = extent(x)
+        lo, hi = low if lo is None else lo, high if hi is None else hi
     if hi <= lo:
         hi = lo + max(abs(lo), 1.0) * 1e-6
-    counts = torch.histc(flat, bins=bins, min=lo, max=hi)
+    if isinstance(x, ValueHistogram):
+        return x.counts_over(bins, lo, hi)
+    counts = torch.histc(x.detach().to(torch.float32).flatten(), bins=bins, min=lo, max=hi)
     return np.linspace(lo, hi, bins + 1), _numpy(counts)
 
 
@@ -37,15 +51,17 @@ def _quantile_sample(flat: torch.Tensor, limit: int = 2_000_000) -> torch.Tensor
     return flat if flat.numel() <= limit else flat[:: math.ceil(flat.numel() / limit)]
 
 
-def tail_bounds(x: torch.Tensor, tail: str, share: float = 0.001) -> tuple[float, float]:
+def tail_bounds(x: Values, tail: str, share: float = 0.001) -> tuple[float, float]:
     """The x-range of the outer ``share`` of values on one side: ``tail`` is ``left`` or ``right``."""
-    flat = x.detach().to(torch.float32).flatten()
-    sample = _quantile_sample(flat)
-    if tail == "right":
-        return float(torch.quantile(sample, 1.0 - share)), float(flat.max())
-    if tail == "left":
-        return float(flat.min()), float(torch.quantile(sample, share))
-    raise ValueError(f"tail must be 'left' or 'right', got {tail!r}")
+    if tail not in ("left", "right"):
+        raise ValueError(f"tail must be 'left' or 'right', got {tail!r}")
+    lo, hi = extent(x)
+    at = share if tail == "left" else 1.0 - share
+    if isinstance(x, ValueHistogram):
+        cut = x.quantile(at)
+    else:
+        cut = float(torch.quantile(_quantile_sample(x.detach().to(torch.float32).flatten()), at))
+    return (cut, hi) if tail == "right" else (lo, cut)
 
 
 def range_label(result: SuiteResult, lo: float, hi: float) -> str:
@@ -74,7 +90,7 @@ def view_bounds(data_lo: float, data_hi: float, lines: Sequence[float]) -> tuple
 
 
 def range_histogram(
-    data: torch.Tensor,
+    data: Values,
     results: Sequence[SuiteResult],
     spec: ob.QuantSpec,
     *,
@@ -96,14 +112,18 @@ def range_histogram(
     lines inside it become visible. The full view spans the data and the lines near it
     (``view_bounds``). ``specs``: the spec a result was computed under, by name, where it is not
     ``spec`` (a tool's conventions, e.g. torch.ao's halved activation range, move its clip lines).
+    ``data``: the values, or their histogram (``TensorAnalysis.values``), re-binned as they would be.
     """
-    x = data.detach().to(torch.float32)
-    x = x.abs() if absolute else x
+    if isinstance(data, ValueHistogram):
+        x = data.absolute() if absolute else data
+    else:
+        x = data.detach().to(torch.float32)
+        x = x.abs() if absolute else x
     ok = _ok(results)
     specs = specs or {}
     ends = {r.name: _line_x(*envelope(r, specs.get(r.name, spec)), absolute) for r in ok}
     if tail is None:
-        lo, hi = view_bounds(float(x.min()), float(x.max()), [at for pair in ends.values() for at in pair])
+        lo, hi = view_bounds(*extent(x), [at for pair in ends.values() for at in pair])
     else:
         lo, hi = tail_bounds(x, tail)
     edges, counts = value_histogram(x, bins, lo, hi)
@@ -184,12 +204,15 @@ def channel_range_figure(x: torch.Tensor, channel_axis: int = 0, title: str = ""
     return fig
 
 
-def token_channel_figure(acts: torch.Tensor, title: str = "") -> go.Figure:
+def token_channel_figure(acts: torch.Tensor, title: str = "", channels: torch.Tensor | None = None) -> go.Figure:
     """For activations ``(tokens, hidden)``: abs-max per token (in token order) next to abs-max
-    per channel (sorted), showing whether outliers live in tokens or in channels."""
+    per channel (sorted), showing whether outliers live in tokens or in channels. ``channels``:
+    the tokens the per-channel abs-max is taken over, where not ``acts`` (``TensorAnalysis.extremes``
+    of a reopened run, whose ``acts`` are a subset)."""
     a = acts.detach().to(torch.float32).abs().flatten(0, -2)
     per_token = _numpy(a.amax(1))
-    per_channel = _numpy(a.amax(0))
+    over = a if channels is None else channels.detach().to(torch.float32).abs().flatten(0, -2)
+    per_channel = _numpy(over.amax(0))
     order = np.argsort(-per_channel, kind="stable")
     fig = make_subplots(rows=1, cols=2, subplot_titles=("abs-max per token", "abs-max per channel (sorted)"))
     fig.add_trace(
