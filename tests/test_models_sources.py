@@ -2,6 +2,7 @@
 and each kind of bad input (a clear ValueError naming the file or layer; the process keeps
 working)."""
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import save_checkpoint, tiny_llama
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
@@ -18,10 +20,12 @@ from sample_models import (
     FileTooLargeError,
     LayerNotFoundError,
     ModelSourceError,
+    builtin,
     filter_layers,
     open_model,
 )
 from sample_models.builtin import MASSIVE_CHANNELS, VOCAB_SIZE
+from sample_models.synthetic import write_planted_llama
 
 TEXTS = ["A short sentence.", "Another, slightly longer sentence about quantization observers."]
 
@@ -98,6 +102,85 @@ def test_builtin_weights_are_deterministic_copies():
     assert again.abs().sum() > 0
     rebuilt = sample_models.builtin.build_tiny_llama()
     torch.testing.assert_close(rebuilt.model.layers[0].mlp.up_proj.weight, again)
+
+
+# sha256 over (name, sha256 of the float32 bytes) of every tensor in name order, taken before the
+# planted decoder at any width (issue 54) was drawn from the same rule: every published tiny-llama
+# and tiny-moe figure was made on these weights.
+TINY_LLAMA_DIGEST = "70a6817970892bd180544498a0ed553984dd64f38d3603088019c139f5f40684"
+TINY_MOE_DIGEST = "5dbaf47d4e3a1a2f58ec359b4aa92884f907c411b8b445b79022ade335626434"
+
+
+def _state_digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest().encode())
+    return digest.hexdigest()
+
+
+def test_the_builtin_decoders_keep_their_weights_bit_for_bit():
+    assert _state_digest(builtin.build_tiny_llama()) == TINY_LLAMA_DIGEST
+    assert _state_digest(builtin.build_tiny_moe()) == TINY_MOE_DIGEST
+    wide = builtin.planted_llama_config(hidden=256, intermediate=688, blocks=4, heads=8, kv_heads=2)
+    assert wide.to_dict() == builtin.tiny_llama_config().to_dict()  # tiny-llama is the rule at its own shape
+
+
+def test_a_planted_llama_of_any_width_has_tiny_llamas_outliers():
+    config = builtin.planted_llama_config(hidden=384, intermediate=1024, blocks=2, heads=6, kv_heads=3)
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (384, 1024, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (6, 3, 64)
+    model = builtin.build_planted_llama(config)
+    layer = model.model.layers[1]
+    assert layer.self_attn.k_proj.weight.shape == (3 * 64, 384) and layer.mlp.down_proj.weight.shape == (384, 1024)
+    embed = model.model.embed_tokens.weight
+    column_scale = embed.abs().mean(0)
+    others = column_scale[[c for c in range(384) if c not in MASSIVE_CHANNELS]]
+    assert column_scale[list(MASSIVE_CHANNELS)].min() > 50 * others.median()
+    gains = layer.post_attention_layernorm.weight
+    assert gains[list(builtin.FFN_OUTLIER_CHANNELS)].tolist() == [builtin.FFN_OUTLIER_GAIN] * 2
+    assert int((gains != 1.0).sum()) == len(builtin.FFN_OUTLIER_CHANNELS)
+    spike = model.model.layers[0].mlp.down_proj.weight[:, builtin.SPIKE_UNIT]
+    assert spike.nonzero().flatten().tolist() == sorted(MASSIVE_CHANNELS)
+    row_absmax = layer.mlp.up_proj.weight.abs().amax(1)
+    assert row_absmax.max() > 5 * row_absmax.median()  # the Student-t rows
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ({"hidden": 128, "intermediate": 256, "blocks": 1, "heads": 4, "kv_heads": 2}, "channels reach 201"),
+        ({"hidden": 384, "intermediate": 4, "blocks": 1, "heads": 4, "kv_heads": 2}, "spike unit"),
+        ({"hidden": 384, "intermediate": 256, "blocks": 0, "heads": 4, "kv_heads": 2}, "at least one block"),
+        ({"hidden": 384, "intermediate": 256, "blocks": 1, "heads": 5, "kv_heads": 1}, "must divide hidden"),
+        ({"hidden": 384, "intermediate": 256, "blocks": 1, "heads": 6, "kv_heads": 4}, "must divide hidden"),
+    ],
+)
+def test_a_planted_llama_shape_it_cannot_plant_is_a_clear_error(shape, words):
+    with pytest.raises(ValueError, match=words):
+        builtin.planted_llama_config(**shape)
+
+
+def test_a_planted_llama_written_shard_by_shard_loads_as_the_built_one(tmp_path):
+    config = builtin.planted_llama_config(hidden=384, intermediate=512, blocks=2, heads=6, kv_heads=2)
+    limit = 8 * 2**20  # below the 47 MB embedding: several shards, each a tensor too large for one
+    written = write_planted_llama(tmp_path / "wide", config, shard_bytes=limit)
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "wide")).eval()
+    built = builtin.build_planted_llama(config)
+    assert written == sum(p.numel() * 4 for p in built.parameters())
+    ours, theirs = loaded.state_dict(), built.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    shards = sorted((tmp_path / "wide").glob("*.safetensors"))
+    assert len(shards) > 2
+    for shard in shards:  # over the limit only when a single tensor is
+        with safe_open(str(shard), "pt") as opened:
+            sizes = [opened.get_slice(k).get_shape() for k in opened.keys()]  # noqa: SIM118
+        assert len(sizes) == 1 or sum(torch.Size(s).numel() * 4 for s in sizes) <= limit
+    model = open_model(str(tmp_path / "wide"))
+    assert (
+        model.tokenizer()("massive activations").input_ids
+        == open_model("tiny-llama").tokenizer()("massive activations").input_ids
+    )
 
 
 def test_tiny_moe_lists_every_expert_projection():
