@@ -10,7 +10,8 @@ import torch
 from helpers import save_checkpoint
 from helpers import tiny_llama as random_llama
 
-import lab.awq.run as awq_run
+import lab.awq.budget as awq_budget
+import lab.awq.search as awq_search
 import observers as ob
 from lab.awq.budget import (
     ACTIVATION_BYTES,
@@ -142,9 +143,13 @@ def test_a_search_making_and_racing_one_candidate_at_a_time_picks_what_an_unboun
     candidate = 2 * 688 * 256 * 4  # gate and up, float32
     small = SearchBudget(BATCH_SHARE * candidate)
     assert small.batch(candidate) == 1
-    monkeypatch.setattr(awq_run, "search_budget", lambda *args: small)
+    monkeypatch.setattr(awq_budget, "search_budget", lambda *args: small)
+    returned = []  # big candidates hand the memory a batch freed back after it: here every batch
+    monkeypatch.setattr(awq_budget, "RETURNED_CANDIDATE_BYTES", 0)
+    monkeypatch.setattr(awq_search, "return_freed_memory", lambda: returned.append(1))
     steps = []
     bounded = run_awq(model, INT4_G16, observers, awq, progress=steps.append, **settings)
+    assert len(returned) >= 2 * (5 + 3 * 11) // 3  # a batch of one candidate, twins and stopped ones included
     assert len(bounded.results) == len(unbounded.results) == 2
     for mine, theirs in zip(bounded.results, unbounded.results, strict=True):
         assert torch.equal(mine.searched, theirs.searched)

@@ -229,8 +229,9 @@ class _Poisoned(nn.Module):
 
 def test_a_search_whose_every_candidate_has_no_finite_loss_is_one_error() -> None:
     import observers as ob
+    from lab.awq.inputs import MappingInputs
     from lab.awq.mappings import Mapping
-    from lab.awq.search import MappingInputs, search
+    from lab.awq.search import search
 
     torch.manual_seed(8)
     module = _Poisoned()

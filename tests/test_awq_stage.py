@@ -18,9 +18,10 @@ from torch import nn
 import observers as ob
 from lab.awq import candidates
 from lab.awq.deploy import of_run
+from lab.awq.inputs import hooked
 from lab.awq.mappings import NOT_A_DECODER, resolve
 from lab.awq.moment import InputMoment
-from lab.awq.run import _hooked, run_awq
+from lab.awq.run import run_awq
 from lab.awq.search import SEARCH_OBSERVER, Variant
 from lab.awq.table import awq_frame
 from sample_models import open_model
@@ -106,7 +107,7 @@ def test_linear_experts_balance_with_their_router_scaled_along() -> None:
     mappings = resolve(root, "layers", "moe")
     gate_up = next(m for m in mappings.found if m.smooth.endswith("post_attention_layernorm"))
     assert gate_up.parent == "layers.0.mlp" and gate_up.scaled == ("layers.0.mlp.gate",)
-    assert _hooked(gate_up) == "layers.0.mlp.gate"  # every token's statistics, not expert 0's tokens only
+    assert hooked(gate_up) == "layers.0.mlp.gate"  # every token's statistics, not expert 0's tokens only
     assert gate_up.balance == tuple(f"layers.0.mlp.experts.{e}.{p}_proj" for e in (0, 1) for p in ("gate", "up"))
     downs = [m for m in mappings.found if m.smooth.endswith("up_proj")]
     assert [m.parent for m in downs] == ["layers.0.mlp.experts.0.down_proj", "layers.0.mlp.experts.1.down_proj"]

@@ -13,8 +13,14 @@ mapping is refused before the walk starts (``check``): one line, not a process k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
+
+from lab.awq.mappings import Mapping
+from sample_models import Model
+from sample_models.replay import blocks_name
 from sample_models.sequential import default_max_memory, human_bytes
 
 BATCH_BYTES = 256 << 20
@@ -34,6 +40,12 @@ BATCH_SHARE, ELEMENTS_SHARE, ACTIVATIONS_SHARE = 4, 4, 8
 """The budget's parts: a quarter for the raced batch's weights (and as much again for the race's
 stacked copy), a quarter for a making step, an eighth for a replay's activations, the rest for
 what the search keeps (input moments, the parent's recorded calls, picks' qparams)."""
+
+RETURNED_CANDIDATE_BYTES = 16 << 20
+"""A candidate whose weights take more than this has the memory its batch freed handed back to the
+system after each batch (``sample_models.sequential.return_freed_memory``): the CLI keeps freed
+memory for the next tensors (``lab.allocator``), which saves page faults on small models but, with
+tensors of hundreds of megabytes in many sizes, fragments the heap to twice the live peak."""
 
 BYTES_PER_MADE_ELEMENT = 24
 """A making step's peak per weight element: the smoothed float32 weight, its fake-quantized copy
@@ -58,6 +70,10 @@ class SearchBudget:
     def activations(self) -> int:
         """Bytes of a parent's widest activation one stacked replay call holds."""
         return self._part(ACTIVATION_BYTES, ACTIVATIONS_SHARE)
+
+    def returns_freed(self, candidate_bytes: int) -> bool:
+        """Whether a search of candidates this large hands freed memory back after each batch."""
+        return candidate_bytes > RETURNED_CANDIDATE_BYTES
 
     def _part(self, cap: int, share: int) -> int:
         return cap if self.bytes is None else min(cap, self.bytes // share)
@@ -88,3 +104,21 @@ def search_budget(max_memory: int | None, block_bytes: int, device) -> SearchBud
             f"({human_bytes(2 * block_bytes)}): raise --max-memory"
         )
     return SearchBudget(left)
+
+
+def walk_budget(model: Model, mappings: list[Mapping], listed: dict[str, str], max_memory: int | None) -> SearchBudget:
+    """The searches' budget under ``max_memory`` (``lab.awq.budget.search_budget``: less the largest
+    searched block's listed layers and its copy), checked against every mapping's candidate (its
+    balance layers' weights) before the walk starts."""
+    infos = {info.name: info for info in model.layers()}
+    size = torch.empty((), dtype=model.dtype).element_size()
+    prefix = f"{blocks_name(model)}."
+    blocks: dict[int, int] = {}
+    for name, info in infos.items():
+        index = name[len(prefix) :].split(".", 1)[0]
+        if name.startswith(prefix) and index.isdigit():
+            blocks[int(index)] = blocks.get(int(index), 0) + info.params * size
+    budget = search_budget(max_memory, max(blocks.get(m.block, 0) for m in mappings), model.device)
+    for mapping in mappings:
+        budget.check(mapping.name, sum(math.prod(infos[listed[name]].shape) * size for name in mapping.balance))
+    return budget

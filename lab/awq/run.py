@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -29,13 +28,13 @@ import torch
 from torch import nn
 
 import observers as ob
-from lab.awq.budget import SearchBudget, search_budget
+from lab.awq.budget import walk_budget
 from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
+from lab.awq.inputs import MappingInputs, observe_block
 from lab.awq.mappings import Mapping, Mappings, resolve
-from lab.awq.moment import InputMoment
-from lab.awq.parent import ParentCalls, forward_swapped
-from lab.awq.search import MappingInputs, MappingResult, search
+from lab.awq.parent import forward_swapped
+from lab.awq.search import MappingResult, search
 from sample_models import Model
 from sample_models.capture import Propagation
 from sample_models.effect import held_out_texts
@@ -120,7 +119,7 @@ class AWQWalk:
         mappings, self.listed = searched_mappings(model, layers)
         self.wanted = list(mappings.found)
         _check_shapes(model, self.wanted, spec, self.listed)
-        self.budget = _budget(model, self.wanted, self.listed, max_memory)
+        self.budget = walk_budget(model, self.wanted, self.listed, max_memory)
         self.spec, self.awq, self.observers, self.gptq = spec, awq or ob.AWQSpec(), dict(observers), gptq
         self.progress, self.searched = progress, searched
         self.last = max(m.block for m in self.wanted)
@@ -171,7 +170,7 @@ class AWQWalk:
             return None
         changed = linearize(copy.deepcopy(block))
         prefix = f"{self.blocks_name}.{index}."
-        seen = _observe_block(changed, own, prefix, self._inputs, self._valid)
+        seen = observe_block(changed, own, prefix, self._inputs, self._valid)
         checked = self.checking.observe(changed, own, prefix, index)
         for mapping in own:
             if mapping.smooth not in seen:
@@ -336,7 +335,7 @@ class _HeldOut:
         self.tokens = int(sum(int(v.sum()) for v in self.valid))
 
     def observe(self, block: nn.Module, own: list[Mapping], prefix: str, index: int) -> dict[str, MappingInputs]:
-        return _observe_block(block, own, prefix, self.calls.inputs(index, self.hidden), self.valid)
+        return observe_block(block, own, prefix, self.calls.inputs(index, self.hidden), self.valid)
 
     def advance(self, index: int, block: nn.Module) -> None:
         self.hidden = self.calls.inputs(index, self.hidden).run(block)
@@ -356,108 +355,6 @@ def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec, lis
                     f"AWQ with groups of {spec.group_size}: {name} has {columns} input columns, which groups of "
                     f"{spec.group_size} do not divide; choose a group size that divides every balance layer's inputs"
                 )
-
-
-def _budget(model: Model, mappings: list[Mapping], listed: dict[str, str], max_memory: int | None) -> SearchBudget:
-    """The searches' budget under ``max_memory`` (``lab.awq.budget.search_budget``: less the largest
-    searched block's listed layers and its copy), checked against every mapping's candidate (its
-    balance layers' weights) before the walk starts."""
-    infos = {info.name: info for info in model.layers()}
-    size = torch.empty((), dtype=model.dtype).element_size()
-    prefix = f"{blocks_name(model)}."
-    blocks: dict[int, int] = {}
-    for name, info in infos.items():
-        index = name[len(prefix) :].split(".", 1)[0]
-        if name.startswith(prefix) and index.isdigit():
-            blocks[int(index)] = blocks.get(int(index), 0) + info.params * size
-    budget = search_budget(max_memory, max(blocks.get(m.block, 0) for m in mappings), model.device)
-    for mapping in mappings:
-        budget.check(mapping.name, sum(math.prod(infos[listed[name]].shape) * size for name in mapping.balance))
-    return budget
-
-
-class _Inputs:
-    """A mapping's input statistics as the batches pass: llm-compressor's float32 sum of ``|x|``
-    and token count, and the second moment of ``x`` (``InputMoment``)."""
-
-    def __init__(self) -> None:
-        self.abs_sum: torch.Tensor | None = None
-        self.moment: InputMoment | None = None
-        self.count = 0
-
-    def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
-        rows = x[valid] if x.dim() == 3 and tuple(x.shape[:2]) == tuple(valid.shape) else x.reshape(-1, x.shape[-1])
-        rows = rows.detach()
-        batch_sum = rows.abs().float().sum(dim=0)
-        self.abs_sum = batch_sum if self.abs_sum is None else self.abs_sum + batch_sum
-        if self.moment is None:
-            self.moment = InputMoment(rows.shape[-1])
-        self.moment.add(rows)
-        self.count += rows.shape[0]
-
-
-def _observe_block(
-    block: nn.Module, own: list[Mapping], prefix: str, inputs: BlockInputs, valid: list[torch.Tensor]
-) -> dict[str, MappingInputs]:
-    """One pass of the block (a copy, its experts linear) over what it received for every batch,
-    with hooks: each mapping's input statistics (where ``_hooked`` says) and its parent's calls."""
-    stats = {m.smooth: _Inputs() for m in own}
-    parents = {m.parent: [] for m in own}
-    current: list[torch.Tensor] = []
-
-    def on_input(smooth: str):
-        def hook(module, args, output):
-            stats[smooth].add(args[0], current[0])
-
-        return hook
-
-    def on_parent(parent: str):
-        def hook(module, args, kwargs):
-            parents[parent].append((args, dict(kwargs)))
-
-        return hook
-
-    handles = [block.get_submodule(_hooked(m)[len(prefix) :]).register_forward_hook(on_input(m.smooth)) for m in own]
-    handles += [
-        block.get_submodule(name[len(prefix) :]).register_forward_pre_hook(on_parent(name), with_kwargs=True)
-        for name in parents
-    ]
-    try:
-        with torch.no_grad():
-            for call, h, mask in zip(inputs.calls, inputs.hidden, valid, strict=True):
-                current[:] = [mask]
-                call.invoke(block, h, {})
-    finally:
-        for handle in handles:
-            handle.remove()
-    seen = {}
-    for m in own:
-        found = stats[m.smooth]
-        if found.count == 0:
-            continue
-        parent = block.get_submodule(m.parent[len(prefix) :])
-        x_mean = found.abs_sum / torch.tensor(found.count)
-        seen[m.smooth] = MappingInputs(
-            ParentCalls(parent, parents[m.parent], valid),
-            {name: block.get_submodule(name[len(prefix) :]) for name in m.balance},
-            x_mean,
-            found.moment,
-            _widest(parent),
-        )
-    return seen
-
-
-def _hooked(mapping: Mapping) -> str:
-    """Where a mapping's input statistics are taken: its first balance layer, or an MoE's router,
-    which sees every token (an expert sees only those routed to it), as llm-compressor hooks the
-    first of its MoE balance layers, the router."""
-    return (mapping.scaled or mapping.balance)[0]
-
-
-def _widest(module: nn.Module) -> int:
-    """The widest activation per token inside ``module`` (its linears' widths)."""
-    widths = [max(m.in_features, m.out_features) for m in module.modules() if isinstance(m, nn.Linear)]
-    return max(widths, default=1)
 
 
 def _smooth(block: nn.Module, mapping: Mapping, prefix: str, scales: torch.Tensor) -> None:

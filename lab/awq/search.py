@@ -25,16 +25,16 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from torch import nn
 
 import observers as ob
-from lab.awq import candidates, then_gptq
+from lab.awq import candidates
 from lab.awq.budget import SearchBudget
 from lab.awq.candidates import Candidate
+from lab.awq.figures import PickFigures, Side
+from lab.awq.inputs import MappingInputs
 from lab.awq.mappings import Mapping
-from lab.awq.moment import InputMoment
-from lab.awq.parent import ParentCalls
 from lab.awq.race import Entrant, Heat, Race
+from sample_models.sequential import return_freed_memory
 
 SEARCH_OBSERVER = "memoryless_minmax"
 """What llm-compressor 0.14 swaps in for the configured observer during the scale search."""
@@ -51,19 +51,6 @@ class Variant(StrEnum):
 
 DEPLOYED_VARIANT = Variant.LLM_COMPRESSOR
 """What a checkpoint of an AWQ run deploys unless told otherwise: what llm-compressor's recipe makes."""
-
-
-@dataclass(frozen=True)
-class MappingInputs:
-    """What a mapping's search reads: the parent's calls, the quantized balance layers, the mean
-    absolute input per channel ``x_mean`` (llm-compressor's statistic) and the mean ``x xᵀ`` of
-    the balance layers' input (``moment``, float64, ``(in, in)``)."""
-
-    parent: ParentCalls
-    balance: dict[str, nn.Linear]
-    x_mean: torch.Tensor
-    moment: InputMoment
-    width: int
 
 
 @dataclass(frozen=True)
@@ -145,14 +132,14 @@ class _Judge:
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.inputs, self.weights, self.spec, self.progress = inputs, weights, spec, progress
-        self.reference = inputs.parent.outputs()
-        self.energy = inputs.parent.energy(self.reference)
+        self.side = Side(inputs, spec, budget.activations())
         self.race = Race(
-            inputs.parent, inputs.balance, self.reference, inputs.width, inputs.moment, budget.activations()
+            inputs.parent, inputs.balance, self.side.reference, inputs.width, inputs.moment, budget.activations()
         )
         self.budget = budget
         self._memo: dict[str, Any] = {}
-        self.step = budget.batch(sum(w.numel() * w.element_size() for w in weights.values()))
+        candidate = sum(w.numel() * w.element_size() for w in weights.values())
+        self.step, self.returns_freed = budget.batch(candidate), budget.returns_freed(candidate)
         self.done = 0
 
     def first_least(self, scales: torch.Tensor, asks: list[_Ask], first: int | None = None) -> list[_Outcome]:
@@ -165,52 +152,64 @@ class _Judge:
         for part in _slices(asks, len(scales), self.step, first):
             for a, ask in enumerate(asks):
                 wanted = [index for index in part if index in ask.indices]
-                if not wanted or outcomes[a].error is not None:
-                    continue
-                rows = None if wanted == [None] else scales[wanted]
-                try:
-                    made = candidates.make(
-                        self.weights,
-                        rows,
-                        ask.observer,
-                        self.spec,
-                        ask.knobs,
-                        self.inputs.moment,
-                        ask.clip,
-                        self._memo,
-                        self.budget.elements(),
-                    )
-                except ValueError as err:
-                    outcomes[a].error = str(err)
-                    continue
-                positions = [ask.indices.index(index) for index in wanted]
-                entrants = [
-                    Entrant(position, candidates.digest(c), c.effective, heats[a], ask.keep == position)
-                    for position, c in zip(positions, made, strict=True)
-                ]
-                batch.append((a, wanted, made, entrants))
-                if sum(len(made) for _, _, made, _ in batch) >= self.step:
+                if wanted and outcomes[a].error is None:
+                    batch += self._made(a, ask, wanted, scales, heats[a], outcomes[a])
+                if sum(len(item[2]) for item in batch) >= self.step:
                     self._settle(batch, heats, outcomes)
-                    batch = []
             candidates.forget_smoothed(self._memo)
         self._settle(batch, heats, outcomes)
         return outcomes
 
+    def _made(self, a: int, ask: _Ask, wanted: list, scales: torch.Tensor, heat: Heat, outcome: _Outcome) -> list:
+        """Ask ``a``'s candidates at the grid points ``wanted`` as a batch item (none when its
+        observer cannot run: ``outcome`` then says why)."""
+        rows = None if wanted == [None] else scales[wanted]
+        try:
+            made = candidates.make(
+                self.weights,
+                rows,
+                ask.observer,
+                self.spec,
+                ask.knobs,
+                self.inputs.moment,
+                ask.clip,
+                self._memo,
+                self.budget.elements(),
+            )
+        except ValueError as err:
+            outcome.error = str(err)
+            return []
+        positions = [ask.indices.index(index) for index in wanted]
+        entrants = [
+            Entrant(position, candidates.digest(c), c.effective, heat, ask.keep == position)
+            for position, c in zip(positions, made, strict=True)
+        ]
+        return [(a, wanted, made, entrants)]
+
     def _settle(self, batch: list, heats: list[Heat], outcomes: list[_Outcome]) -> None:
         """Race a batch's candidates and keep, per ask, its leader and kept candidate if here
-        (``light``: their weights go with the batch)."""
+        (``light``); the batch is emptied, its weights let go (and, for big candidates, handed
+        back to the system)."""
         live = [item for item in batch if outcomes[item[0]].error is None]
-        self.race.run([e for _, _, _, entrants in live for e in entrants])
-        for a, part, made, entrants in live:
-            leader = heats[a].leader
-            for i, entrant in enumerate(entrants):
-                if leader is not None and leader[1] == entrant.position:
-                    outcomes[a].winner = (part[i], candidates.light(made[i]), leader[0])
-                if entrant.keep:
-                    outcomes[a].kept = (part[i], candidates.light(made[i]), self.race.known[entrant.key])
-        self.done += sum(len(made) for _, _, made, _ in batch)
+        self.race.run([e for item in live for e in item[3]])
+        for item in live:
+            self._keep(item, heats[item[0]], outcomes[item[0]])
+        self.done += sum(len(item[2]) for item in batch)
         if self.progress is not None and batch:
             self.progress(self.done)
+        live.clear()
+        batch.clear()
+        if self.returns_freed:
+            return_freed_memory()
+
+    def _keep(self, item: tuple, heat: Heat, outcome: _Outcome) -> None:
+        """A batch item's leader and kept candidate, if among its candidates, as ``light`` ones."""
+        _, part, made, entrants = item
+        for i, entrant in enumerate(entrants):
+            if heat.leader is not None and heat.leader[1] == entrant.position:
+                outcome.winner = (part[i], candidates.light(made[i]), heat.leader[0])
+            if entrant.keep:
+                outcome.kept = (part[i], candidates.light(made[i]), self.race.known[entrant.key])
 
     def with_weights(self, picked: list[Candidate]) -> Iterator[list[Candidate]]:
         """``picked`` (``light``) with their effective weights made again, a batch at a time."""
@@ -324,10 +323,12 @@ def search(
                 failed[(variant, observer)] = error or "no candidate gave a finite loss"
             else:
                 kept[(variant, observer)] = pick
-    measured = _Measured(judge, weights, spec, held_out)
-    measured.measure([candidate for _, candidate, _ in kept.values()])
+    checked = None if held_out is None else Side(held_out, spec, judge.budget.activations())
+    figures = PickFigures(judge.side, checked, judge.with_weights, judge.step)
+    figures.measure([candidate for _, candidate, _ in kept.values()])
     if gptq is not None:
-        measured.measure_gptq({key: (candidate, observers[key[1]]) for key, (_, candidate, _) in kept.items()}, gptq)
+        with_knobs = {key: (candidate, observers[key[1]]) for key, (_, candidate, _) in kept.items()}
+        figures.measure_gptq(with_knobs, weights, spec, gptq)
     for observer in observers:
         for variant in Variant:
             key = (variant, observer)
@@ -336,7 +337,7 @@ def search(
                 continue
             index, candidate, loss = kept[key]
             ratio, duo = (None, None) if index is None else grid[index]
-            result.rows.append(measured.row(key, candidate, loss, ratio, duo))
+            result.rows.append(_row(key, candidate, loss, ratio, duo, figures))
             if candidate.scales is not None:
                 result.scales[key] = candidate.scales
             result.qparams[key] = candidate.qparams
@@ -345,134 +346,26 @@ def search(
     return result
 
 
-def _errors(
-    inputs: MappingInputs, made: dict[tuple, Candidate], reference, energy: float, activations: int
-) -> dict[tuple, float]:
-    """Each candidate's (by key) relative error of the parent's output on ``inputs``' tokens
-    (``activations``: the bytes a stacked call's widest activation holds)."""
-    effective = [c.effective for c in made.values()]
-    losses = inputs.parent.losses(inputs.balance, effective, reference, inputs.width, inputs.moment, activations)
-    return {key: float(loss) / energy if energy > 0 else 0.0 for key, loss in zip(made, losses, strict=True)}
-
-
-class _LayerFigures:
-    """Each balance layer's own figures of a candidate on the inputs behind ``moment``: its output
-    error ``‖WX − ŴX‖² / ‖WX‖²`` and the share of its smoothed weight clipped. The layers' output
-    energies are computed once, and a candidate another row already picked (observers that agree,
-    a variant keeping another's pick) is looked up by its digest."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], moment: InputMoment, spec: ob.QuantSpec) -> None:
-        self.weights, self.spec, self.moment = weights, spec, moment
-        self.energy = {name: moment.energy(w) for name, w in weights.items()}
-        self._errors: dict[str, dict[str, float]] = {}
-        self._clipped: dict[str, dict[str, float]] = {}
-
-    def errors(self, candidate: Candidate) -> dict[str, float]:
-        """The candidate's layer errors (its effective weights are needed the first time only)."""
-        key = candidates.digest(candidate)
-        if key not in self._errors:
-            self._errors[key] = {
-                name: self.moment.layer_error(w, candidate.effective[name], self.energy[name])
-                for name, w in self.weights.items()
-            }
-        return self._errors[key]
-
-    def clipped(self, candidate: Candidate) -> dict[str, float]:
-        key = candidates.digest(candidate)
-        if key not in self._clipped:
-            self._clipped[key] = candidate.clipped(self.weights, self.spec)
-        return self._clipped[key]
-
-
-class _HeldOut:
-    """A search's picks on held-out inputs (the same mapping's statistics and parent calls on
-    held-out text; the picks' weights do not depend on the tokens): the parent's float output and
-    its energy once, each pick's loss by digest, each layer's figures."""
-
-    def __init__(self, inputs: MappingInputs, spec: ob.QuantSpec, activations: int) -> None:
-        self.inputs, self.activations = inputs, activations
-        self.reference = inputs.parent.outputs()
-        self.energy = inputs.parent.energy(self.reference)
-        weights = {name: layer.weight.detach() for name, layer in inputs.balance.items()}
-        self.figures = _LayerFigures(weights, inputs.moment, spec)
-        self.losses: dict[str, float] = {}
-
-    def measure(self, made: list[Candidate]) -> None:
-        """The losses and layer figures of ``made`` (with their effective weights)."""
-        parent = self.inputs.parent
-        effective = [c.effective for c in made]
-        inputs = self.inputs
-        losses = parent.losses(inputs.balance, effective, self.reference, inputs.width, inputs.moment, self.activations)
-        self.losses.update({c.key: float(loss) for c, loss in zip(made, losses, strict=True)})
-        for candidate in made:
-            self.figures.errors(candidate)
-
-    def error(self, candidate: Candidate) -> float:
-        loss = self.losses[candidates.digest(candidate)]
-        return loss / self.energy if self.energy > 0 else 0.0
-
-
-class _Measured:
-    """The figures of a search's picks (``light`` candidates), their weights made again a batch at
-    a time (``_Judge.with_weights``) and let go after: each layer's error and clipped share on the
-    calibration inputs, with ``held_out`` the mapping's and each layer's error there, and AWQ then
-    GPTQ's errors (``measure_gptq``)."""
-
-    def __init__(
-        self, judge: _Judge, weights: dict[str, torch.Tensor], spec: ob.QuantSpec, held_out: MappingInputs | None
-    ) -> None:
-        self.judge = judge
-        self.figures = _LayerFigures(weights, judge.inputs.moment, spec)
-        self.held_out = None if held_out is None else _HeldOut(held_out, spec, judge.budget.activations())
-        self.gptq: dict[tuple, float] = {}
-        self.gptq_held_out: dict[tuple, float] = {}
-        self.weights, self.spec = weights, spec
-
-    def measure(self, picked: list[Candidate]) -> None:
-        distinct = list({candidates.digest(c): c for c in picked}.values())
-        for made in self.judge.with_weights(distinct):
-            for candidate in made:
-                self.figures.errors(candidate)
-            if self.held_out is not None:
-                self.held_out.measure(made)
-
-    def measure_gptq(self, kept: dict[tuple, tuple[Candidate, dict]], gptq: ob.GPTQSpec) -> None:
-        """AWQ then GPTQ (``then_gptq``) of every kept pick, a batch at a time (the picks sharing
-        scales, and so GPTQ's factors, together): the parent's error on the calibration and
-        held-out inputs."""
-        keys = sorted(kept, key=lambda key: candidates.scales_key(kept[key][0].scales))
-        judge = self.judge
-        for start in range(0, len(keys), judge.step):
-            chunk = {key: kept[key] for key in keys[start : start + judge.step]}
-            made = then_gptq.gptq_candidates(self.weights, chunk, judge.inputs.moment, self.spec, gptq)
-            if not made:
-                continue
-            activations = judge.budget.activations()
-            self.gptq.update(_errors(judge.inputs, made, judge.reference, judge.energy, activations))
-            if self.held_out is not None:
-                checked = self.held_out
-                found = _errors(checked.inputs, made, checked.reference, checked.energy, activations)
-                self.gptq_held_out.update(found)
-
-    def row(self, key: tuple[Variant, str], candidate: Candidate, loss: float, ratio, duo) -> VariantRow:
-        variant, observer = key
-        energy = self.judge.energy
-        row = VariantRow(
-            observer,
-            variant,
-            mapping_error=loss / energy if energy > 0 else 0.0,
-            mapping_loss=loss,
-            layer_errors=self.figures.errors(candidate),
-            clipped=self.figures.clipped(candidate),
-            ratio=ratio,
-            duo=duo,
-            gptq_error=self.gptq.get(key),
-        )
-        if self.held_out is None:
-            return row
-        return replace(
-            row,
-            held_out_error=self.held_out.error(candidate),
-            held_out_layer_errors=self.held_out.figures.errors(candidate),
-            gptq_held_out_error=self.gptq_held_out.get(key),
-        )
+def _row(key: tuple[Variant, str], candidate: Candidate, loss: float, ratio, duo, figures: PickFigures) -> VariantRow:
+    """A kept pick's row: its loss from the race, its figures from ``figures``."""
+    variant, observer = key
+    calibration, held_out = figures.calibration, figures.held_out
+    row = VariantRow(
+        observer,
+        variant,
+        mapping_error=calibration.relative(loss),
+        mapping_loss=loss,
+        layer_errors=calibration.layers.errors(candidate),
+        clipped=calibration.layers.clipped(candidate),
+        ratio=ratio,
+        duo=duo,
+        gptq_error=figures.gptq.get(key),
+    )
+    if held_out is None:
+        return row
+    return replace(
+        row,
+        held_out_error=held_out.error(candidate),
+        held_out_layer_errors=held_out.layers.errors(candidate),
+        gptq_held_out_error=figures.gptq_held_out.get(key),
+    )
