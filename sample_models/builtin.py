@@ -141,6 +141,14 @@ def build_tiny_moe() -> PreTrainedModel:
     return _build(MixtralForCausalLM, tiny_moe_config())
 
 
+def planted_shapes(model_class: type[PreTrainedModel], config: PretrainedConfig) -> dict[str, torch.Size]:
+    """Every parameter's shape by name, in name order (the order ``planted_parameters`` makes them
+    in), from the model built on the meta device."""
+    with torch.random.fork_rng(devices=[]), init_empty_weights():
+        shapes = {name: param.shape for name, param in model_class(config).named_parameters()}
+    return dict(sorted(shapes.items()))
+
+
 def planted_parameters(
     model_class: type[PreTrainedModel], config: PretrainedConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -148,21 +156,19 @@ def planted_parameters(
     needed: norm gains 1, matrices N(0, 0.02) with a few Student-t rows per matrix (per expert),
     then the planted structure the module docstring lists. One fixed-seed generator draws them in
     this order, so the values do not depend on who asks (a built model, a directory written one
-    shard at a time). The names and shapes come from the model built on the meta device."""
-    with torch.random.fork_rng(devices=[]), init_empty_weights():
-        shapes = {name: param.shape for name, param in model_class(config).named_parameters()}
+    shard at a time). Float32, in ``planted_shapes``' order."""
     generator = torch.Generator().manual_seed(SEED)
-    for name in sorted(shapes):
-        value = torch.empty(shapes[name])
+    for name, shape in planted_shapes(model_class, config).items():
+        value = torch.empty(shape, dtype=torch.float32)
         if value.ndim == 1:
             value.fill_(1.0)
         else:
             value.normal_(0.0, WEIGHT_STD, generator=generator)
             if "embed_tokens" not in name:
-                for matrix in value.reshape(-1, *value.shape[-2:]):
-                    _heavy_tail_rows(matrix, generator)
+                _heavy_tail_rows(value, generator)
         _plant(name, value)
         yield name, value
+        del value  # not held while the next one is made: a writer keeps one shard in memory, not one more tensor
 
 
 def _build(model_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
@@ -176,9 +182,11 @@ def _build(model_class: type[PreTrainedModel], config: PretrainedConfig) -> PreT
     return model.eval()
 
 
-def _heavy_tail_rows(matrix: torch.Tensor, generator: torch.Generator) -> None:
-    rows = torch.randperm(matrix.shape[0], generator=generator)[: max(1, matrix.shape[0] // HEAVY_ROW_EVERY)]
-    matrix[rows] = _student_t((len(rows), matrix.shape[1]), generator) * WEIGHT_STD
+def _heavy_tail_rows(param: torch.Tensor, generator: torch.Generator) -> None:
+    """A few Student-t rows in each matrix of ``param`` (each expert's, in an MoE)."""
+    for matrix in param.reshape(-1, *param.shape[-2:]):
+        rows = torch.randperm(matrix.shape[0], generator=generator)[: max(1, matrix.shape[0] // HEAVY_ROW_EVERY)]
+        matrix[rows] = _student_t((len(rows), matrix.shape[1]), generator) * WEIGHT_STD
 
 
 def _student_t(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:

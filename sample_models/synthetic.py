@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .builtin import minilm_dir, planted_parameters
+from .builtin import minilm_dir, planted_parameters, planted_shapes
 from .calibration import builtin_texts
 
 WEIGHT_STD = 0.02
@@ -53,41 +53,37 @@ def write_llama_checkpoint(directory: Path, config: LlamaConfig, layers_per_shar
 def write_planted_llama(directory: Path, config: LlamaConfig, shard_bytes: int = SHARD_BYTES) -> int:
     """Write ``sample_models.builtin.build_planted_llama(config)`` as a Hugging Face directory
     (config, the MiniLM tokenizer whose vocabulary it has, safetensors shards with their index)
-    without building the model: each parameter is made in turn (``planted_parameters``) and the
-    shard is written once the next parameter would take it past ``shard_bytes``, so one shard is in
-    memory at a time (hidden 4096 with 1 block is 1.8 GB in float32). Returns the bytes of weights
-    written."""
+    without building the model: the parameters are put in shards of at most ``shard_bytes`` (or one
+    parameter) in the order they are made (``planted_parameters``), and each shard is written as its
+    last parameter is made, so one shard is in memory at a time (hidden 4096 with 1 block is 1.8 GB
+    in float32). Returns the bytes of weights written."""
     directory.mkdir(parents=True, exist_ok=True)
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = torch.float32
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(str(minilm_dir()), local_files_only=True).save_pretrained(directory)
-    shards: list[list[str]] = []
-    held: dict[str, torch.Tensor] = {}
-    held_bytes = total = 0
-
-    def write() -> None:
-        shards.append(list(held))
-        save_file(held, str(directory / f"shard-{len(shards)}.partial"), metadata={"format": "pt"})
-        held.clear()
-
-    for name, value in planted_parameters(LlamaForCausalLM, config):
-        size = value.numel() * value.element_size()
-        if held and held_bytes + size > shard_bytes:
-            write()
+    shards: list[list[str]] = [[]]
+    held_bytes = 0
+    sizes = {name: shape.numel() * 4 for name, shape in planted_shapes(LlamaForCausalLM, config).items()}
+    for name, size in sizes.items():
+        if shards[-1] and held_bytes + size > shard_bytes:
+            shards.append([])
             held_bytes = 0
-        held[name] = value
+        shards[-1].append(name)
         held_bytes += size
-        total += size
-    write()
-    weight_map = {}
-    for number, names in enumerate(shards, 1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        (directory / f"shard-{number}.partial").rename(directory / file)
-        weight_map |= dict.fromkeys(names, file)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    files = [f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)]
+    closing = {names[-1]: file for names, file in zip(shards, files, strict=True)}
+    held: dict[str, torch.Tensor] = {}
+    for name, value in planted_parameters(LlamaForCausalLM, config):
+        held[name] = value
+        del value  # the shard holds it; written, it is freed before the next one is made
+        if name in closing:
+            save_file(held, str(directory / closing[name]), metadata={"format": "pt"})
+            held.clear()
+    weight_map = {name: file for names, file in zip(shards, files, strict=True) for name in names}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    return total
+    return sum(sizes.values())
 
 
 def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
