@@ -29,6 +29,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,13 +129,18 @@ Quantization = Mapping[Key, TensorQuant]
 """``{(layer, "weight"|"input"|"output"): ...}`` and ``{(attention block, "k"|"v"): ...}``."""
 
 
+Reduce = Callable[[int, torch.Tensor], Any]
+"""``reduce(batch index, output)``: what a stacked run keeps of one variant's output on one batch."""
+
+
 @dataclass
 class RunResult:
     """One run: the model's outputs per batch (logits ``(b, s, vocab)`` of a decoder, sentence
-    embeddings ``(b, hidden)`` of an encoder), the SQNR in dB of the hidden states after each block
-    against the float run (``inf`` before the first quantized block), and the block it started at."""
+    embeddings ``(b, hidden)`` of an encoder; what a ``Reduce`` made of them), the SQNR in dB of
+    the hidden states after each block against the float run (``inf`` before the first quantized
+    block), and the block it started at."""
 
-    outputs: list[torch.Tensor]
+    outputs: list[Any]
     block_sqnr_db: list[float]
     start: int
 
@@ -403,13 +409,18 @@ class EffectRunner:
         with self.model._capture_lock:
             return self._run_blocks(quantization, start, keep=False, sqnr=sqnr)
 
-    def run_stacked(self, variants: Sequence[Quantization], start: int | None = None) -> list[RunResult]:
+    def run_stacked(
+        self, variants: Sequence[Quantization], start: int | None = None, reduce: Reduce | None = None
+    ) -> list[RunResult]:
         """A ``run`` (``sqnr=False``) of each of ``variants``, quantizations of the same tensors of linear
         layers, in one pass: each held-out batch's hidden states repeated once per variant along the
         batch, each variant's tensors applied to its own share. The matrix products are larger (a
         CPU runs them faster) and the Python around them runs once; the outputs are each variant's
-        own up to the last bits that a larger product sums in another order."""
-        if len(variants) == 1:
+        own up to the last bits that a larger product sums in another order. With ``reduce``, each
+        batch's outputs are handed to ``reduce(batch index, output)`` as they are made, variant by
+        variant, and what it returns is kept in their place: a decoder's logits over its whole
+        vocabulary (170 MB a variant on the built-in held-out text) are not all held at once."""
+        if len(variants) == 1 and reduce is None:
             return [self.run(variants[0], start, sqnr=False)]
         keys = list(variants[0])
         if any(list(v) != keys for v in variants) or any(tensor in ("k", "v") for _, tensor in keys):
@@ -434,9 +445,12 @@ class EffectRunner:
             after = [{k: q for k, q in v.items() if self.block_of(k[0]) == self.num_blocks} for v in variants]
             with self._backend.outer(), _stacked_hooks(self._backend.module, after, owner):
                 batches = [_repeated(batch, len(batch.input_ids), n) for batch in self.batches]
-                outputs = [self._tail(h, batch) for h, batch in zip(hidden, batches, strict=True)]
+                outputs = []
+                for index, (h, batch) in enumerate(zip(hidden, batches, strict=True)):
+                    shares = self._tail(h, batch).chunk(n)
+                    outputs.append(list(shares) if reduce is None else [reduce(index, share) for share in shares])
         nan = [math.nan] * self.num_blocks
-        return [RunResult([o.chunk(n)[i] for o in outputs], nan, start) for i in range(n)]
+        return [RunResult([o[i] for o in outputs], nan, start) for i in range(n)]
 
     def _run_blocks(self, quantization: Quantization, start: int, keep: bool, sqnr: bool = True) -> RunResult:
         hidden = self._boundaries[start]

@@ -15,6 +15,8 @@ from sample_models.capture import forward_kwargs
 from sample_models.effect import EffectRunner, TensorQuant
 from sample_models.layers import resolve_layer
 
+LLAMA_UP = "model.layers.1.mlp.up_proj"
+
 
 def _variants(model, layer: str) -> list[dict]:
     spec = ob.QuantSpec("int4", strategy="group", group_size=32)
@@ -46,6 +48,23 @@ def test_stacked_runs_are_each_variants_own_run(source, layer):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     differs = [float((a.outputs[0] - b.outputs[0]).abs().max()) for a, b in zip(stacked, stacked[1:], strict=False)]
     assert max(differs) > 0  # the variants are different quantizations, each in its own share
+
+
+@pytest.mark.parametrize(("source", "layer"), [("minilm", "encoder.layer.1.output.dense"), ("tiny-llama", LLAMA_UP)])
+def test_stacked_metrics_are_the_stacked_runs_metrics_bit_for_bit_without_holding_the_logits(source, layer):
+    from lab.effect.evaluate import Evaluator
+
+    evaluator = Evaluator(open_model(source), samples=8, seq_len=32)
+    variants = _variants(evaluator.model, layer)
+    found, start = evaluator.stacked_metrics(variants)
+    runs = evaluator.runner.run_stacked(variants)
+    assert found == evaluator.metrics_of(runs) and start == runs[0].start
+    assert len({repr(metrics) for metrics in found}) == 3  # three quantizations, three sets of figures
+    if source == "tiny-llama":  # each variant's logits went into its sums batch by batch, none kept
+        held = evaluator.runner.run_stacked(variants, reduce=lambda index, logits: (index, logits.shape))
+        vocabulary = evaluator.runner.float_outputs[0].shape[-1]
+        shapes = [(i, (*batch.input_ids.shape, vocabulary)) for i, batch in enumerate(evaluator.runner.batches)]
+        assert all(run.outputs == shapes for run in held) and len(held) == 3
 
 
 def test_stacked_variants_must_quantize_the_same_tensors():

@@ -163,11 +163,8 @@ def _run_all(evaluator: Evaluator, planned: dict[tuple, dict], progress: Progres
             chunk = keys[first : first + STACKED]
             if progress is not None:
                 progress(len(done), len(planned), f"{chunk[0][1]} · {chunk[0][0]} · {len(chunk)} observer(s)")
-            runs = evaluator.runner.run_stacked([planned[key] for key in chunk])
-            metrics = evaluator.metrics_of(runs)
-            done |= {
-                key: found | {"first_block": run.start} for key, run, found in zip(chunk, runs, metrics, strict=True)
-            }
+            metrics, start = evaluator.stacked_metrics([planned[key] for key in chunk])
+            done |= {key: found | {"first_block": start} for key, found in zip(chunk, metrics, strict=True)}
     if progress is not None:
         progress(len(planned), len(planned), "scored")
     return done

@@ -58,8 +58,8 @@ def model_effect(
     metrics: dict[str, dict[str, float]] = {}
 
     def measure() -> None:
-        results = evaluator.runner.run_stacked(list(waiting.values()))
-        metrics.update(zip(waiting, evaluator.metrics_of(results), strict=True))
+        found, _ = evaluator.stacked_metrics(list(waiting.values()))
+        metrics.update(zip(waiting, found, strict=True))
         waiting.clear()
 
     made: dict[tuple, str] = {}

@@ -33,7 +33,14 @@ from lab.gptq.hessians import HessianOf
 from lab.gptq.layer import weight_quant
 from lab.results import Choices, choose, usable_observers, valid_choices
 from lab.vocab import DECODER_METRICS, ENCODER_METRICS, KV_TENSORS, observer_kind
-from sample_models.effect import HELD_OUT_SAMPLES, HELD_OUT_SEQ_LEN, EffectRunner, RunResult, TensorQuant
+from sample_models.effect import (
+    HELD_OUT_SAMPLES,
+    HELD_OUT_SEQ_LEN,
+    EffectRunner,
+    Quantization,
+    RunResult,
+    TensorQuant,
+)
 
 Key = tuple[str, str]
 FLOAT = "float"
@@ -251,24 +258,46 @@ def decoder_metrics_of(
     """``decoder_metrics`` of several quantized models' logits (``runs``, each per batch), the
     float side of each batch computed once for all of them: each model's figures are the ones
     ``decoder_metrics`` gives it alone, bit for bit."""
-    sums = [[0.0] * 4 for _ in runs]
-    nll_p = count = 0.0
-    for index, (f, batch) in enumerate(zip(float_logits, batches, strict=True)):
-        side = _FloatSide.of(f, batch.input_ids, batch.valid)
-        for total, logits in zip(sums, runs, strict=True):
-            for i, value in enumerate(side.against(logits[index])):
-                total[i] += value
-        nll_p += side.nll
-        count += float(batch.valid.sum())
-    return [
-        {
+    sides = _FloatSides(float_logits, batches)
+    sums: list[list] = [[] for _ in runs]
+    for index in range(len(batches)):
+        for per_batch, run in zip(sums, runs, strict=True):
+            per_batch.append(sides.against(index, run[index]))
+    return [sides.metrics(per_batch) for per_batch in sums]
+
+
+class _FloatSides:
+    """The float side of each held-out batch (``_FloatSide``), made when a batch is first asked
+    for and kept until another is (a stacked run asks for one batch's variants in turn), and the
+    sums that make the decoder metrics, added batch by batch in order."""
+
+    def __init__(self, float_logits: Sequence[torch.Tensor], batches) -> None:
+        self.float_logits, self.batches = float_logits, batches
+        self._current: tuple[int, _FloatSide] | None = None
+        self._nll: dict[int, float] = {}
+
+    def against(self, index: int, logits: torch.Tensor) -> tuple[float, float, float, float]:
+        """``_FloatSide.against`` for batch ``index``."""
+        if self._current is None or self._current[0] != index:
+            batch = self.batches[index]
+            self._current = (index, _FloatSide.of(self.float_logits[index], batch.input_ids, batch.valid))
+            self._nll[index] = self._current[1].nll
+        return self._current[1].against(logits)
+
+    def metrics(self, per_batch: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
+        """One model's metrics from its sums per batch (every batch's, in order, each batch's float
+        side made by ``against`` first)."""
+        kl = agree = nll_q = predicted = nll_p = count = 0.0
+        for index, (sums, batch) in enumerate(zip(per_batch, self.batches, strict=True)):
+            kl, agree, nll_q, predicted = kl + sums[0], agree + sums[1], nll_q + sums[2], predicted + sums[3]
+            nll_p += self._nll[index]
+            count += float(batch.valid.sum())
+        return {
             "kl": max(kl / count, 0.0),
             "top1_agreement": agree / count,
             "perplexity": math.exp(nll_q / predicted),
             "float_perplexity": math.exp(nll_p / predicted),
         }
-        for kl, agree, nll_q, predicted in sums
-    ]
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -348,6 +377,18 @@ class Evaluator:
         if self.kind == "decoder":
             return decoder_metrics_of(self.runner.float_outputs, [run.outputs for run in runs], self.runner.batches)
         return [encoder_metrics(self.runner.float_outputs, run.outputs) for run in runs]
+
+    def stacked_metrics(self, variants: Sequence[Quantization]) -> tuple[list[dict[str, float]], int]:
+        """``metrics_of`` the stacked run of ``variants`` (``EffectRunner.run_stacked``) and the block
+        it started at, a decoder's logits reduced to their sums batch by batch as they come (the
+        same figures, bit for bit): the logits over the vocabulary are never held for every batch
+        and variant at once."""
+        if self.kind != "decoder":
+            runs = self.runner.run_stacked(variants)
+            return self.metrics_of(runs), runs[0].start
+        sides = _FloatSides(self.runner.float_outputs, self.runner.batches)
+        runs = self.runner.run_stacked(variants, reduce=sides.against)
+        return [sides.metrics(run.outputs) for run in runs], runs[0].start
 
     def float_metrics(self) -> dict[str, float]:
         """The metrics of the float model against itself (KL 0, cosine 1; the float perplexity)."""
