@@ -417,9 +417,10 @@ class EffectRunner:
         batch, each variant's tensors applied to its own share. The matrix products are larger (a
         CPU runs them faster) and the Python around them runs once; the outputs are each variant's
         own up to the last bits that a larger product sums in another order. With ``reduce``, each
-        batch's outputs are handed to ``reduce(batch index, output)`` as they are made, variant by
-        variant, and what it returns is kept in their place: a decoder's logits over its whole
-        vocabulary (170 MB a variant on the built-in held-out text) are not all held at once."""
+        batch's outputs are made variant by variant and handed to ``reduce(batch index, output)``,
+        and what it returns is kept in their place: a decoder's logits over its whole vocabulary
+        (170 MB a variant on the built-in held-out text) are held for one batch and variant at a
+        time."""
         if len(variants) == 1 and reduce is None:
             return [self.run(variants[0], start, sqnr=False)]
         keys = list(variants[0])
@@ -444,11 +445,12 @@ class EffectRunner:
                     hidden = [call.invoke(block, h, {}) for call, h in zip(calls, hidden, strict=True)]
             after = [{k: q for k, q in v.items() if self.block_of(k[0]) == self.num_blocks} for v in variants]
             with self._backend.outer(), _stacked_hooks(self._backend.module, after, owner):
-                batches = [_repeated(batch, len(batch.input_ids), n) for batch in self.batches]
                 outputs = []
-                for index, (h, batch) in enumerate(zip(hidden, batches, strict=True)):
-                    shares = self._tail(h, batch).chunk(n)
-                    outputs.append(list(shares) if reduce is None else [reduce(index, share) for share in shares])
+                for index, (h, batch) in enumerate(zip(hidden, self.batches, strict=True)):
+                    if reduce is None:
+                        outputs.append(list(self._tail(h, _repeated(batch, len(batch.input_ids), n)).chunk(n)))
+                    else:
+                        outputs.append([reduce(index, self._tail(share, batch)) for share in h.chunk(n)])
         nan = [math.nan] * self.num_blocks
         return [RunResult([o[i] for o in outputs], nan, start) for i in range(n)]
 

@@ -380,9 +380,9 @@ class Evaluator:
 
     def stacked_metrics(self, variants: Sequence[Quantization]) -> tuple[list[dict[str, float]], int]:
         """``metrics_of`` the stacked run of ``variants`` (``EffectRunner.run_stacked``) and the block
-        it started at, a decoder's logits reduced to their sums batch by batch as they come (the
-        same figures, bit for bit): the logits over the vocabulary are never held for every batch
-        and variant at once."""
+        it started at, a decoder's logits made a batch and a variant at a time and reduced to their
+        sums as they come (each variant's own figures, up to the last bits of its head's product):
+        the logits over the vocabulary are never held for every batch and variant at once."""
         if self.kind != "decoder":
             runs = self.runner.run_stacked(variants)
             return self.metrics_of(runs), runs[0].start
