@@ -862,7 +862,9 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
         pending.append(len(made) - len(ran))
         return key
 
-    monkeypatch.setattr(evaluator.runner, "run_stacked", lambda asked: ran.extend(asked) or run_stacked(asked))
+    monkeypatch.setattr(
+        evaluator.runner, "run_stacked", lambda asked, **how: ran.extend(asked) or run_stacked(asked, **how)
+    )
     monkeypatch.setattr(awq_effect, "STACKED_VARIANTS", 2)
     monkeypatch.setattr(awq_effect, "_digest", digest_and_count)
     effect = model_effect(tiny_llama, suite_run, evaluator)

@@ -34,7 +34,10 @@ INPUT_STATISTICS = ("importance", "hessian")
 PER_WEIGHT_STATISTICS = ("importance",)
 
 _SMOOTHED = "smoothed:"
-"""The memo's keys of smoothed weights (``_smoothed_rows``, ``forget_smoothed``)."""
+"""The memo's keys of smoothed weights (``_smoothed_rows``)."""
+
+_ALIVE = "effective"
+"""The memo's key of the live candidates' effective weights (``_alive``), which outlive a slice."""
 """Those an observer takes one row per stacked weight (``(n, in)``, ``observe(apart=n)``)."""
 
 
@@ -280,17 +283,20 @@ def _fill_effective(
                 candidate.effective[name] = alive[f"{name}:{candidate.key}"] = q
 
 
-def forget_smoothed(memo: dict[str, Any]) -> None:
-    """Drop the smoothed weights ``make`` remembered (``_smoothed_rows``): a search done with a
-    slice of its grid lets them go, so it never holds the whole grid's smoothed weights at once."""
-    for key in [key for key in memo if key.startswith(_SMOOTHED)]:
+def forget_slice(memo: dict[str, Any]) -> None:
+    """Drop what ``make`` remembered of a slice of the grid (smoothed weights, observers' qparams,
+    clip searches: each keyed by its grid point's scales), keeping only the live candidates'
+    effective weights (``_alive``): a search done with a slice lets them go, so it never holds the
+    whole grid's smoothed weights (7 GB for a 7B-wide gate/up) or qparams (5.6 MB a layer and
+    candidate there) at once. A later pass over the same grid point makes them again."""
+    for key in [key for key in memo if key != _ALIVE]:
         del memo[key]
 
 
 def _alive(memo: dict[str, Any]) -> weakref.WeakValueDictionary:
     """The effective weights of the candidates still held somewhere (by layer and digest): equal
     digests quantize to the same weights, and the memo keeps none of them alive itself."""
-    return memo.setdefault("effective", weakref.WeakValueDictionary())
+    return memo.setdefault(_ALIVE, weakref.WeakValueDictionary())
 
 
 def _share_fused(made: list[Candidate], names: list[str], spec: ob.QuantSpec) -> None:

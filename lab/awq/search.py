@@ -156,7 +156,7 @@ class _Judge:
                     batch += self._made(a, ask, wanted, scales, heats[a], outcomes[a])
                 if sum(len(item[2]) for item in batch) >= self.step:
                     self._settle(batch, heats, outcomes)
-            candidates.forget_smoothed(self._memo)
+            candidates.forget_slice(self._memo)
         self._settle(batch, heats, outcomes)
         return outcomes
 
