@@ -349,7 +349,7 @@ class ModelOptBench:
         return SIMILARITY_SCALE * embedded @ self.anchors.T
 
     def held_out_metrics(self, model: Any) -> dict[str, float]:
-        from lab.effect.evaluate import encoder_metrics
+        from lab.effect.metrics import encoder_metrics
 
         with torch.no_grad():
             embedded = [_embed(model, batch) for batch in self.measuring]

@@ -125,13 +125,13 @@ def test_a_folded_weight_the_search_quantized_is_not_observed_again(tiny_llama, 
     # anyway (the digests cleared) gives the same, and only the divided layers are observed
     observers = {r.mapping.name: "imatrix_mse" for r in awq_run.results}
     observed: list[int] = []
-    real_observe = deploy.candidates.observe
+    real_observe = deploy.observed.observe
 
     def counting(observer, weight, spec, knobs, apart=1):
         observed.append(weight.shape[0])
         return real_observe(observer, weight, spec, knobs, apart)
 
-    monkeypatch.setattr(deploy.candidates, "observe", counting)
+    monkeypatch.setattr(deploy.observed, "observe", counting)
     reading = deploy.of_run(tiny_llama, awq_run, variant, observers)
     divided = [n for r in awq_run.results for n in r.mapping.balance if reading.output_scales(n) is not None]
     assert len(observed) == len(divided) == (0 if variant == Variant.RTN else 1)  # up_proj's rows: by down's s

@@ -149,7 +149,7 @@ def test_allocation_on_cuda_matches_the_cpu(tmp_path):
 def test_encoder_metrics_on_cuda_are_the_cpus():
     """An encoder's model-level metrics (cosine, the Spearman of pairwise similarities) computed
     from embeddings on the GPU: the CPU's figures."""
-    from lab.effect.evaluate import encoder_metrics
+    from lab.effect.metrics import encoder_metrics
 
     generator = torch.Generator().manual_seed(0)
     clean = [torch.randn(8, 32, generator=generator) for _ in range(3)]

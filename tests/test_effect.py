@@ -21,12 +21,11 @@ from lab.effect.evaluate import (
     ChoiceSet,
     Evaluator,
     check_applies,
-    encoder_metrics,
     float_set,
     from_analysis,
     from_lab_file,
-    spearman,
 )
+from lab.effect.metrics import encoder_metrics, spearman
 from lab.effect.sensitivity import Sensitivity, compare, sensitivity
 from lab.export import lab_json
 from lab.results import check_metric, choose
@@ -367,7 +366,7 @@ def test_decoder_metrics_of_several_models_are_each_ones_alone_and_the_formulas(
     """The float side of each held-out batch is computed once for several quantized models: each
     model's figures are those it gets alone, bit for bit, and the formulas in float64 by hand (KL
     over real positions, top-1 agreement, perplexity over real next tokens)."""
-    from lab.effect.evaluate import decoder_metrics, decoder_metrics_of
+    from lab.effect.metrics import decoder_metrics, decoder_metrics_of
     from sample_models.calibration import Batch
 
     g = torch.Generator().manual_seed(3)

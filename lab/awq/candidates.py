@@ -25,13 +25,17 @@ import torch
 import observers as ob
 from lab.awq.budget import STACKED_ELEMENTS
 from lab.awq.moment import InputMoment
+from lab.awq.observed import (
+    observe,
+    once,
+    rowwise,
+    scaled_blocks,
+    stackable,
+    statistic_knobs,
+)
 from lab.runtime import fusion
 from lab.runtime import scales as scales_rule
-
-INPUT_STATISTICS = ("importance", "hessian")
-"""Observer knobs filled from the smoothed inputs, which differ per candidate."""
-
-PER_WEIGHT_STATISTICS = ("importance",)
+from observers.smoothed_quant_kernel import smoothed_fake_quantize
 
 _SMOOTHED = "smoothed:"
 """The memo's keys of smoothed weights (``_smoothed_rows``)."""
@@ -100,64 +104,6 @@ def effective(quantized: torch.Tensor, scales: torch.Tensor | None) -> torch.Ten
     quotient, then cast); ``quantized`` ``(n, out, in)`` with ``scales`` ``(n, in)`` gives each of
     ``n`` its own in one quotient."""
     return quantized if scales is None else (quantized / scales.double().unsqueeze(-2)).to(quantized.dtype)
-
-
-def scaled_blocks(blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """Diagonal blocks ``(groups, size, size)`` of the inputs' second moment as the smoothed inputs
-    ``x/s`` have them."""
-    if scales is None:
-        return blocks
-    inverse = (1.0 / scales).reshape(blocks.shape[0], -1)
-    return blocks * inverse.unsqueeze(2) * inverse.unsqueeze(1)
-
-
-def statistic_knobs(
-    observer: str, knobs: dict[str, Any], diagonal: torch.Tensor, blocks: Callable[[int], torch.Tensor], scales
-) -> dict[str, Any]:
-    """The observer's knobs with the input statistics it takes filled for the smoothed inputs
-    ``x/s``, unless the person gave them: the mean square per column (``importance``, from the
-    inputs' ``diagonal``) and the per-block second moment (``hessian``, from ``blocks(size)``, the
-    inputs' diagonal blocks of that size). ``scales`` ``(n, in)`` (``n`` stacked candidates) give
-    one importance row per candidate."""
-    taken = ob.knobs(observer)
-    filled = dict(knobs)
-    inverse = None if scales is None else 1.0 / scales
-    if "importance" in taken and filled.get("importance") is None:
-        filled["importance"] = (diagonal if inverse is None else diagonal * inverse**2).float()
-    if "hessian" in taken and filled.get("hessian") is None:
-        size = hessian_block(observer, filled)
-        filled["hessian"] = scaled_blocks(blocks(size), scales).float()
-    return filled
-
-
-def hessian_block(observer: str, knobs: dict[str, Any]) -> int:
-    """The block size of the per-block Hessian ``observer`` takes with ``knobs``."""
-    return int(knobs.get("block_size", ob.knobs(observer).get("block_size", 16)))
-
-
-def observe(
-    observer: str, weight: torch.Tensor, spec: ob.QuantSpec, knobs: dict[str, Any], apart: int = 1
-) -> ob.QParams:
-    """``observer``'s qparams of ``weight`` alone (``apart``: of the weights stacked in its rows,
-    each as if alone): a search needs no error metrics of every candidate (``ob.run_one``
-    measures them), and an observer that cannot run raises its ``ValueError``."""
-    found = ob.create(observer, spec, "weight", **knobs)
-    found.observe(weight, apart=apart)
-    return found.qparams()
-
-
-def rowwise(spec: ob.QuantSpec) -> bool:
-    """Whether qparams are per row or per group of a row (group or channel scales without a global
-    scale): candidates stacked as rows are then quantized, and clip-searched, each as alone."""
-    return spec.strategy in ("group", "channel") and spec.format.scale_kind != "e4m3"
-
-
-def stackable(observer: str, spec: ob.QuantSpec) -> bool:
-    """Whether candidates stacked as rows get each the qparams it gets alone (``observe(apart=…)``:
-    a shrink grid's early stop kept per candidate): ``rowwise`` qparams, and no knob filled from
-    the inputs (those differ per candidate) but those taken one row per stacked weight."""
-    taken = ob.knobs(observer)
-    return rowwise(spec) and not any(k in taken for k in INPUT_STATISTICS if k not in PER_WEIGHT_STATISTICS)
 
 
 def _rows(qp: ob.QParams, count: int, rows: int) -> list[ob.QParams]:
@@ -258,10 +204,12 @@ def _fill_effective(
     memo: dict[str, Any],
     elements: int,
 ) -> None:
-    """Each candidate's effective weight ``Q(W·s)/s`` per layer (``smooth_of(name, weight)``: the
-    layer smoothed by every row of ``scales``, stacked ``(n, out, in)``; None: unsmoothed), a
-    twin's taken while one holding it lives (``_alive``), the rest quantized and divided stacked
-    where the qparams are per row (``rowwise``)."""
+    """Each candidate's effective weight ``Q(W·s)/s`` per layer, a twin's taken while one holding
+    it lives (``_alive``), the rest quantized and divided stacked where the qparams are per row
+    (``rowwise``): in one native pass from the weight where the kernel takes them
+    (``observers.smoothed_quant_kernel``, bit for bit the eager arithmetic), else eagerly from
+    ``smooth_of(name, weight)`` (the layer smoothed by every row of ``scales``, stacked
+    ``(n, out, in)``; None: unsmoothed), made only then."""
     alive = _alive(memo)
     together = rowwise(spec)
     for name, weight in weights.items():
@@ -269,16 +217,18 @@ def _fill_effective(
             if (found := alive.get(f"{name}:{candidate.key}")) is not None:
                 candidate.effective[name] = found
         todo = [i for i, candidate in enumerate(made) if name not in candidate.effective]
-        if not todo:
-            continue
-        smooth = smooth_of(name, weight)
+        smooth: torch.Tensor | None = None
         step = max(1, elements // weight.numel()) if together else 1
         for start in range(0, len(todo), step):
             chunk = todo[start : start + step]
-            part, stacked = [made[i] for i in chunk], _rows_of(smooth, chunk)
+            part = [made[i] for i in chunk]
             joined = _joined([c.qparams[name] for c in part])
-            quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
-            divided = effective(quantized, None if scales is None else scales[chunk])
+            divided = None if scales is None else smoothed_fake_quantize(weight, scales[chunk], joined, spec)
+            if divided is None:
+                smooth = smooth_of(name, weight) if smooth is None else smooth
+                stacked = _rows_of(smooth, chunk)
+                quantized = ob.fake_quantize(stacked.flatten(0, 1), joined, spec).reshape(stacked.shape)
+                divided = effective(quantized, None if scales is None else scales[chunk])
             for candidate, q in zip(part, divided, strict=True):
                 candidate.effective[name] = alive[f"{name}:{candidate.key}"] = q
 
@@ -367,17 +317,6 @@ def _rows_of(stacked: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return stacked[rows[0] : rows[0] + len(rows)]
     return stacked[rows]
-
-
-def once(observer: str, knobs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
-    """The observer and knobs that give ``observer``'s qparams of a weight observed once
-    (``ob.once_form``: the min-max family are one, ``mse_grid_moving_average`` is ``mse_grid``),
-    and a tag naming them with their knobs, so that twins are remembered as one. Knobs holding
-    tensors keep the observer as it is, tagged by its own name."""
-    if any(isinstance(value, torch.Tensor) for value in knobs.values()):
-        return observer, knobs, observer
-    once, given = ob.once_form(observer, knobs)
-    return once, given, f"{once}{sorted(given.items())!r}"
 
 
 def _clipped(name, smooth, qps, spec, ratios, scales, scale_keys, moment, memo) -> list[ob.QParams]:

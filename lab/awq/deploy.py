@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 import observers as ob
-from lab.awq import candidates
+from lab.awq import candidates, observed
 from lab.awq.fold import fold_key, folded_keys, fused_views
 from lab.awq.mappings import Mapping
 from lab.awq.run import AWQRun
@@ -396,10 +396,10 @@ def _layer_qparams(
         rows = torch.ones(weight.shape[0], 1, dtype=torch.float64, device=weight.device)
         rows[-s_out.numel() :, 0] = 1.0 / s_out.to(rows.device)
         return ob.qparams.range_rule((qp.min_val * rows).float(), (qp.max_val * rows).float(), spec)
-    knobs = candidates.statistic_knobs(
+    knobs = observed.statistic_knobs(
         observer, run.observers.get(observer, {}), result.importance, result.blocks.__getitem__, deployed.scales
     )
     try:
-        return candidates.observe(observer, weight, spec, knobs)
+        return observed.observe(observer, weight, spec, knobs)
     except ValueError as err:
         raise ValueError(f"{name}: {observer} on the folded weight: {err}") from None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from lab.awq import candidates, deploy
+from lab.awq import candidates, deploy, observed
 from lab.awq.candidates import Candidate
 from lab.awq.run import AWQRun
 from lab.awq.search import Variant
@@ -89,9 +89,9 @@ def model_effect(
 
 def _deployment(run: AWQRun, variant: Variant, observer: str) -> tuple:
     """What decides the weights a pair deploys: the variant, the observer as it observes a weight
-    once (twins are one, ``candidates.once``) and each mapping's pick (its scales and qparams).
+    once (twins are one, ``observed.once``) and each mapping's pick (its scales and qparams).
     Two pairs that agree on it deploy the same weights, so only the first is folded."""
-    tag = candidates.once(observer, run.observers.get(observer, {}))[2]
+    tag = observed.once(observer, run.observers.get(observer, {}))[2]
     picks = tuple(
         candidates.digest(Candidate(r.scales.get((variant, observer)), r.qparams.get((variant, observer), {}), {}))
         for r in run.results

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import observers as ob
-from lab.awq import candidates
+from lab.awq import candidates, observed
 from lab.awq.budget import SearchBudget
 from lab.awq.candidates import Candidate
 from lab.awq.figures import PickFigures, Side
@@ -296,7 +296,7 @@ def search(
 
     blocks = {
         size: inputs.moment.blocks(size).clone()
-        for size in {candidates.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
+        for size in {observed.hessian_block(o, k) for o, k in observers.items() if "hessian" in ob.knobs(o)}
     }
     digests = {name: candidates.tensor_digest(weight) for name, weight in weights.items()}
     result = MappingResult(mapping, [], {}, {}, scales[best], inputs.moment.diagonal(), blocks, digests)

@@ -20,13 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 import observers as ob
 from lab.analyse.analysis import Analysis
 from lab.analyse.model_facts import ModelFacts, describe_source, same_weights
 from lab.analyse.served import as_chosen
+from lab.effect.metrics import FloatSides, decoder_metrics_of, encoder_metrics
 from lab.export.json_values import json_safe
 from lab.gptq.deploy import GPTQDeploy
 from lab.gptq.hessians import HessianOf
@@ -206,130 +204,6 @@ class Evaluation:
         )
 
 
-@dataclass(frozen=True)
-class _FloatSide:
-    """What every quantized model's figures on one held-out batch compare with: the float model's
-    log-probabilities and probabilities, its top-1 token, its summed negative log likelihood of the
-    next token, and which positions count (real ones; real ones whose next token is real)."""
-
-    log_p: torch.Tensor
-    p: torch.Tensor
-    top1: torch.Tensor
-    nll: float
-    valid: torch.Tensor
-    following: torch.Tensor
-    target: torch.Tensor
-
-    @classmethod
-    def of(cls, float_logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> _FloatSide:
-        log_p = torch.log_softmax(float_logits.float(), dim=-1)
-        following = (valid[:, :-1] & valid[:, 1:]).float()
-        target = ids[:, 1:].unsqueeze(-1)
-        nll = -(log_p[:, :-1].gather(-1, target).squeeze(-1) * following).sum()
-        top1 = log_p.max(-1).indices  # argmax's first maximum, twice as fast on CPU
-        return cls(log_p, log_p.exp(), top1, float(nll), valid.float(), following, target)
-
-    def against(self, logits: torch.Tensor) -> tuple[float, float, float, float]:
-        """Sums over real positions: KL(float || quantized), top-1 agreements, the quantized
-        model's negative log likelihood of the next token, and the positions predicted."""
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        agree = self.top1 == log_q.max(-1).indices
-        nll_q = -(log_q[:, :-1].gather(-1, self.target).squeeze(-1) * self.following).sum()
-        # p·(log p − log q) in log_q's own buffer: the same float operations as the expression
-        # written out, without its three vocabulary-wide temporaries (a third of this call's time)
-        kl = log_q.neg_().add_(self.log_p).mul_(self.p).sum(-1)
-        return (
-            float((kl * self.valid).sum()),
-            float((agree.float() * self.valid).sum()),
-            float(nll_q),
-            float(self.following.sum()),
-        )
-
-
-def decoder_metrics(float_logits: Sequence[torch.Tensor], logits: Sequence[torch.Tensor], batches) -> dict[str, float]:
-    """``kl`` (mean over real positions), ``top1_agreement``, ``perplexity`` of the quantized model
-    and ``float_perplexity``, all in fp32."""
-    return decoder_metrics_of(float_logits, [logits], batches)[0]
-
-
-def decoder_metrics_of(
-    float_logits: Sequence[torch.Tensor], runs: Sequence[Sequence[torch.Tensor]], batches
-) -> list[dict[str, float]]:
-    """``decoder_metrics`` of several quantized models' logits (``runs``, each per batch), the
-    float side of each batch computed once for all of them: each model's figures are the ones
-    ``decoder_metrics`` gives it alone, bit for bit."""
-    sides = _FloatSides(float_logits, batches)
-    sums: list[list] = [[] for _ in runs]
-    for index in range(len(batches)):
-        for per_batch, run in zip(sums, runs, strict=True):
-            per_batch.append(sides.against(index, run[index]))
-    return [sides.metrics(per_batch) for per_batch in sums]
-
-
-class _FloatSides:
-    """The float side of each held-out batch (``_FloatSide``), made when a batch is first asked
-    for and kept until another is (a stacked run asks for one batch's variants in turn), and the
-    sums that make the decoder metrics, added batch by batch in order."""
-
-    def __init__(self, float_logits: Sequence[torch.Tensor], batches) -> None:
-        self.float_logits, self.batches = float_logits, batches
-        self._current: tuple[int, _FloatSide] | None = None
-        self._nll: dict[int, float] = {}
-
-    def against(self, index: int, logits: torch.Tensor) -> tuple[float, float, float, float]:
-        """``_FloatSide.against`` for batch ``index``."""
-        if self._current is None or self._current[0] != index:
-            batch = self.batches[index]
-            self._current = (index, _FloatSide.of(self.float_logits[index], batch.input_ids, batch.valid))
-            self._nll[index] = self._current[1].nll
-        return self._current[1].against(logits)
-
-    def metrics(self, per_batch: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
-        """One model's metrics from its sums per batch (every batch's, in order, each batch's float
-        side made by ``against`` first)."""
-        kl = agree = nll_q = predicted = nll_p = count = 0.0
-        for index, (sums, batch) in enumerate(zip(per_batch, self.batches, strict=True)):
-            kl, agree, nll_q, predicted = kl + sums[0], agree + sums[1], nll_q + sums[2], predicted + sums[3]
-            nll_p += self._nll[index]
-            count += float(batch.valid.sum())
-        return {
-            "kl": max(kl / count, 0.0),
-            "top1_agreement": agree / count,
-            "perplexity": math.exp(nll_q / predicted),
-            "float_perplexity": math.exp(nll_p / predicted),
-        }
-
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """0-based ranks of a 1-D tensor's values (ties by position: similarities of real sentences
-    do not tie)."""
-    order = x.argsort(stable=True)
-    ranks = torch.arange(len(x), dtype=torch.float64, device=x.device)
-    return torch.empty_like(x, dtype=torch.float64).scatter_(0, order, ranks)
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman rank correlation of two 1-D tensors (Pearson correlation of their ranks); exactly 1
-    when the order is the same."""
-    ra, rb = _ranks(a), _ranks(b)
-    if torch.equal(ra, rb):
-        return 1.0
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denominator = float(ra.norm() * rb.norm())
-    return float((ra * rb).sum()) / denominator if denominator else math.nan
-
-
-def encoder_metrics(float_embeddings: Sequence[torch.Tensor], embeddings: Sequence[torch.Tensor]) -> dict[str, float]:
-    """``cosine``: mean cosine of each sentence's embedding to its float one; ``spearman``: how
-    well the ranking of all pairwise sentence similarities is kept."""
-    f = torch.cat(list(float_embeddings)).float()
-    q = torch.cat(list(embeddings)).float()
-    cosine = F.cosine_similarity(f, q, dim=-1).clamp(-1.0, 1.0)
-    rows, cols = torch.triu_indices(len(f), len(f), offset=1)
-    similarity = [(F.normalize(x, dim=-1) @ F.normalize(x, dim=-1).T)[rows, cols] for x in (f, q)]
-    return {"cosine": float(cosine.mean()), "spearman": spearman(*similarity)}
-
-
 class Evaluator:
     """A model's float run on held-out text (``EffectRunner``) and the metrics of its kind."""
 
@@ -386,7 +260,7 @@ class Evaluator:
         if self.kind != "decoder":
             runs = self.runner.run_stacked(variants)
             return self.metrics_of(runs), runs[0].start
-        sides = _FloatSides(self.runner.float_outputs, self.runner.batches)
+        sides = FloatSides(self.runner.float_outputs, self.runner.batches)
         runs = self.runner.run_stacked(variants, reduce=sides.against)
         return [sides.metrics(run.outputs) for run in runs], runs[0].start
 
