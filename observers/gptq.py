@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from observers.metrics import error_metrics
+from observers.metrics import clip_ratio
 from observers.qparams import QParams
 from observers.quantize import element_codes
 from observers.shared import Op, Reduce
@@ -94,7 +94,7 @@ def hessian_of_rows(rows: torch.Tensor) -> torch.Tensor:
     its rows, so a token-weighted running mean of it (the lab's streamed statistics) is the
     Hessian over every token, ``HessianAccumulator``'s."""
     x = rows.reshape(-1, rows.shape[-1]).float()
-    return 2.0 * (x.T @ x) / max(x.shape[0], 1)
+    return (x.T @ x).mul_(2.0).div_(max(x.shape[0], 1))  # in place: one (in, in) matrix, not three
 
 
 # ---------------------------------------------------------------------------------------- Hessian
@@ -180,7 +180,7 @@ def layer_output_error(
             f"({w.shape[1]}, {w.shape[1]}) Hessian, got {tuple(approx.shape)} and {tuple(h.shape)}"
         )
     delta = w - approx.reshape(w.shape).to(w.device).float()
-    error = float(((delta @ h) * delta).sum())
+    error = float((delta @ h).mul_(delta).sum())  # in place: one layer-sized product fewer at a time
     reference = output_energy(weight, hessian) if energy is None else energy
     if reference > 0:
         return error / reference
@@ -190,7 +190,7 @@ def layer_output_error(
 def output_energy(weight: torch.Tensor, hessian: torch.Tensor) -> float:
     """``tr(WHWᵀ)``: ``‖WX‖²`` (times 2/n) on the inputs behind ``hessian``, the error's reference."""
     w = weight.reshape(weight.shape[0], -1).float()
-    return float(((w @ hessian.to(device=w.device, dtype=torch.float32)) * w).sum())
+    return float((w @ hessian.to(device=w.device, dtype=torch.float32)).mul_(w).sum())
 
 
 # ------------------------------------------------------------------------------------- the result
@@ -360,13 +360,23 @@ def inverse_hessian_factor(hessian: torch.Tensor, dampening: float) -> torch.Ten
     inverse Hessian with those columns eliminated, scaled by ``√`` of its pivot). Computed as
     llm-compressor does (Cholesky, ``cholesky_inverse``, upper Cholesky), so the rounding agrees.
     Dead columns must already carry a unit diagonal (``dead_columns``)."""
-    h = hessian.clone()
+    return _factor_of_own(hessian.clone(), dampening)
+
+
+def _factor_of_own(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
+    """``inverse_hessian_factor`` of a Hessian copy no one else holds, dampened in place, each step's
+    input let go once the next is made: two ``(in, in)`` matrices at a time, not four (an 11008-wide
+    ``down_proj``'s are 485 MB each)."""
     diagonal = torch.diagonal(h)
     diagonal.add_(dampening * diagonal.mean())
     lower, info = torch.linalg.cholesky_ex(h)
+    del h, diagonal
     if int(info) != 0:
         return None
-    upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    inverse = torch.cholesky_inverse(lower)
+    del lower
+    upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+    del inverse
     if int(info) != 0 or not bool(torch.isfinite(upper).all()) or not bool((torch.diagonal(upper) > 0).all()):
         return None
     return upper
@@ -598,7 +608,7 @@ def _gptq(
         fixed_qps = [_checked(fn(observed), shape, "the weight") for fn in fns]
     table = _stacked_table([_start_table(qp, spec, shape, w.device) for qp in fixed_qps], rows)
 
-    swept, swept_h, dead = _swept_copies(w, h, perm, usable)
+    swept, dead = _swept_columns(w, h, perm, usable)
     if dead:
         notes.append(
             f"{dead} of {columns} input columns saw only zeros (dead): their weights were set to 0 and their "
@@ -607,7 +617,7 @@ def _gptq(
     if factors is not None and (actorder, dampening) in factors:
         factor = factors[(actorder, dampening)]
     else:
-        factor = inverse_hessian_factor(swept_h, dampening) if usable else None
+        factor = _factor_of_own(_swept_hessian(h, perm), dampening) if usable else None
         if factors is not None:
             factors[(actorder, dampening)] = factor
     fallback = factor is None
@@ -623,7 +633,10 @@ def _gptq(
     if scales == "refit":
         refit = _refit_plan(groups, perm, fns[0], (1,) if spec.strategy == "tensor" else (rows, 1))
     stacked = swept.repeat(1, len(fixed_qps)) if len(fixed_qps) > 1 else swept
+    del swept  # the repeat holds every observer's copy
     quantized, codes, losses = _sweep(stacked, factor, groups, table, spec, block_size, refit)
+    outputs = [stacked, quantized, codes]
+    del stacked, quantized, codes  # ``_restored`` lets each go once its last observer's part is restored
 
     inverse = None if perm is None else torch.argsort(perm)
     restore = lambda t: (t if inverse is None else t[inverse]).t().reshape(weight.shape)  # noqa: E731
@@ -631,15 +644,15 @@ def _gptq(
     for k, fixed_qp in enumerate(fixed_qps):
         part = slice(k * rows, (k + 1) * rows)
         qparams = _final_qparams(fixed_qp, table, shape, group_perm, spec)
-        updated, fake = restore(stacked[:, part]), restore(quantized[:, part])
-        found = codes[:, part]
+        updated, fake, found = _restored(outputs, part, k == len(fixed_qps) - 1, restore)
+        clipped = clip_ratio(updated, qparams, spec)  # before the codes' integer copy joins them
         results.append(
             GPTQResult(
                 weight=fake.to(weight.dtype),
-                codes=restore(found.to(torch.int32) if spec.format.kind == "int" else found),
+                codes=found.to(torch.int32) if spec.format.kind == "int" else found,
                 qparams=qparams,
                 updated=updated,
-                clip_ratio=float(error_metrics(updated, fake, qparams, spec)["clip_ratio"]),
+                clip_ratio=clipped,
                 loss=float(losses[part].sum()),
                 perm=perm,
                 dead_columns=dead,
@@ -648,6 +661,24 @@ def _gptq(
             )
         )
     return results
+
+
+def _restored(
+    outputs: list[torch.Tensor | None], part: slice, last: bool, restore: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
+    """One observer's ``part`` (its rows) of each of the sweep's ``outputs`` (updated weights,
+    fake-quantized weights, codes: ``(in, rows · observers)`` in sweep order), in the weight's
+    shape and column order; with the ``last`` observer's part each output is let go from the list
+    as soon as that part is restored, so a weight swept alone has its restored copies take the
+    sweep's place one by one rather than join it."""
+    found = []
+    for index in range(len(outputs)):
+        piece = outputs[index][:, part]
+        if last:
+            outputs[index] = None
+        found.append(restore(piece))
+        del piece
+    return found
 
 
 def _stacked_table(tables: list[_GroupQParams], rows: int) -> _GroupQParams:
@@ -669,23 +700,34 @@ def _start_table(fixed: QParams | None, spec: QuantSpec, shape: tuple[int, ...],
     return _GroupQParams.of(fixed, rows, groups, device)
 
 
-def _swept_copies(
+def _swept_columns(
     w: torch.Tensor, h: torch.Tensor, perm: torch.Tensor | None, usable: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The sweep's working copies: the weight as fp32 ``(in, out)`` (one contiguous row per column)
-    and the Hessian, both in sweep order, with dead columns' weights 0 and Hessian diagonal 1 (as
-    llm-compressor's ``factorize_hessian``); and how many columns were dead."""
+) -> tuple[torch.Tensor, int]:
+    """The sweep's working copy of the weight: fp32 ``(in, out)`` (one contiguous row per column) in
+    sweep order, dead columns' weights 0 (as llm-compressor's ``factorize_hessian``); and how many
+    columns were dead."""
     columns = w.float().t()
     if perm is not None:
-        columns, h = columns[perm], h[perm][:, perm]
+        columns = columns[perm]
     columns = columns.contiguous() if perm is not None else columns.clone(memory_format=torch.contiguous_format)
     dead = dead_columns(h) if usable else torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+    if perm is not None:
+        dead = dead[perm]
     count = int(dead.sum())
     if count:
-        h = h.clone()
-        h[dead, dead] = 1.0
         columns[dead] = 0.0
-    return columns, h, count
+    return columns, count
+
+
+def _swept_hessian(h: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """A copy of the Hessian in sweep order (one gather), dead columns' diagonal 1 (as
+    llm-compressor's ``factorize_hessian``): made only when the layer's factor is, and given to
+    ``_factor_of_own`` to be dampened and let go in place."""
+    swept = h[perm.unsqueeze(1), perm] if perm is not None else h.clone()
+    dead = dead_columns(swept)
+    if bool(dead.any()):
+        swept[dead, dead] = 1.0
+    return swept
 
 
 def _final_qparams(

@@ -2,17 +2,68 @@
 
 Everything works in "bin units" (bin ``b`` spans ``[b, b + 1)``) with the density uniform inside
 each bin, on all rows at once, with prefix sums over bins instead of Python loops over bins or
-candidates.
+candidates. The observers run a search on chunks of rows (``in_row_chunks``) so its working set
+stays within ``SEARCH_CHUNK_BYTES`` whatever the number of channels.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 from observers.hist_state import RowHistogram
 from observers.pick import first_least
+
+SEARCH_CHUNK_BYTES = 1 << 22
+"""Bytes of working tensors one chunk of rows of a histogram search may hold (each search states
+its bytes per row). A per-channel search's tensors grow with rows x candidates x bins: in one
+piece, entropy held 10 MB a row (every candidate's runs), a 7B gate_proj's 11008 channels 100 GB;
+the L2 search 0.35 MB a row, the ``mse`` sweep 47 MB a row (every candidate's fake-quantized bin
+centres). The rows' searches are independent, so chunks change no number, only the peak. 4 MiB:
+a chunk stays in a large L2 or the L3 cache, where these ten-pass elementwise searches run 3x
+faster than from memory (the ``mse`` sweep: 16 ms a 2048-bin row at 0.5-2 MiB, 28 ms at 16 MiB,
+45 ms at 64 MiB, one thread), and the per-chunk cost of Python (~0.1 ms) stays small."""
+
+
+def chunk_budget(cap: int | None = None) -> int:
+    """Bytes one chunk of a search may hold: ``SEARCH_CHUNK_BYTES``, or a smaller ``cap`` (an
+    observer's own ``max_working_bytes``)."""
+    return SEARCH_CHUNK_BYTES if cap is None else min(cap, SEARCH_CHUNK_BYTES)
+
+
+def row_chunks(rows: int, bytes_per_row: int, cap: int | None = None) -> list[slice]:
+    """Consecutive slices of ``rows`` rows, each as many as fit ``chunk_budget(cap)`` at
+    ``bytes_per_row``, at least one (no rows: one empty chunk, so the search still runs once)."""
+    size = max(1, chunk_budget(cap) // max(1, bytes_per_row))
+    return [slice(first, first + size) for first in range(0, max(rows, 1), size)]
+
+
+def in_row_chunks(
+    hist: RowHistogram,
+    bytes_per_row: int,
+    search: Callable[[RowHistogram], tuple[torch.Tensor, ...]],
+    cap: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``search``'s tensors (each with one entry per row first) for every row of ``hist``, run on
+    the chunks of ``row_chunks`` and put back together: equal to one search over all rows, since
+    each row's search reads only its own row, with one chunk's working set alive at a time.
+
+    Each chunk's results are copied into tensors allocated once: thousands of small results kept
+    between a chunk's megabyte-sized temporaries pinned the allocator's heap (glibc reuses freed
+    space only around live blocks) and the process grew by a chunk per chunk (2.4 GB in one
+    ``mse`` search of 151 rows at 16 MiB, measured)."""
+    rows = hist.counts.shape[0]
+    results: tuple[torch.Tensor, ...] = ()
+    for part in row_chunks(rows, bytes_per_row, cap):
+        found = search(hist.rows(part))
+        if not results:
+            results = tuple(t.new_empty((rows, *t.shape[1:])) for t in found)
+        for whole, piece in zip(results, found, strict=True):
+            whole[part] = piece
+    return results
+
 
 PAIR_BUDGET = 1 << 22
 """Bounds the exact-error polish of the L2 search (cells per round ~ 4x this)."""
@@ -184,8 +235,14 @@ def _first_step(rows: int, bins: int) -> int:
     return step
 
 
+def l2_row_bytes(bins: int) -> int:
+    """Working bytes per row of ``l2_range_search`` at its peak: the prefix moments and the edge
+    terms, about 24 fp64 rows of ``bins + 1`` (measured: 0.35 MB a row at 2048 bins)."""
+    return 192 * (bins + 1)
+
+
 def l2_range_search(
-    hist: RowHistogram, levels: int, exact_top: int = 64, apart: int = 1
+    hist: RowHistogram, levels: int, exact_top: int = 64, apart: int = 1, whole_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the histogram range ``[start, end)`` (bin edges) with the least L2 quantization error.
 
@@ -194,13 +251,16 @@ def l2_range_search(
     with prefix sums (``_screen_pairs``), so the pairs per row stay bounded. ``apart``: the rows
     are that many weights' stacked, the grid the one each weight's rows get alone.
     The ``exact_top`` best pairs of each row are then re-scored with the
-    exact error (``exact_l2``) and the best is kept.
+    exact error (``exact_l2``) and the best is kept. ``whole_rows``: ``hist`` is a chunk of a
+    search over that many rows (``in_row_chunks``), whose grid and polish window it keeps, so
+    each row gets the range the whole search gives it.
     """
     counts = hist.counts
     rows, bins = counts.shape
+    whole_rows = rows if whole_rows is None else whole_rows
     moments = _prefix_moments(counts)
     terms = _edge_terms(moments)
-    step = _first_step(rows // apart, bins)
+    step = _first_step(whole_rows // apart, bins)
     edges, score, end = _screen_grid(terms, step, levels)
     start = edges.unsqueeze(0).expand(rows, -1)
     while step > 1:
@@ -215,7 +275,8 @@ def l2_range_search(
     exact = torch.where(torch.isfinite(score.gather(1, top_idx)), exact, torch.inf)
     pick = first_least(exact, 1, keepdim=True)
     best_start, best_end = top_start.gather(1, pick).squeeze(1), top_end.gather(1, pick).squeeze(1)
-    return _refine_exact(counts, moments, best_start, best_end, exact.gather(1, pick).squeeze(1), levels)
+    error = exact.gather(1, pick).squeeze(1)
+    return _refine_exact(counts, moments, best_start, best_end, error, levels, _polish_radius(whole_rows, levels))
 
 
 def _exact_where(counts, moments, start: torch.Tensor, end: torch.Tensor, wanted: torch.Tensor, levels: int):
@@ -232,19 +293,25 @@ def _exact_where(counts, moments, start: torch.Tensor, end: torch.Tensor, wanted
     return out.scatter_(1, order, torch.where(real, exact, torch.inf))
 
 
-def _refine_exact(counts, moments, start, end, error, levels: int, max_rounds: int = 8):
-    """Exact-error descent: move both ends within a window around each row's best, a few rounds.
-
-    The screen's rounding-noise estimate misjudges spiky histograms (e.g. many exact zeros);
-    this polishes its pick with the exact error. The window shrinks with the number of rows so
-    each round scores at most ~``PAIR_BUDGET · 4`` cells. A round scores only the candidates no
-    earlier window held: those all had an error at least the current best's, so they can be
-    neither the new best nor an improvement (the same picks as rescoring the whole window).
-    """
-    rows, bins = counts.shape
+def _polish_radius(rows: int, levels: int) -> int:
+    """Half-width of ``_refine_exact``'s window: it shrinks with the number of rows so each round
+    scores at most ~``PAIR_BUDGET · 4`` cells."""
     radius = 1
     while radius < 8 and rows * (2 * radius + 3) ** 2 * (levels + 1) <= 4 * PAIR_BUDGET:
         radius += 1
+    return radius
+
+
+def _refine_exact(counts, moments, start, end, error, levels: int, radius: int, max_rounds: int = 8):
+    """Exact-error descent: move both ends within a window (``radius``) around each row's best,
+    a few rounds.
+
+    The screen's rounding-noise estimate misjudges spiky histograms (e.g. many exact zeros);
+    this polishes its pick with the exact error. A round scores only the candidates no
+    earlier window held: those all had an error at least the current best's, so they can be
+    neither the new best nor an improvement (the same picks as rescoring the whole window).
+    """
+    bins = counts.shape[1]
     old_start = old_end = start.unsqueeze(1)[:, :0]  # (R, rounds so far): earlier windows' centres
     for _ in range(max_rounds):
         cand_start, cand_end = _window_pairs(start, end, radius, 1)
@@ -281,6 +348,11 @@ def value_at_ranks(hist: RowHistogram, ranks: torch.Tensor) -> torch.Tensor:
     return hist.lo.unsqueeze(1) + position * hist.width.unsqueeze(1)
 
 
+def quantile_row_bytes(bins: int) -> int:
+    """Working bytes per row of ``quantile``: the cumulative counts and their shifted copy, fp64."""
+    return 32 * bins
+
+
 def quantile(hist: RowHistogram, q: torch.Tensor) -> torch.Tensor:
     """Quantiles ``q`` (K,) in [0, 1] of each row, (R, K), with ``torch.quantile``'s linear rule.
 
@@ -294,6 +366,45 @@ def quantile(hist: RowHistogram, q: torch.Tensor) -> torch.Tensor:
     return v_low + (rank - low) * (v_high - v_low)
 
 
+KL_BYTES_PER_RUN = 48
+"""Bytes per row, candidate and run of ``kl_divergences``'s run tables: about six fp64 tensors
+(gathered prefix sums, run totals, non-empty counts, levels and their logs)."""
+
+
+def kl_row_bytes(bins: int, quant_bins: int, start_bin: int, stride: int) -> int:
+    """Working bytes per row of ``kl_divergences`` outside its blocks of candidates: the prefix
+    sums (fp64, ``bins + 1``), about eight fp64 values per candidate, and one candidate's runs."""
+    candidates = len(range(start_bin, bins + 1, stride))
+    return 8 * (4 * (bins + 1) + 8 * candidates) + KL_BYTES_PER_RUN * (quant_bins + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _kl_runs(
+    bins: int, quant_bins: int, start_bin: int, stride: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidates (C,), the first source bin of each of their runs and of the run after the
+    last (C, quant_bins + 1), and the run holding each candidate's last bin (C,). They depend on
+    the shapes only, so every chunk of rows shares them."""
+    cand = torch.arange(start_bin, bins + 1, stride, device=device)
+    j = torch.arange(quant_bins + 1, device=device)
+    # Run j covers source bins [ceil(j·i/qb), ceil((j+1)·i/qb)).
+    edges = (j.unsqueeze(0) * cand.unsqueeze(1) + quant_bins - 1) // quant_bins
+    last_run = ((cand - 1) * quant_bins) // cand
+    return cand, edges, last_run
+
+
+def _run_levels(pc: torch.Tensor, pn: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and candidate (``edges`` (c, quant_bins + 1)): each run's total (R, c, quant_bins)
+    from the prefix sums of counts ``pc``, and the log of its level, the total over its non-empty
+    bins (prefix sums ``pn``), 0 for an empty run."""
+    rows = pc.shape[0]
+    flat = edges.reshape(1, -1).expand(rows, -1)
+    at = lambda p: torch.gather(p, 1, flat).reshape(rows, *edges.shape)  # noqa: E731
+    run_sum, run_nonzero = at(pc).diff(dim=-1), at(pn).diff(dim=-1)
+    level = run_sum / run_nonzero.clamp(min=1.0)
+    return run_sum, torch.where(run_sum > 0, torch.log(level.clamp(min=1e-300)), 0.0)
+
+
 def kl_divergences(
     counts: torch.Tensor, quant_bins: int, start_bin: int, stride: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,36 +415,38 @@ def kl_divergences(
     (source bin ``b`` goes to run ``floor(b·quant_bins / i)``) and spreads each run's total evenly
     over its non-empty bins (runs may be empty when ``i < quant_bins``). ``Σ P log(P/Q)`` is
     computed per run from prefix sums of ``c``, ``c·log c`` and of the non-empty indicator, so the
-    cost is O(quant_bins) per candidate.
+    cost is O(quant_bins) per candidate. The runs' tables are built for blocks of candidates
+    within ``chunk_budget()`` (each candidate's divergence reads only its own runs); the rest is
+    ``kl_row_bytes`` a row.
     Returns (candidates (C,), divergences (R, C)); ``inf`` where P has mass that Q lacks.
     """
     rows, bins = counts.shape
-    device = counts.device
-    cand = torch.arange(start_bin, bins + 1, stride, device=device)
+    cand, edges, last_run = _kl_runs(bins, quant_bins, start_bin, stride, counts.device)
     pad = lambda t: torch.nn.functional.pad(torch.cumsum(t, dim=1), (1, 0))  # noqa: E731
     nonzero = (counts > 0).double()
     c_log_c = torch.where(counts > 0, counts * torch.log(counts.clamp(min=1e-300)), 0.0)
     pc, pn, pl = pad(counts), pad(nonzero), pad(c_log_c)
-    j = torch.arange(quant_bins + 1, device=device)
-    # Run j covers source bins [ceil(j·i/qb), ceil((j+1)·i/qb)).
-    edges = (j.unsqueeze(0) * cand.unsqueeze(1) + quant_bins - 1) // quant_bins
-    flat = edges.reshape(1, -1).expand(rows, -1)
-    at = lambda p: torch.gather(p, 1, flat).reshape(rows, cand.numel(), quant_bins + 1)  # noqa: E731
-    run_sum, run_nonzero = at(pc).diff(dim=-1), at(pn).diff(dim=-1)
+    count = cand.numel()
+    # Σ_b P_b log Q_b run by run, and the log level of the run holding each candidate's last bin.
+    run_terms = torch.empty(rows, count, dtype=torch.float64, device=counts.device)
+    log_last = torch.empty_like(run_terms)
+    block = max(1, chunk_budget() // max(1, rows * (quant_bins + 1) * KL_BYTES_PER_RUN))
+    for first in range(0, count, block):
+        part = slice(first, first + block)
+        run_sum, log_level = _run_levels(pc, pn, edges[part])
+        run_terms[:, part] = (run_sum * log_level).sum(dim=-1)
+        at_last = last_run[part].view(1, -1, 1).expand(rows, -1, 1)
+        log_last[:, part] = torch.gather(log_level, 2, at_last).squeeze(-1)
     total = pc[:, -1:]
     kept = torch.gather(pc, 1, cand.unsqueeze(0).expand(rows, -1))
     tail = total - kept
     last = torch.gather(counts, 1, (cand - 1).unsqueeze(0).expand(rows, -1))
-    level = run_sum / run_nonzero.clamp(min=1.0)
     # Σ_b P_b log P_b: all bins before the last as they are, the last with the tail added.
     p_log_p = torch.gather(pl, 1, (cand - 1).unsqueeze(0).expand(rows, -1))
     last_p = last + tail
     p_log_p = p_log_p + torch.where(last_p > 0, last_p * torch.log(last_p.clamp(min=1e-300)), 0.0)
-    # Σ_b P_b log Q_b run by run; the tail sits in the last bin, which is in the last run.
-    log_level = torch.where(run_sum > 0, torch.log(level.clamp(min=1e-300)), 0.0)
-    last_run = ((cand - 1) * quant_bins) // cand
-    log_last = torch.gather(log_level, 2, last_run.view(1, -1, 1).expand(rows, -1, 1)).squeeze(-1)
-    p_log_q = (run_sum * log_level).sum(dim=-1) + tail * log_last
+    # The tail sits in the last bin, which is in the last run.
+    p_log_q = run_terms + tail * log_last
     kl = (p_log_p - p_log_q) / total - torch.log(total) + torch.log(kept.clamp(min=1e-300))
     impossible = (last == 0) & (tail > 0) | (kept == 0)
     return cand, torch.where(impossible, torch.inf, kl)

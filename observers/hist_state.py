@@ -59,6 +59,18 @@ class RowHistogram:
         steps = torch.arange(self.bins, dtype=torch.float64, device=self.counts.device) + 0.5
         return self.lo.unsqueeze(1) + steps * self.width.unsqueeze(1)
 
+    def rows(self, part: slice) -> RowHistogram:
+        """The histograms of the rows ``part`` (views, no copy): a chunk of a search."""
+        return RowHistogram(
+            self.counts[part],
+            self.lo[part],
+            self.width[part],
+            self.data_min[part],
+            self.data_max[part],
+            self.signed_min[part],
+            self.signed_max[part],
+        )
+
 
 def rows_of(flat: Flat) -> torch.Tensor:
     """The values of each qparam group as rows, (R, n), for strategies without padding."""

@@ -3,7 +3,9 @@
 All four keep a running ``RowHistogram`` (``observers.hist_state``) over every ``observe`` call:
 one row for ``tensor`` granularity, one per channel for ``channel`` (binned together, no loop
 over rows). They differ only in how a range is read off the histogram
-(``observers.hist_search``). The chosen range is always clipped to the observed ``[min, max]``.
+(``observers.hist_search``), which runs on chunks of rows within ``hist_search.SEARCH_CHUNK_BYTES``
+(a per-channel search at a 7B width would otherwise hold tens of GB). The chosen range is always
+clipped to the observed ``[min, max]``.
 Knobs shared by the family (``bins``, ``stride``) are declared once here.
 """
 
@@ -13,7 +15,16 @@ import torch
 
 from observers.base import Observer, register
 from observers.granularity import Flat
-from observers.hist_search import kl_divergences, l2_range_search, quantile
+from observers.hist_search import (
+    chunk_budget,
+    in_row_chunks,
+    kl_divergences,
+    kl_row_bytes,
+    l2_range_search,
+    l2_row_bytes,
+    quantile,
+    quantile_row_bytes,
+)
 from observers.hist_state import RowHistogram, rows_of, update_histogram
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES, fake_quant_batched
@@ -29,7 +40,8 @@ STRIDE = Knob(1, int, low=1, doc="Step between candidate bins (larger: faster, c
 class HistogramBase(Observer):
     """The histogram family's shared part: a running per-group histogram (``observers.hist_state``,
     of ``|x|`` when ``absolute``), merged exactly across ranks; a member picks the range from it
-    (``_rows_range``, or its own ``_choose_range`` / ``_qparams``). Tensor and channel strategies."""
+    (``_rows_range`` on chunks of rows, or its own ``_choose_range`` / ``_qparams``). Tensor and
+    channel strategies."""
 
     strategies = (Strategy.TENSOR, Strategy.CHANNEL)
     scale_kinds = ("float",)
@@ -50,14 +62,28 @@ class HistogramBase(Observer):
         self.hist = update_histogram(self.hist, rows_of(flat), self.bins, absolute=self.absolute, reduce=self._across)
 
     def _rows_range(self, hist: RowHistogram) -> tuple[torch.Tensor, torch.Tensor]:
+        """The range (R,) of each row of ``hist``, a chunk of ``self.hist``'s rows."""
         raise NotImplementedError
+
+    def _row_bytes(self, hist: RowHistogram) -> int:
+        """Working bytes per row of ``_rows_range``, which sizes its chunks of rows."""
+        raise NotImplementedError
+
+    def _chunk_cap(self) -> int | None:
+        """A member's own bound on a chunk's bytes (its ``max_working_bytes``), if it has one."""
+        return None
 
     def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         hist = self.hist
-        low, high = self._rows_range(hist)
+        low, high = in_row_chunks(hist, self._row_bytes(hist), self._rows_range, self._chunk_cap())
         low = torch.maximum(low.float(), hist.signed_min).minimum(hist.signed_max)
         high = torch.minimum(high.float(), hist.signed_max).maximum(low)
         return low.reshape(self._qparam_shape), high.reshape(self._qparam_shape)
+
+
+_MSE_BYTES_PER_CELL = 24
+"""Bytes of the ``mse`` sweep per candidate and bin: the fake-quantized centre and its error
+(fp32), the error in fp64 and its weighted square."""
 
 
 def _symmetric_range(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +123,12 @@ class HistogramObserver(HistogramBase):
                 "integer format (use 'mse' or 'percentile')"
             )
 
+    def _row_bytes(self, hist):
+        return l2_row_bytes(hist.bins)
+
     def _rows_range(self, hist):
         qmin, qmax = self.spec.int_range
-        start, end = l2_range_search(hist, qmax - qmin + 1, apart=self._apart)
+        start, end = l2_range_search(hist, qmax - qmin + 1, apart=self._apart, whole_rows=self.hist.counts.shape[0])
         return hist.lo + start * hist.width, hist.lo + end * hist.width
 
 
@@ -135,6 +164,9 @@ class PercentileObserver(HistogramBase):
     def absolute(self) -> bool:
         return self.spec.symmetric
 
+    def _row_bytes(self, hist):
+        return quantile_row_bytes(hist.bins)
+
     def _rows_range(self, hist):
         p = float(self.percentile) / 100
         device = hist.counts.device
@@ -155,7 +187,9 @@ class HistogramMSEObserver(HistogramBase):
     amax)`` and the format's element rounding give ``Q``, and the error is
     ``Σ counts·(Q(c) - c)²`` over bin centres ``c``; the first smallest wins. Asymmetric: the
     candidates scale the observed ``(min, max)`` by ``(i + 0.5)/bins`` (and 1), on the histogram of
-    ``x``. All candidates run as batched tensor ops in chunks bounded by ``max_working_bytes``.
+    ``x``. All candidates run as batched tensor ops in chunks of rows and candidates bounded by
+    ``hist_search.SEARCH_CHUNK_BYTES`` (a cache-sized chunk is fastest) or a smaller
+    ``max_working_bytes``.
     Knobs: ``start_bin`` 128, ``stride`` 1, ``bins`` 2048, ``max_working_bytes`` 256 MiB.
     Reference: ModelOpt ``_compute_amax_mse`` (same candidates; adds the full range so the choice
     is never worse than min-max on the histogram), Quark ``PerTensorMSEObserver``. Int and float
@@ -189,20 +223,29 @@ class HistogramMSEObserver(HistogramBase):
         factors = torch.cat([(index + 0.5) / hist.bins, torch.ones(1, dtype=torch.float64, device=device)])
         return hist.signed_min.double().unsqueeze(1) * factors, hist.signed_max.double().unsqueeze(1) * factors
 
+    def _chunk_cap(self) -> int | None:
+        return self.max_working_bytes
+
+    def _row_bytes(self, hist):
+        """The candidates' ranges and errors, fp64, and one candidate's fake-quantized centres."""
+        count = len(range(self.start_bin, hist.bins, self.stride)) + 1
+        return 8 * 4 * count + _MSE_BYTES_PER_CELL * hist.bins
+
     def _rows_range(self, hist):
         low, high = self._candidates(hist)
         rows, count = low.shape
         values = hist.centers().float().unsqueeze(1)
         weights = hist.counts.unsqueeze(1)
-        chunk = max(1, self.max_working_bytes // max(1, rows * hist.bins * 4 * 3))
-        errors = []
+        chunk = max(1, chunk_budget(self.max_working_bytes) // max(1, rows * hist.bins * _MSE_BYTES_PER_CELL))
+        errors = torch.empty(rows, count, dtype=torch.float64, device=low.device)  # one block: see in_row_chunks
         for first in range(0, count, chunk):
-            qp = calculate_qparams(low[:, first : first + chunk], high[:, first : first + chunk], self.spec)
+            part = slice(first, first + chunk)
+            qp = calculate_qparams(low[:, part], high[:, part], self.spec)
             x_hat = fake_quant_batched(
                 values, qp.effective_scale.unsqueeze(-1), qp.zero_point.unsqueeze(-1).float(), self.spec
             )
-            errors.append(((x_hat - values).double().square() * weights).sum(dim=-1))
-        pick = first_least(torch.cat(errors, dim=1), 1, keepdim=True)
+            errors[:, part] = x_hat.sub_(values).double().square_().mul_(weights).sum(dim=-1)
+        pick = first_least(errors, 1, keepdim=True)
         return low.gather(1, pick).squeeze(1), high.gather(1, pick).squeeze(1)
 
 
@@ -246,6 +289,9 @@ class EntropyObserver(HistogramBase):
     def quant_bins(self) -> int:
         fmt = self.spec.format
         return 2**fmt.bits if fmt.kind == "int" and not fmt.signed else 2 ** (fmt.bits - 1)
+
+    def _row_bytes(self, hist):
+        return kl_row_bytes(hist.bins, self.quant_bins, self.start_bin, self.stride)
 
     def _rows_range(self, hist):
         counts = hist.counts

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from observers.base import register
+from observers.hist_search import in_row_chunks
 from observers.hist_state import RowHistogram
 from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
@@ -62,6 +63,12 @@ def percentile_ranges(
     return low.float(), high.float()
 
 
+def range_error_row_bytes(bins: int, candidates: int) -> int:
+    """Working bytes per row of ``percentile_ranges`` and ``range_errors``: about five fp64
+    tensors of every candidate's bin centres (their codes, errors and weighted errors)."""
+    return 40 * candidates * bins
+
+
 def range_errors(
     hist: RowHistogram, low: torch.Tensor, high: torch.Tensor, qmin: int, qmax: int, metric: str
 ) -> torch.Tensor:
@@ -94,7 +101,8 @@ class LayerWisePercentileObserver(HistogramBase):
     Integer formats; tensor (Quark's unit, one layer tensor) and channel strategies.
     Reference: AMD Quark 0.13 ONNX ``LayerWisePercentileCalibrater`` (histogram path, the default).
     Its ``|x|`` histogram spans ``[min|x|, max|x|]``; ours starts at 0 and grows by whole bins
-    over batches, so edges can differ by a fraction of a bin.
+    over batches, so edges can differ by a fraction of a bin. Scored on chunks of rows within
+    ``hist_search.SEARCH_CHUNK_BYTES``.
     """
 
     name = "layerwise_percentile"
@@ -118,16 +126,20 @@ class LayerWisePercentileObserver(HistogramBase):
 
     def chosen_percentile(self) -> torch.Tensor:
         """The winning percentile per qparam group (fp32)."""
-        return torch.tensor(self._percentiles)[self._pick().cpu()].reshape(self._qparam_shape)
+        pick = self._picks()[0]
+        return torch.tensor(self._percentiles)[pick.cpu()].reshape(self._qparam_shape)
 
-    def _pick(self) -> torch.Tensor:
-        low, high = percentile_ranges(self.hist, self._percentiles, self.spec.symmetric)
+    def _picks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: the index of the winning percentile and its range ``(low, high)``."""
+        row_bytes = range_error_row_bytes(self.hist.bins, len(self._percentiles))
+        return in_row_chunks(self.hist, row_bytes, self._rows_pick)
+
+    def _rows_pick(self, hist: RowHistogram) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        low, high = percentile_ranges(hist, self._percentiles, self.spec.symmetric)
         qmin, qmax = self.spec.int_range
-        return first_least(range_errors(self.hist, low, high, qmin, qmax, self.metric), 1)
+        pick = first_least(range_errors(hist, low, high, qmin, qmax, self.metric), 1, keepdim=True)
+        return pick.squeeze(1), low.gather(1, pick).squeeze(1), high.gather(1, pick).squeeze(1)
 
     def _choose_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        low, high = percentile_ranges(self.hist, self._percentiles, self.spec.symmetric)
-        qmin, qmax = self.spec.int_range
-        pick = first_least(range_errors(self.hist, low, high, qmin, qmax, self.metric), 1, keepdim=True)
-        shape = self._qparam_shape
-        return low.gather(1, pick).reshape(shape), high.gather(1, pick).reshape(shape)
+        _, low, high = self._picks()
+        return low.reshape(self._qparam_shape), high.reshape(self._qparam_shape)

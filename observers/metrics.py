@@ -16,7 +16,7 @@ import math
 import torch
 
 from observers import metrics_kernel
-from observers.granularity import flatten
+from observers.granularity import Flat, flatten
 from observers.qparams import QParams
 from observers.quantize import fake_quantize
 from observers.shared import Op, Reduce
@@ -104,23 +104,39 @@ def _clip_and_step_sums(x: torch.Tensor, x_hat: torch.Tensor, qp: QParams, spec:
     """
     if x.numel() == 0:
         return torch.zeros(2, dtype=torch.float64, device=x.device)
-    fmt = spec.format
     g_idx = qp.extras.get("g_idx")
     flat = flatten(x, spec, qp.kind, g_idx=g_idx)
     flat_hat = flatten(x_hat, spec, qp.kind, g_idx=g_idx)
     scale = flat.broadcast(qp.effective_scale)
-    scaled = flat.data.float() / scale
-    if fmt.kind == "int":
-        low, high = _clip_bounds(spec)
-        shifted = scaled + flat.broadcast(qp.zero_point)
-        clipped = (shifted > high) | (shifted < low)
-    else:
-        clipped = scaled.abs() > fmt.max_value * (1 + 1e-6)
+    clipped = _clipped(flat, scale, qp, spec)
     step_error = ((flat_hat.data.float() - flat.data.float()) / scale).square()
     if flat.valid is not None:
-        clipped = clipped & flat.valid
         step_error = step_error * flat.valid
     return torch.stack([clipped.sum().double(), step_error.sum().double()])
+
+
+def _clipped(flat: Flat, scale: torch.Tensor, qp: QParams, spec: QuantSpec) -> torch.Tensor:
+    """Which elements of ``flat`` (``granularity.flatten``'s view of a tensor, ``scale`` broadcast to
+    it) lie beyond the representable range, by ``_clip_and_step_sums``' rule; padding is not."""
+    scaled = flat.data.float() / scale
+    if spec.format.kind == "int":
+        low, high = _clip_bounds(spec)
+        shifted = scaled.add_(flat.broadcast(qp.zero_point))
+        clipped = (shifted > high) | (shifted < low)
+    else:
+        clipped = scaled.abs() > spec.format.max_value * (1 + 1e-6)
+    return clipped if flat.valid is None else clipped & flat.valid
+
+
+def clip_ratio(x: torch.Tensor, qp: QParams, spec: QuantSpec) -> float:
+    """``error_metrics``' ``clip_ratio`` of ``x`` alone: the share of its elements beyond ``qp``'s
+    representable range, which does not depend on ``x̂`` (GPTQ's share of its updated weights: one
+    mask, none of the other metrics' passes over a layer-sized tensor). A one-line ValueError for a
+    plain cast (no scale) or an empty ``x``."""
+    if spec.format.kind == "cast" or x.numel() == 0:
+        raise ValueError(f"clip_ratio needs a non-empty tensor of a scaled format, got {x.numel()} of {spec.dtype!r}")
+    flat = flatten(x, spec, qp.kind, g_idx=qp.extras.get("g_idx"))
+    return int(_clipped(flat, flat.broadcast(qp.effective_scale), qp, spec).sum()) / x.numel()
 
 
 def error_metrics(

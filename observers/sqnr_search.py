@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from observers.base import register
+from observers.hist_search import in_row_chunks
+from observers.hist_state import RowHistogram
 from observers.histogram import BINS, HistogramBase
 from observers.knobs import Knob
 from observers.mse_grid import MAX_WORKING_BYTES
@@ -85,6 +87,14 @@ def sqnr_noise(
     return error.sum(dim=-1)
 
 
+_PREPARE_BYTES_PER_BIN = 40
+"""Bytes per row and bin of the SQNR search's preparation: the centres (fp64, then fp32), the
+counts (fp32), the filled flags and their sort (its indices int64)."""
+_NOISE_BYTES_PER_CELL = 20
+"""Bytes per row, grid and kept bin of ``sqnr_noise``: the codes, the error and its clip-weighted
+copy (fp32) and the clipped flags."""
+
+
 @register
 class SQNRObserver(HistogramBase):
     """AIMET's SQNR analyzer: on a running histogram, the integer grid of least clip-weighted noise.
@@ -97,6 +107,8 @@ class SQNRObserver(HistogramBase):
     on ties). ``steps = qmax - qmin``. QParams keep AIMET's grid exactly: ``scale = delta``,
     ``zero_point = qmin - offset``, range ``[offset·delta, (offset + steps)·delta]`` (so the
     spec's ``scale_rule`` does not apply). Integer formats; tensor and channel strategies.
+    The grids are scored on chunks of rows within ``hist_search.SEARCH_CHUNK_BYTES`` or a smaller
+    ``max_working_bytes``.
     Reference: AIMET ``SqnrEncodingAnalyzer`` (aimet_torch v2, published source; not installable
     here, checked on hand-computed cases). The histogram grows by whole bins when later batches
     widen the range (``observers.hist_state``), where AIMET splits old bins proportionally.
@@ -120,6 +132,22 @@ class SQNRObserver(HistogramBase):
     def encodings(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen ``(delta, offset)`` per row (fp32, ``(R,)``)."""
         hist = self.hist
+        # Only filled bins add noise: each row's are moved to the front and the columns empty in
+        # every row dropped (a weight row of 384 values fills at most 384 of 2048 bins). One
+        # width for all rows: a noise sum over more columns, zeros or not, may round differently.
+        # (Counted in chunks too: summing the flags of all rows at once copies them to int64.)
+        filled = in_row_chunks(hist, 9 * hist.bins, lambda part: ((part.counts > 0).sum(dim=1),))[0]
+        width = max(1, int(filled.max()))
+        symmetric = self.spec.symmetric
+        grids = (
+            self.symmetric_delta_candidates if symmetric else self.asymmetric_delta_candidates * self.offset_candidates
+        )
+        row_bytes = _PREPARE_BYTES_PER_BIN * hist.bins + _NOISE_BYTES_PER_CELL * grids * width
+        return in_row_chunks(hist, row_bytes, lambda part: self._best_grids(part, width), self.max_working_bytes)
+
+    def _best_grids(self, hist: RowHistogram, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(delta, offset)`` of least noise for each row of ``hist`` (a chunk of rows), scored on
+        each row's first ``width`` bins once its filled bins are moved to the front."""
         qmin, qmax = self.spec.int_range
         steps = qmax - qmin
         symmetric = self.spec.symmetric
@@ -129,25 +157,13 @@ class SQNRObserver(HistogramBase):
         )
         centers = torch.where(hist.width[:, None] > 0, hist.centers(), hist.lo[:, None]).float()
         counts = hist.counts.float()
-        # Only filled bins add noise: move them to the front of each row and drop the columns
-        # that are empty in every row (a weight row of 384 values fills at most 384 of 2048 bins).
-        filled = counts > 0
-        order = torch.sort(filled.to(torch.uint8), dim=1, descending=True, stable=True).indices
-        width = max(1, int(filled.sum(dim=1).max()))
+        order = torch.sort((counts > 0).to(torch.uint8), dim=1, descending=True, stable=True).indices
         centers = centers.gather(1, order[:, :width])
         counts = counts.gather(1, order[:, :width])
-        per_row = delta.shape[1] * delta.shape[2] * counts.shape[1] * 8
-        chunk = max(1, self.max_working_bytes // per_row)
-        best_delta, best_offset = [], []
-        for first in range(0, counts.shape[0], chunk):
-            rows = slice(first, first + chunk)
-            d = delta[rows]
-            o = offset[rows].expand_as(d)
-            noise = sqnr_noise(centers[rows], counts[rows], d, o, steps, self.gamma).flatten(1)
-            pick = first_least(noise, 1, keepdim=True)
-            best_delta.append(d.flatten(1).gather(1, pick).squeeze(1))
-            best_offset.append(o.flatten(1).gather(1, pick).squeeze(1))
-        return torch.cat(best_delta), torch.cat(best_offset)
+        offset = offset.expand_as(delta)
+        noise = sqnr_noise(centers, counts, delta, offset, steps, self.gamma).flatten(1)
+        pick = first_least(noise, 1, keepdim=True)
+        return delta.flatten(1).gather(1, pick).squeeze(1), offset.flatten(1).gather(1, pick).squeeze(1)
 
     def _qparams(self) -> QParams:
         delta, offset = self.encodings()

@@ -296,8 +296,10 @@ def test_refine_scoring_only_new_candidates_picks_what_rescoring_every_window_pi
         start = (best_start + offset[0]).clamp(0, bins // 2)
         end = (best_end + offset[1]).clamp(bins // 2 + 1, bins)
         error = hs.exact_l2(counts, moments, start.unsqueeze(1), end.unsqueeze(1), 256).squeeze(1)
-        ours = hs._refine_exact(counts, moments, start, end, error, 256)
-        reference = _refine_rescoring_every_window(counts, moments, start, end, error, 256, radius=8)  # <= 40 rows
+        radius = hs._polish_radius(rows, 256)
+        assert radius == 8  # <= 40 rows: the widest window
+        ours = hs._refine_exact(counts, moments, start, end, error, 256, radius)
+        reference = _refine_rescoring_every_window(counts, moments, start, end, error, 256, radius)
         assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
 
 

@@ -31,7 +31,7 @@ from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
 from lab.calibrate.activations import tensor_id as activations_tensor_id
-from lab.gptq.held_out import held_out_hessians
+from lab.gptq.held_out import HeldOutHessians, held_out_hessians
 from lab.gptq.layer import gptq_rows, weight_quant
 from lab.results import Choices, choose
 from lab.runtime.fusion import fused_groups, unit
@@ -170,8 +170,8 @@ def analyse(
         for _, members in fused_groups(weights, level("weight")) if "weight" in shared else [(w, [w]) for w in weights]:
             smoothing = [calibrated.smoothing.get(layer) for layer in members]
             reads = [partial(_read_weight, model, name, config, s) for name, s in zip(members, smoothing, strict=True)]
-            given = [calibrated.statistics.get(layer, {}) | {"gptq_held_out": held_out.get(layer)} for layer in members]
-            group = _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank)
+            given = [calibrated.statistics.get(layer, {}) for layer in members]
+            group = _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank, held_out)
             for entry, scales in zip(group, smoothing, strict=True):
                 entry.smoothing = scales
             found += group
@@ -190,15 +190,18 @@ def analyse(
         return _propagation(model, part, choices) if config.propagate else None
 
     failed = None
+    held_out = HeldOutHessians()
     try:
         weights = [layer for layer in mine if "weight" in config.specs]
-        held_out = held_out_hessians(model, weights, config, ranks) if gptq else {}
+        held_out = held_out_hessians(model, weights, config, ranks) if gptq else held_out
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish, tap) if streams else None
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
         if rest:
             finish(rest, calibrated or Calibrated())
     except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
         failed = err
+    finally:
+        held_out.close()
     ranks.agree(failed)
     entries.sort(key=lambda e: order[(e.layer, e.tensor)])
     if progress is not None:
@@ -285,10 +288,12 @@ def _weight_group(
     extra: str,
     tick: Callable[[str], None],
     rank: int,
+    held_out: HeldOutHessians,
 ) -> list[TensorAnalysis]:
     """The weight entries of one fused group (or one layer): each observed alone (``_weight_entry``),
     then served together when the run's weight scales are shared (``lab.analyse.served``), then
-    put through GPTQ with the served qparams. The weights are read once and dropped afterwards."""
+    put through GPTQ with the served qparams and the layer's held-out Hessian (read when its rows need it).
+    The weights are read once and dropped afterwards."""
     data = [read() for read in reads]
     entries = [
         _weight_entry(model, layer, read, tensor, config, cache, statistics, extra, tick, rank)
@@ -307,7 +312,7 @@ def _weight_group(
                 entry.spec,
                 config.gptq,
                 config.knobs,
-                statistics.get("gptq_held_out"),
+                partial(held_out.get, entry.layer, tensor.device),
             )
     return entries
 

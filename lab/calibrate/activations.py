@@ -36,6 +36,7 @@ from observers.transforms import smoothing_scales
 from sample_models.calibration import CaptureSubsampledWarning
 from sample_models.capture import BlockTap, Done, Key, Propagation
 from sample_models.layers import inputs_are_columns, io_widths
+from sample_models.sequential import return_freed_memory
 
 
 @dataclass
@@ -79,6 +80,11 @@ def activation_keys(layers: Sequence[str], attention: Sequence[str], config: Run
     sides = [side for side in ("input", "output") if side in config.specs]
     return [(layer, side) for layer in layers for side in sides] + [(b, w) for b in attention for w in KV_TENSORS]
 
+
+UNREAD_SAMPLE_BYTES = 16 << 20
+"""The capture keeps a sample of tokens whatever it is asked; a pass whose sample no one reads (one
+for input statistics alone: GPTQ's Hessians, SmoothQuant's maxima, a weights-only run's) keeps a
+small one rather than ``RunConfig.sample_bytes`` of every layer's inputs beside its statistics."""
 
 Settled = Callable[[list[str], "Calibrated"], "Propagation | None"]
 """Told the layers and attention blocks whose activation results are final (a block at a time in a
@@ -133,17 +139,20 @@ def calibrate(
                     slot.known = cache.store(slot.observation.cache_key, found.known, computed=False)
                 else:
                     slot.known = _result(cache, slot.observation, sample, across)
-        for key in (k for k in done if k in statistics):
+        settling = [key for key in done if key in statistics]
+        for key in settling:
             found = _statistic_values(statistics[stream.stand_in(key)], across, device)
             if found is None:
                 out.notes.append(_unreached_note(key[0]))
             elif found:
                 out.statistics[key[0]] = found
+        if settling:
+            return_freed_memory()  # their fp64 sums, let go as each mean is made, before the weights are read
         if settled is None:
             return None
         return settled(list(dict.fromkeys(key[0] for key in done)), out)
 
-    _capture(model, layers, attention, config, ranks, stream, settle, tap)
+    _capture(model, layers, attention, config, ranks, stream, settle, tap, read=bool(keys))
     return out
 
 
@@ -280,7 +289,7 @@ def input_statistics(
     stream = ObserverStream({}, found, _empty_shapes(model, list(found)), None, across)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureSubsampledWarning)
-        model.capture(fed, stream=stream, **(_options(config, ranks) | options))
+        model.capture(fed, stream=stream, **(_options(config, ranks) | {"max_bytes": UNREAD_SAMPLE_BYTES} | options))
     # Layers fed one tensor (q, k and v) are summed once, under the first one's key.
     return {layer: found[stream.stand_in((layer, "input"))][0] for layer in fed}
 
@@ -300,11 +309,13 @@ def _capture(
     stream: ObserverStream,
     done: Done,
     tap: BlockTap | None = None,
+    read: bool = True,
 ) -> None:
     """Run the calibration pass(es); ``done`` gets each group of keys with their kept tokens and the
     real tokens each saw. The sample is meant to be a sample (the observers see every token), so
-    the capture's subsampling warning is not passed on; ``TensorAnalysis.metrics_note`` says it."""
-    options = _options(config, ranks)
+    the capture's subsampling warning is not passed on; ``TensorAnalysis.metrics_note`` says it.
+    ``read``: whether anything reads the sample (no activation observed: a small one is kept)."""
+    options = _options(config, ranks) | ({} if read else {"max_bytes": UNREAD_SAMPLE_BYTES})
     wants_input = "input" in config.specs or bool(observed.wanted_statistics(config)) or observed.smooths(config)
     wants_output = "output" in config.specs
     busy = stream if any(stream.observations.values()) or stream.statistics else None  # else: a memo will do

@@ -79,6 +79,11 @@ class Observation:
         return replace(finish(self.state, sample, across, self.seconds, self.knobs), name=self.name)
 
 
+ADDED_BYTES = 64 << 20
+"""fp64 bytes of a batch's statistic added into its sum at once: torch adds an fp32 tensor into an
+fp64 one through an fp64 copy of the whole of it, which for an 11008-wide Hessian is 969 MB."""
+
+
 class MeanStatistic:
     """The mean over every streamed token of ``fn(rows)`` (a mean over rows itself): sums of
     ``fn(rows) · len(rows)`` in fp64, merged across ranks once at the end."""
@@ -88,27 +93,48 @@ class MeanStatistic:
         self.total: torch.Tensor | None = None
         self.count = 0
         self.features = 0
+        self._mean: torch.Tensor | None = None
+        self._settled = False
 
     def add(self, rows: torch.Tensor) -> None:
         self.features = rows.shape[-1]
         if rows.shape[0] == 0:
             return
         value = self.fn(rows)
-        if self.total is None:
-            self.total = value.double() * rows.shape[0]
-        else:  # in place, in fp64: a Hessian's (in, in) sum is not copied every batch
-            self.total.add_(value, alpha=rows.shape[0])
+        if self.total is None:  # zeros plus the first batch: no fp64 copy of it beside the sum
+            self.total = torch.zeros_like(value, dtype=torch.float64)
+        _add_in_slices(self.total, value, rows.shape[0])
         self.count += rows.shape[0]
 
     def value(self, across: Reduce | None, device: torch.device) -> torch.Tensor | None:
-        """The mean (fp32), or None when no rank saw a token; raises ``ValueError`` from ``fn``."""
+        """The mean (fp32), or None when no rank saw a token; raises ``ValueError`` from ``fn``.
+        Asked once the stream is over: made the first time (the fp64 sum divided in place, then let
+        go: a Hessian's sum is twice its mean's bytes), the same tensor after that (the layers a
+        statistic stands for, q, k and v reading one input, share their mean)."""
+        if not self._settled:
+            self._mean = self._mean_of(across, device)
+            self.total, self._settled = None, True
+        return self._mean
+
+    def _mean_of(self, across: Reduce | None, device: torch.device) -> torch.Tensor | None:
         total, count = self.total, self.count
         if across is not None:
             if total is None:
                 total = torch.zeros_like(self.fn(torch.zeros(1, self.features, device=device)), dtype=torch.float64)
             total = across(total, Op.SUM)
             count = int(across(torch.tensor([count], device=device), Op.SUM))
-        return None if count == 0 else (total / count).float()
+        return None if count == 0 else total.div_(count).float()
+
+
+def _add_in_slices(total: torch.Tensor, value: torch.Tensor, weight: int) -> None:
+    """``total += weight · value`` in place, ``ADDED_BYTES`` of ``total`` at a time (whole rows):
+    the same sums as one ``add_``, without its fp64 copy of the whole ``value``."""
+    if total.ndim == 0:
+        total.add_(value, alpha=weight)
+        return
+    step = max(1, ADDED_BYTES // max(1, total[0].numel() * total.element_size()))
+    for start in range(0, total.shape[0], step):
+        total[start : start + step].add_(value[start : start + step], alpha=weight)
 
 
 class ChannelMax:
