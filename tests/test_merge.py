@@ -16,7 +16,7 @@ from observers.minmax import MinMaxObserver
 from observers.shared import EXACT_HISTOGRAM, EXACT_MIN_MAX, Op, local_reduce
 from sample_models.calibration import Batch, rounds, share_of
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+MERGING_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "merging.md"
 SPECS = {
     "int8 asymmetric per tensor": ob.QuantSpec(dtype="int8", symmetric=False),
     "int8 per channel": ob.QuantSpec(dtype="int8", strategy="channel"),
@@ -173,9 +173,10 @@ def test_ranks_take_whole_batches_in_turn():
         share_of(batches, 0, 8)
 
 
-def test_the_readme_names_each_observer_s_merge_rule():
-    """The README's merge table is the one users read; each row must say what the code does."""
-    text = README.read_text(encoding="utf-8")
+def test_the_docs_name_each_observer_s_merge_rule():
+    """The merge table of docs/reference/merging.md is the one users read; each row must say what
+    the code does."""
+    text = MERGING_PAGE.read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| ([^|]+) \|$", text, flags=re.MULTILINE))
     for name in ob.available():
         assert rows.get(name, "").strip() == ob.merge_rule(name), name
