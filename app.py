@@ -21,8 +21,8 @@ except ServeConfigError as err:
     st.error(f"This server cannot serve the app: {err}.")
     st.stop()
 ws = ui.workspace()
-ws.who = access.who(served.auth)
-access.sidebar(served.auth)
+ws.who = access.who(served)
+access.sidebar(served.auth, ws.who)
 history.open_link(ws)
 
 PAGES = [

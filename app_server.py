@@ -16,8 +16,8 @@ from lab.ui import access
 
 try:
     config, _ = ServeConfig.parse(sys.argv[1:])
+    gate = Gate.of(config)
 except ServeConfigError as err:
     access.refuse_startup(str(err))
-gate = Gate.of(config)
 gated = Middleware(AccessMiddleware, gate=gate, user_of=access.signed_in_user, login_url=access.login_url)
 app = st.App("app.py", middleware=[gated], lifespan=access.announcer(gate))

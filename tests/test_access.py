@@ -25,8 +25,10 @@ import pytest
 from helpers import free_port, wait_healthy
 
 from lab.serve import __main__ as launcher
+from lab.serve import access
 from lab.serve.access import NEXT_COOKIE, SESSION_COOKIE, Gate, allowed, is_loopback, session_cookie
 from lab.serve.config import Auth, ServeConfig, ServeConfigError
+from lab.serve.tokens import UNNAMED, Person, TokenFileError, parse_people
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "access-tests-token-0123456789abcdef"
@@ -113,6 +115,104 @@ def test_what_a_server_cannot_start_with_is_one_line(tmp_path, argv, words):
     with pytest.raises(ServeConfigError, match=words) as caught:
         ServeConfig.parse([*base, *argv], cwd=tmp_path)
     assert "\n" not in str(caught.value)
+
+
+ALICE, BOB, CAROL = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef", "carol-token-0123456789abcd"
+TEAM = f"# the team\nalice {ALICE}\n\n   # bob joined in May\nbob.smith@lab.example   {BOB}\ncarol {CAROL}\n"
+
+
+def _roots(tmp_path: Path) -> list[str]:
+    return ["--data-root", str(tmp_path), "--model-root", str(tmp_path), "--output-root", str(tmp_path)]
+
+
+def test_a_token_file_holding_one_token_still_signs_in_everyone_as_token(tmp_path):
+    """The file as it always was (one token, maybe a newline after it; or one token under comments):
+    the server's one token, whoever holds it ``token``, printed at start."""
+    for text in (TOKEN, f"{TOKEN}\n", f"  {TOKEN}  \n\n", f"# the lab's token\n\n{TOKEN}\n"):
+        assert parse_people(text, "f") == (Person(UNNAMED, TOKEN),)
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    config, _ = ServeConfig.parse([*_roots(tmp_path), "--token-file", "token"], cwd=tmp_path)
+    gate = Gate.of(config)
+    assert gate.token == TOKEN and gate.people == () and [p.name for p in gate.holders] == [UNNAMED]
+    signed_in = gate.verdict("/", f"token={TOKEN}", {}, None, secure=False)
+    assert signed_in.status == 303 and signed_in.cookie.startswith(f"{SESSION_COOKIE}={session_cookie(TOKEN)};")
+    assert gate.signed_in_as({SESSION_COOKIE: session_cookie(TOKEN)}) == "token"
+
+
+def test_a_token_file_of_named_people_signs_each_in_as_themselves(tmp_path):
+    people = parse_people(TEAM, "f")
+    assert [p.name for p in people] == ["alice", "bob.smith@lab.example", "carol"]
+    assert [p.token for p in people] == [ALICE, BOB, CAROL]
+    assert ALICE not in repr(people)  # a token stays out of a log or a traceback
+    (tmp_path / "team").write_text(TEAM)
+    config, _ = ServeConfig.parse([*_roots(tmp_path), "--token-file", "team"], cwd=tmp_path)
+    gate = Gate.of(config)
+    assert gate.token == "" and gate.people == people
+    for name, token in (("alice", ALICE), ("bob.smith@lab.example", BOB), ("carol", CAROL)):
+        given = gate.verdict("/", f"run=7&token={token}", {}, None, secure=False)
+        assert given.status == 303 and given.location == "/?run=7"
+        cookie = given.cookie.split(";")[0].split("=", 1)[1]
+        assert cookie == session_cookie(token) and token not in cookie
+        assert gate.verdict("/_stcore/stream", "", {SESSION_COOKIE: cookie}, None, False).passes
+        assert gate.signed_in_as({SESSION_COOKIE: cookie}) == name
+    assert gate.verdict("/", f"token={TOKEN}", {}, None, False).status == 401  # no one's
+    assert gate.verdict("/", "", {SESSION_COOKIE: session_cookie(TOKEN)}, None, False).status == 401
+    assert gate.signed_in_as({SESSION_COOKIE: session_cookie(TOKEN)}) is None and gate.signed_in_as({}) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        (f"alice {ALICE}\nbob {BOB} extra-field-here\n", 2, "expected 'name token' (two fields), found 3"),
+        (f"alice {ALICE}\n# nobody\n{BOB}\n", 3, "expected 'name token' (two fields), found 1"),
+        (f"alice {ALICE}\n<b>bob</b> {BOB}\n", 2, "the name is not a plain name"),
+        (f"alice {ALICE}\n-bob {BOB}\n", 2, "the name is not a plain name"),
+        (f"\n\nalice {ALICE}\nbob short-secret\n", 4, "the token is shorter than 16 characters"),
+        (f"{ALICE} alice\nbob {BOB}\n", 1, "the token is shorter than 16 characters"),  # the columns swapped
+        (f"alice {ALICE}\nbob {BOB}\nalice {CAROL}\n", 3, "the same name as line 1"),
+        (f"alice {ALICE}\nbob {BOB}\n\ncarol {BOB}\n", 4, "the same token as line 2"),
+    ],
+)
+def test_a_token_file_line_that_does_not_hold_is_refused_by_its_number_never_shown(tmp_path, text, line, words):
+    (tmp_path / "team").write_text(text)
+    with pytest.raises(ServeConfigError) as caught:
+        ServeConfig.parse([*_roots(tmp_path), "--token-file", "team"], cwd=tmp_path)
+    message = str(caught.value)
+    assert message.startswith(f"--token-file 'team' line {line}: ") and words in message, message
+    assert "\n" not in message
+    for secret in (ALICE, BOB, CAROL, "short-secret", "<b>bob</b>", "extra-field-here"):
+        assert secret not in message, (secret, message)
+    with pytest.raises(TokenFileError, match=f"line {line}: "):
+        parse_people(text, "f")
+
+
+def test_a_token_file_of_nothing_but_comments_is_refused(tmp_path):
+    (tmp_path / "team").write_text("# nobody yet\n\n")
+    with pytest.raises(ServeConfigError, match="'team' holds no token"):
+        ServeConfig.parse([*_roots(tmp_path), "--token-file", "team"], cwd=tmp_path)
+
+
+def test_every_persons_token_is_compared_in_constant_time(monkeypatch):
+    """The token and the cookie go through ``hmac.compare_digest`` against every person's, even
+    when the first one matches: which one matched takes the same comparisons."""
+    gate = Gate(Auth.TOKEN, people=parse_people(TEAM, "f"))
+    compared: list[bytes] = []
+    real = access.hmac.compare_digest
+
+    def recording(a: bytes, b: bytes) -> bool:
+        compared.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(access.hmac, "compare_digest", recording)
+    for token, status in ((ALICE, 303), (CAROL, 303), ("not-anyones-token-0123456789", 401)):
+        compared.clear()
+        assert gate.verdict("/", f"token={token}", {}, None, False).status == status
+        assert compared == [ALICE.encode(), BOB.encode(), CAROL.encode()]  # no cookie came: the token, with all
+    cookies = [session_cookie(t).encode() for t in (ALICE, BOB, CAROL)]
+    for cookie, name in ((session_cookie(ALICE), "alice"), (session_cookie(CAROL), "carol"), ("00" * 32, None)):
+        compared.clear()
+        assert gate.signed_in_as({SESSION_COOKIE: cookie}) == name
+        assert compared == cookies
 
 
 def test_the_launcher_refuses_no_sign_in_where_others_reach_and_oidc_without_secrets(tmp_path, capsys, monkeypatch):

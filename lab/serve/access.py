@@ -4,10 +4,13 @@
 Starlette middleware of Streamlit's ASGI ``st.App`` that applies it to every route: pages, static
 files, the websocket, uploads, media and components; only the health endpoint stays open.
 
-- ``token`` (the default, as Jupyter): the server's token, from ``--token-file`` or made at start.
+- ``token`` (the default, as Jupyter): the server's token, from ``--token-file`` or made at start,
+  or one token per person (a ``--token-file`` of ``name token`` lines, ``lab.serve.tokens``).
   ``?token=...`` on any address is exchanged for an HttpOnly, SameSite cookie (an HMAC of the
   token, so it cannot be forged without it; Secure under TLS) and the address is given back
-  without the token. Both are compared in constant time.
+  without the token. Both are compared in constant time with every person's (``holder``), so
+  the time an answer takes says neither whether a guess came close nor whose it came close to;
+  the cookie names the person (``signed_in_as``) for the run history and the files.
 - ``oidc``: Streamlit's own OpenID Connect sign-in (``st.login``'s routes and its signed user
   cookie, read by the app layer's ``user_of``), and the person's email on the allow-list.
 - ``none``: nothing asked (the launcher allows it on a loopback address only).
@@ -24,14 +27,15 @@ import hmac
 import html
 import ipaddress
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-from lab.serve.config import Auth, ServeConfig
+from lab.serve.config import Auth, ServeConfig, ServeConfigError
+from lab.serve.tokens import UNNAMED, Person, TokenFileError, read_people
 
 SESSION_COOKIE = "observer_lab_session"
 SESSION_SECONDS = 30 * 24 * 3600
@@ -59,11 +63,6 @@ def make_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def read_token(path: Path) -> str:
-    """The token a ``--token-file`` holds (the config checked it when the server started)."""
-    return path.read_text(encoding="utf-8").strip()
-
-
 def session_cookie(token: str) -> str:
     """The cookie a browser gets for the token: an HMAC of it, so it says nothing of the token and
     nobody without the token can make one."""
@@ -74,6 +73,17 @@ def same(given: str | None, expected: str) -> bool:
     """``given == expected`` in constant time (a token or cookie compared byte by byte would tell
     how much of a guess was right by how long the answer took)."""
     return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+def holder(given: str | None, candidates: Iterable[tuple[str, str]]) -> str | None:
+    """The name of the ``(name, secret)`` pair whose secret ``given`` is, or None. Every secret is
+    compared, in constant time, whichever matches: stopping at the match would tell by the time
+    the answer took how far down the list the token was."""
+    found = None
+    for name, secret in candidates:
+        if same(given, secret) and found is None:
+            found = name
+    return found
 
 
 def allowed(email: str | None, patterns: tuple[str, ...]) -> bool:
@@ -118,21 +128,46 @@ PASS = Verdict()
 
 @dataclass(frozen=True)
 class Gate:
-    """The server's access policy: its mode, its token (``token`` mode) and its allow-list
-    (``oidc`` mode)."""
+    """The server's access policy: its mode, its one token or its people (``token`` mode) and its
+    allow-list (``oidc`` mode)."""
 
     auth: Auth
     token: str = ""
+    """The server's one token (made at start or a file's token alone), whoever holds it ``token``;
+    "" when each person has their own (``people``)."""
     allow: tuple[str, ...] = ()
+    people: tuple[Person, ...] = ()
+    """``--token-file``'s named people, each signing in with their own token."""
 
     @classmethod
     def of(cls, config: ServeConfig) -> Gate:
         """The gate of a server's declared settings; a token server without ``--token-file`` makes
-        its token now."""
-        token = ""
-        if config.auth == Auth.TOKEN:
-            token = read_token(config.token_file) if config.token_file is not None else make_token()
-        return cls(config.auth, token, config.allow)
+        its token now. Raises ``ServeConfigError`` for a token file that no longer holds."""
+        if config.auth != Auth.TOKEN:
+            return cls(config.auth, allow=config.allow)
+        if config.token_file is None:
+            return cls(config.auth, make_token())
+        try:
+            people = read_people(config.token_file)
+        except TokenFileError as err:
+            raise ServeConfigError(str(err)) from None
+        if len(people) == 1 and people[0].name == UNNAMED:
+            return cls(config.auth, people[0].token)
+        return cls(config.auth, people=people)
+
+    @property
+    def holders(self) -> tuple[Person, ...]:
+        """Everyone who may sign in with a token: the named people, or ``token`` with the one token."""
+        return self.people or ((Person(UNNAMED, self.token),) if self.token else ())
+
+    @cached_property
+    def _cookies(self) -> tuple[tuple[str, str], ...]:
+        return tuple((person.name, session_cookie(person.token)) for person in self.holders)
+
+    def signed_in_as(self, cookies: Mapping[str, str]) -> str | None:
+        """Who the session cookie among ``cookies`` signs in (a name of ``holders``), or None: what
+        the run history and the files say asked for a run."""
+        return holder(cookies.get(SESSION_COOKIE), self._cookies)
 
     def verdict(
         self,
@@ -167,15 +202,16 @@ class Gate:
         return PASS
 
     def _by_token(self, path: str, query: str, cookies: Mapping[str, str], secure: bool) -> Verdict:
-        expected = session_cookie(self.token)
-        if same(cookies.get(SESSION_COOKIE), expected):
+        if self.signed_in_as(cookies) is not None:
             return PASS
         params = parse_qsl(query, keep_blank_values=True)
         given = next((value for name, value in params if name == TOKEN_PARAM), None)
         rest = [(name, value) for name, value in params if name != TOKEN_PARAM]
-        if given is None or not same(given, self.token):
+        name = holder(given, ((person.name, person.token) for person in self.holders))
+        if given is None or name is None:
             page = sign_in_page(self.auth, wrong=given is not None, path=path, params=rest)
             return Verdict(HTTPStatus.UNAUTHORIZED, page)
+        expected = dict(self._cookies)[name]
         cookie = f"{SESSION_COOKIE}={expected}; Path=/; Max-Age={SESSION_SECONDS}; HttpOnly; SameSite=Lax"
         cookie += "; Secure" if secure else ""
         query = urlencode(rest)

@@ -20,6 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from lab.history.store import DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_SIZE, HistoryError, parse_history_bytes
+from lab.serve.tokens import TokenFileError, read_people
 from lab.settings import parse_bytes
 
 DEFAULT_DATA_ROOT = "lab-data"
@@ -47,10 +48,6 @@ class Auth(StrEnum):
     NONE = "none"
 
 
-MIN_TOKEN_CHARS = 16
-"""The shortest token a ``--token-file`` may hold: a guessable one is no sign-in."""
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     """The server's declared settings (all paths resolved).
@@ -69,7 +66,8 @@ class ServeConfig:
     uploads_root: Path = UPLOADS_ROOT
     auth: Auth = Auth.TOKEN
     token_file: Path | None = None
-    """``--auth token``: the file holding the token (None: the server makes a random one at start)."""
+    """``--auth token``: the file holding the token, or one ``name token`` line per person
+    (``lab.serve.tokens``; None: the server makes a random one at start)."""
     allow: tuple[str, ...] = ()
     """``--auth oidc``: who may sign in, each an email or ``*@domain`` (case-insensitive)."""
     history_size: int = DEFAULT_HISTORY_SIZE
@@ -149,21 +147,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _token_file(text: str | None, auth: Auth, base: Path) -> Path | None:
-    """``--token-file``, resolved: only with ``--auth token``, a readable file holding a token of at
-    least ``MIN_TOKEN_CHARS`` characters."""
+    """``--token-file``, resolved: only with ``--auth token``, a readable file holding one token of
+    at least ``lab.serve.tokens.MIN_TOKEN_CHARS`` characters, or one ``name token`` line per person
+    (``lab.serve.tokens.parse_people``: a line that does not hold is refused by its number, never
+    shown)."""
     if text is None:
         return None
     if auth != Auth.TOKEN:
         raise ServeConfigError(f"--token-file goes with --auth token, not --auth {auth.value}")
     path = (base / Path(text).expanduser()).resolve()
     try:
-        token = path.read_text(encoding="utf-8").strip()
-    except OSError as err:
-        raise ServeConfigError(f"--token-file {text!r} cannot be read: {err.strerror or err}") from None
-    if len(token) < MIN_TOKEN_CHARS or any(char.isspace() for char in token):
-        raise ServeConfigError(
-            f"--token-file {text!r} must hold one token of at least {MIN_TOKEN_CHARS} characters and no spaces"
-        )
+        read_people(path, shown=text)
+    except TokenFileError as err:
+        raise ServeConfigError(str(err)) from None
     return path
 
 

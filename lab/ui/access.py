@@ -1,6 +1,7 @@
 """The sign-in of a served lab bound to Streamlit (``lab.serve.access`` holds the rules): reading the
 person Streamlit's OIDC sign-in cookie names, the address of its sign-in route, the line the server
-prints when it starts (with its token), and who the session is, for the run records.
+prints when it starts (with its token), and who the session is, for the run records: under a token
+file of named people, the person whose token the session's cookie was made from.
 
 Streamlit's own machinery does the OIDC work: ``st.login``'s routes (``/auth/login``,
 ``/oauth2callback``) sign a person in with the provider of ``.streamlit/secrets.toml`` ``[auth]``
@@ -15,12 +16,14 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import lru_cache
 from typing import Any
 
 import streamlit as st
 
 from lab.serve.access import TOKEN_PARAM, Gate, is_loopback
-from lab.serve.config import Auth
+from lab.serve.config import Auth, ServeConfig
+from lab.serve.tokens import UNNAMED
 
 
 def signed_in_user(cookies: Mapping[str, str], headers: Mapping[str, str]) -> dict[str, Any] | None:
@@ -82,22 +85,37 @@ def start_line(gate: Gate) -> str:
         hosts = ["127.0.0.1"] if is_loopback(address) else [address]
     query = f"/?{TOKEN_PARAM}={gate.token}" if gate.auth == Auth.TOKEN else "/"
     how = {Auth.TOKEN: "", Auth.OIDC: " (sign in with your provider)", Auth.NONE: " (no sign-in: loopback only)"}
+    if gate.auth == Auth.TOKEN and not gate.token:  # one token a person: none of them in a log
+        query = f"/?{TOKEN_PARAM}=YOUR-TOKEN"
+        how[Auth.TOKEN] = f" (each of the {len(gate.people)} people of the token file with their own token)"
     return "Observer Lab: open " + " or ".join(f"{scheme}://{host}:{port}{query}" for host in hosts) + how[gate.auth]
 
 
-def who(auth: Auth) -> str:
-    """Who this session is, for the run records: the signed-in email under OIDC, else how the
-    server let it in (``token``, ``none``)."""
-    if auth == Auth.OIDC and st.user.is_logged_in:
+@lru_cache(maxsize=8)
+def _gate(config: ServeConfig) -> Gate:
+    """The gate of ``config``, read once per process (as the server's middleware reads it once)."""
+    return Gate.of(config)
+
+
+def who(config: ServeConfig) -> str:
+    """Who this session is, for the run records: the signed-in email under OIDC, the person whose
+    token signed the session in under a token file of named people, else how the server let it in
+    (``token``, ``none``)."""
+    if config.auth == Auth.OIDC and st.user.is_logged_in:
         return str(st.user.get("email") or "signed in")
-    return auth.value
+    if config.auth == Auth.TOKEN and config.token_file is not None:
+        return _gate(config).signed_in_as(st.context.cookies) or config.auth.value
+    return config.auth.value
 
 
-def sidebar(auth: Auth) -> None:
-    """The sidebar's line on who this session is signed in as, and, under OIDC, the way out."""
+def sidebar(auth: Auth, name: str = UNNAMED) -> None:
+    """The sidebar's line on who this session is signed in as (``name``, from ``who``), and, under
+    OIDC, the way out."""
     if auth == Auth.OIDC and st.user.is_logged_in:
-        st.sidebar.caption(f"Signed in as {who(auth)}")
+        st.sidebar.caption(f"Signed in as {name}")
         st.sidebar.button("Log out", on_click=st.logout, icon=":material/logout:")
+    elif auth == Auth.TOKEN and name != UNNAMED:
+        st.sidebar.caption(f"Signed in as {name}, with their token")
     elif auth == Auth.TOKEN:
         st.sidebar.caption("Signed in with this server's token")
     else:
