@@ -41,6 +41,8 @@ from observers.formats import formats_table
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+# every command, the stages' too: what main parses with, and what the docs' CLI reference renders (docs/hooks)
+command_parser = partial(build_parser, extra=(allocate_command.add_parser, history.add_parser))
 
 
 def _select(items: Sequence[Any], text: str, option: str, nothing: str) -> list[str]:
@@ -238,11 +240,8 @@ def _cmd_sweep(args: argparse.Namespace, plan: Any, out: IO[str], err: IO[str], 
     if args.checkpoint or args.recipe:
         deployed = _deploy(args, lab_json.parse_document(outcome.document), plan.model, err, args.out)
     for entry in outcome.document["entries"]:
-        value = record_value(entry, args.choose_by)
-        fused = entry.get("fused")
-        out.write(
-            _choice_line(entry["layer"], entry["tensor"], entry["chosen"]["observer"], args.choose_by, value, fused)
-        )
+        observer, value = entry["chosen"]["observer"], record_value(entry, args.choose_by)
+        out.write(_choice_line(entry["layer"], entry["tensor"], observer, args.choose_by, value, entry.get("fused")))
     out.write(f"wrote {', '.join([args.out, *deployed])}\n")
 
 
@@ -395,7 +394,7 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None, err: IO[
     out, err = out or sys.stdout, err or sys.stderr
     args = None
     try:
-        args = build_parser(extra=(allocate_command.add_parser, history.add_parser)).parse_args(argv)
+        args = command_parser().parse_args(argv)
         if args.command == "list":
             _cmd_list(out)
         elif args.command == "layers":
