@@ -93,10 +93,18 @@ PYTHON_BLOCKS = [b for b in BLOCKS if b.lang in ("python", "py")]
 
 def cli_commands(source: str) -> list[list[str]]:
     """The ``python -m observers ...`` commands of a shell block as argv lists (after ``observers``):
-    continuation lines joined, prompts (``$ ``) and comments dropped, other commands ignored."""
+    continuation lines joined, prompts (``$ ``) and comments dropped, other commands ignored. A
+    command the shell could not split (an unclosed quote) is kept as ``["<unclosed quote>", line]``,
+    which no parser takes, so its test fails instead of the collection."""
     commands = []
     for line in source.replace("\\\n", " ").splitlines():
-        words = shlex.split(line.strip().removeprefix("$ "), comments=True)
+        line = line.strip().removeprefix("$ ")
+        if not line.startswith(" ".join(CLI)):
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            words = [*CLI, "<unclosed quote>", line]
         if tuple(words[:3]) == CLI:
             commands.append(words[3:])
     return commands
@@ -262,6 +270,13 @@ def test_blocks_are_found_with_their_opt_out_reasons():
     assert (first.line, first.lang, first.source, first.not_run) == (4, "python", "x = 1", "needs a GPU")
     assert (second.line, second.source, second.not_run) == (8, "y = 2", None)
     assert blocks_of("p.md", "<!-- not-run -->\n```python\nx\n```\n")[0].not_run == ""
+
+
+def test_cli_commands_are_read_as_the_shell_reads_them():
+    block = "$ python -m observers run minilm \\\n    --layers 'a b' --out x.json  # the choices\nls x.json\n"
+    assert cli_commands(block) == [["run", "minilm", "--layers", "a b", "--out", "x.json"]]
+    unclosed = "python -m observers layers 'minilm"
+    assert cli_commands(unclosed + "\n") == [["<unclosed quote>", unclosed]]
 
 
 @dataclass

@@ -47,8 +47,9 @@ def text(value: Any) -> str:
 
 
 def code(value: Any) -> str:
-    """``value`` as an inline code span (a backtick inside it widens the fence)."""
-    flat = " ".join(str(value).split()).replace("|", "&#124;")
+    """``value`` as an inline code span (a backtick inside it widens the fence; a ``|`` inside one does
+    not split a table's cell)."""
+    flat = " ".join(str(value).split())
     fence = "``" if "`" in flat else "`"
     return f"{fence}{flat}{fence}" if fence == "`" else f"{fence} {flat} {fence}"
 
