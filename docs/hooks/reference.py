@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = ROOT / "lab" / "export" / "schema" / "observer_lab.schema.json"
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
-HELP_WIDTH = 100  # the usage lines' width, whatever terminal builds the site
+HELP_WIDTH = 88  # the usage lines' width, whatever terminal builds the site
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]|])")
 
 
@@ -104,8 +104,9 @@ def _options_table(parser: argparse.ArgumentParser) -> list[str]:
     return rows
 
 
-def cli_reference(parser: argparse.ArgumentParser) -> str:
-    """Every (sub-)command of ``parser``: a section with its help, its usage and its arguments' table."""
+def cli_reference(parser: argparse.ArgumentParser, level: int = 3) -> str:
+    """Every (sub-)command of ``parser``: a section (headings from ``level`` down) with its help, its
+    usage and its arguments' table."""
     lines: list[str] = []
 
     def section(path: str, summary: str, sub: argparse.ArgumentParser, level: int) -> None:
@@ -117,11 +118,11 @@ def cli_reference(parser: argparse.ArgumentParser) -> str:
         if len(table) > 2:
             lines.extend([*table, ""])
         for name, help_text, child in _sub_commands(sub):
-            section(f"{path} {name}", help_text, child, min(level + 1, 4))
+            section(f"{path} {name}", help_text, child, min(level + 1, 5))
 
     lines.extend([text(parser.description or ""), "", "```text", _usage(parser), "```", ""])
     for name, help_text, sub in _sub_commands(parser):
-        section(f"{parser.prog} {name}", help_text, sub, 2)
+        section(f"{parser.prog} {name}", help_text, sub, level)
     return "\n".join(lines)
 
 
