@@ -1,4 +1,4 @@
-"""The README's table of observers under AWQ on tiny-llama (issue 41): its 12 smoothing mappings (per
+"""The table of observers under AWQ on tiny-llama in docs/guides/awq.md (issue 41): its 12 smoothing mappings (per
 block q/k/v, gate/up and up → down; grouped-query attention leaves v → o out), int4 symmetric in
 groups of 16 (688 columns do not divide 128), the built-in calibration set (32 × 128 tokens, one
 record a batch) and held-out text, every weight observer the lab runs by default on that scheme,

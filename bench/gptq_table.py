@@ -1,4 +1,4 @@
-"""The README's table of observers under GPTQ on MiniLM (issue 33): its 12 FFN Linears, int4
+"""The table of observers under GPTQ on MiniLM in docs/guides/gptq.md (issue 33): its 12 FFN Linears, int4
 symmetric in groups of 128, 64 x 128 calibration tokens, every weight observer the lab runs by
 default on that scheme; per observer, averaged over the 12 layers: the relative layer-output
 error of round-to-nearest and of GPTQ on the calibration inputs and on held-out inputs, the share
@@ -58,7 +58,7 @@ def _cosine(evaluator: Evaluator, analysis, observer: str) -> float:
 
 
 def markdown(frame: pd.DataFrame) -> str:
-    """The table as the README shows it: errors to 3 significant digits, shares in %, cosines to 5 places."""
+    """The table as docs/guides/gptq.md shows it: errors to 3 significant digits, shares in %, cosines to 5 places."""
     shown = frame.copy()
     for column in shown.columns[1:]:
         if column.endswith("clipped"):
