@@ -12,6 +12,7 @@ from typing import Any
 import observers as ob
 from lab.analyse.tools import Tool
 from lab.awq import options as awq_options
+from lab.destination import destination
 from lab.scale.distributed import RankSplit
 from lab.settings import RunSettings, SpecSettings, parse_bytes, parse_knob
 from lab.vocab import (
@@ -65,8 +66,8 @@ def build_parser(extra: Sequence[Callable[[Any], None]] = ()) -> argparse.Argume
         + "; with --awq, what each mapping's observer is chosen by: "
         + ", ".join(AWQ_METRIC_PREFIX + name for name in AWQ_METRICS),
     )
-    run.add_argument("--out", required=True, help="Observer Lab JSON file to write")
-    run.add_argument("--report", help="HTML report to write")
+    run.add_argument("--out", required=True, type=destination, help="Observer Lab JSON file to write")
+    run.add_argument("--report", type=destination, help="HTML report to write")
     run.add_argument(
         "--allow-uncalibrated",
         action="store_true",
@@ -129,7 +130,9 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
         "--checkpoint",
         help="directory for a compressed checkpoint (compressed-tensors packed) that transformers and vLLM load",
     )
-    parser.add_argument("--recipe", help="llm-compressor recipe (YAML) that reproduces each layer's observer")
+    parser.add_argument(
+        "--recipe", type=destination, help="llm-compressor recipe (YAML) that reproduces each layer's observer"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --checkpoint directory")
 
 
@@ -151,7 +154,7 @@ def _add_effect_commands(commands) -> None:
     evaluate = commands.add_parser("evaluate", help="what a choices file does to the model's output on held-out text")
     evaluate.add_argument("model", help="the model the choices file was made for")
     evaluate.add_argument("--choices", required=True, help="Observer Lab JSON file (from 'run' or the app)")
-    evaluate.add_argument("--out", required=True, help="JSON file to write the evaluation to")
+    evaluate.add_argument("--out", required=True, type=destination, help="JSON file to write the evaluation to")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     memory = evaluate.add_mutually_exclusive_group()
     memory.add_argument("--sequential", dest="sequential", action="store_const", const=True, default=None)
@@ -169,8 +172,10 @@ def _add_effect_commands(commands) -> None:
     sensitivity.add_argument(
         "--local-metric", default=DEFAULT_METRIC, help=f"local metric to compare with: {', '.join(ob.HIGHER_IS_BETTER)}"
     )
-    sensitivity.add_argument("--out", required=True, help="JSON file to write the table, ranking and comparison to")
-    sensitivity.add_argument("--report", help="HTML report to write (with the model-level section)")
+    sensitivity.add_argument(
+        "--out", required=True, type=destination, help="JSON file to write the table, ranking and comparison to"
+    )
+    sensitivity.add_argument("--report", type=destination, help="HTML report to write (with the model-level section)")
     add_held_out_flags(sensitivity)
 
 

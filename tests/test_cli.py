@@ -206,3 +206,27 @@ def test_observers_take_llm_compressors_names_as_aliases():
         + ["--out", "o.json"]
     )
     assert settings_from_args(args).observers == ("mse_grid", "minmax")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "tiny-llama", "--layers", "*down_proj", "--out", "{missing}/x.json"],
+        ["run", "tiny-llama", "--layers", "*down_proj", "--out", "{tmp}/x.json", "--report", "{missing}/r.html"],
+        ["allocate", "tiny-llama", "--out", "{missing}/a.json"],
+        ["evaluate", "tiny-llama", "--choices", "{tmp}/x.json", "--out", "{missing}/e.json"],
+        ["export", "{tmp}/x.json", "--model", "tiny-llama", "--recipe", "{missing}/recipe.yaml"],
+    ],
+)
+def test_a_file_in_a_missing_folder_is_refused_before_anything_runs(argv, tmp_path, monkeypatch):
+    """A run of minutes used to fail at its end, its results lost, when ``--out`` named a folder
+    that did not exist; now the flag is refused before any model is opened."""
+    import sample_models
+
+    monkeypatch.setattr(sample_models, "open_model", lambda *a, **k: pytest.fail("a model was opened"))
+    missing = tmp_path / "no" / "such"
+    err = io.StringIO()
+    argv = [part.format(missing=missing, tmp=tmp_path) for part in argv]
+    assert main(argv, io.StringIO(), err) == 2
+    message = err.getvalue()
+    assert message.count("\n") == 1 and f"the folder {missing} does not exist" in message, message

@@ -27,6 +27,7 @@ from lab.cli_args import (
     observer_names,
     split_csv,
 )
+from lab.destination import destination
 from lab.vocab import MODEL_METRICS
 
 
@@ -58,8 +59,10 @@ def add_parser(commands: Any) -> None:
         "--metric",
         help=f"model-level metric that scores: {', '.join(MODEL_METRICS)} (default: kl, or cosine for encoders)",
     )
-    allocate.add_argument("--out", required=True, help="Observer Lab JSON file of the allocation to write")
-    allocate.add_argument("--report", help="HTML report to write: the frontier and the allocation")
+    allocate.add_argument(
+        "--out", required=True, type=destination, help="Observer Lab JSON file of the allocation to write"
+    )
+    allocate.add_argument("--report", type=destination, help="HTML report to write: the frontier and the allocation")
     add_deployment_flags(allocate)
     add_calibration_flags(allocate)
     add_held_out_flags(allocate)
