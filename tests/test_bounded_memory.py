@@ -218,3 +218,26 @@ def test_large_blocks_are_mapped_for_themselves_inside_and_kept_again_after(monk
         assert libc.calls == [(lab.allocator._M_MMAP_THRESHOLD, lab.allocator.LARGE_BYTES)]
         raise RuntimeError("a sweep that fails")
     assert libc.calls[-1] == (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.KEPT_BYTES)
+
+
+def test_observers_with_equal_qparams_are_swept_once_and_get_the_rows_each_would_alone(monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(48, 64, generator=gen)
+    x = torch.randn(300, 64, generator=gen)
+    hessian, held_out = ob.hessian_of_rows(x), ob.hessian_of_rows(x[:100] * 2)
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    names = ["minmax", "memoryless_minmax", "mse_grid", "moving_average_minmax", "mse_grid_moving_average"]
+    results = ob.run_suite(weight, spec, names, kind="weight")
+    swept = []
+    fixed = ob.gptq_quantize_fixed
+    monkeypatch.setattr(
+        ob, "gptq_quantize_fixed", lambda w, h, s, fns, **k: swept.append(len(fns)) or fixed(w, h, s, fns, **k)
+    )
+    rows = gptq_rows(results, weight, hessian, spec, ob.GPTQSpec(), {}, lambda: held_out)
+    assert sum(swept) == 2  # the min-max family once, the MSE grid with and without its average once
+    for result, row in zip(results, rows, strict=True):
+        alone = gptq_rows([result], weight, hessian, spec, ob.GPTQSpec(), {}, lambda: held_out)[0]
+        assert row == alone
+    swept.clear()
+    gptq_rows(results, weight, hessian, spec, ob.GPTQSpec(actorder="group"), {}, lambda: held_out)
+    assert sum(swept) == len(names)  # each observer runs again on the reordered columns: no twins

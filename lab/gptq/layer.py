@@ -24,7 +24,7 @@ from its kept Hessian: what the checkpoint packs, propagation and the model-leve
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -125,8 +125,10 @@ def _fixed_rows(
     settings = {name: value for name, value in gptq.kwargs().items() if name != "scales"}
     weight = layer.weight.float()
     rows: dict[str, GPTQRow] = {}
-    for start in range(0, len(usable), step):
-        chunk = usable[start : start + step]
+    twins = _twins(usable) if ob.gptq.ACTORDER_ALIASES[gptq.actorder] != "group" else {}
+    swept_once = [result for result in usable if result.name not in twins]
+    for start in range(0, len(swept_once), step):
+        chunk = swept_once[start : start + step]
         fns = [observer_qparams(r.name, weight, r.qparams, spec, _person_knobs(knobs.get(r.name, {}))) for r in chunk]
         try:
             found = ob.gptq_quantize_fixed(layer.weight, layer.hessian, spec, fns, factors=layer.factors, **settings)
@@ -135,7 +137,32 @@ def _fixed_rows(
         swept = [_Swept.of(one) for one in found]
         del found  # the codes and updated weights beside each GPTQ weight, before any error is computed
         rows |= _rows(chunk, swept, layer, spec)
+    for twin in (result for result in usable if result.name in twins and twins[result.name] in rows):
+        clipped = twin.metrics.get("clip_ratio")
+        rows[twin.name] = replace(rows[twins[twin.name]], observer=twin.name, rtn_clipped=clipped)
     return rows
+
+
+def _twins(usable: list[SuiteResult]) -> dict[str, str]:
+    """Each observer whose qparams equal, tensor for tensor, an earlier one's, and that one's name:
+    fixed-scale GPTQ of the one is the other's (the min-max family on a weight observed once, the
+    MSE grid with and without its moving average), so it is swept and measured once. Not under
+    ``group`` activation order, where each observer runs again on the reordered columns."""
+    twins: dict[str, str] = {}
+    for index, result in enumerate(usable):
+        for first in usable[:index]:
+            if first.name not in twins and _same_qparams(first.qparams, result.qparams):
+                twins[result.name] = first.name
+                break
+    return twins
+
+
+def _same_qparams(a: ob.QParams, b: ob.QParams) -> bool:
+    tensors = lambda qp: [qp.scale, qp.zero_point, qp.min_val, qp.max_val, qp.global_scale]  # noqa: E731
+    if a.kind != b.kind or a.extras.keys() != b.extras.keys():
+        return False
+    pairs = [*zip(tensors(a), tensors(b), strict=True), *((a.extras[k], b.extras[k]) for k in a.extras)]
+    return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in pairs)
 
 
 def _own_row(result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs) -> GPTQRow:
