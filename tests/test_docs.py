@@ -1,14 +1,15 @@
 """Docs that cannot rot (issue 55): the site builds strictly (and a broken link or a missing API object
 would stop it), the generated Reference pages follow the code, every fenced ``python`` block of the
 docs and the README runs, and every ``python -m observers`` command they show parses with the real
-parser (the CLI reference's examples also run, on the sample models).
+parser and runs (exit 0), on the sample models.
 
 A block opts out only with a visible reason on the line right above it::
 
     <!-- not-run: needs a GPU -->
 
-Blocks of one page run in order in one namespace and one temporary working directory, as a reader
-would run them; asking for one block alone runs the page's earlier blocks first.
+Blocks of one page, Python and commands alike, run in order in one temporary working directory (the
+Python ones in one namespace), as a reader would run them: a command reads the file an earlier block
+wrote. Asking for one block alone runs the page's earlier blocks first.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<lang>[\w+-
 NOT_RUN = re.compile(r"^<!--\s*not-run\b:?(?P<reason>.*?)-->$")
 SHELLS = {"bash", "sh", "shell", "console"}
 CLI = ("python", "-m", "observers")
-# Pages whose ``python -m observers`` commands are run, not only parsed: quick, on the sample models.
-RUN_COMMANDS_UNDER = ("docs/reference/",)
+VENV = ".venv/bin/"
+"""A command may name the set-up's interpreter (``.venv/bin/python -m observers``), as the README's do."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def cli_commands(source: str) -> list[list[str]]:
     which no parser takes, so its test fails instead of the collection."""
     commands = []
     for line in source.replace("\\\n", " ").splitlines():
-        line = line.strip().removeprefix("$ ")
+        line = line.strip().removeprefix("$ ").removeprefix(VENV)
         if not line.startswith(" ".join(CLI)):
             continue
         try:
@@ -288,23 +289,43 @@ class _Page:
     ran: set[int] = field(default_factory=set)
 
 
-_PAGES: dict[tuple[str, str], _Page] = {}
+_PAGES: dict[str, _Page] = {}
+RUNNABLE = sorted(PYTHON_BLOCKS + CLI_BLOCKS, key=lambda b: (b.page, b.line))
+"""Every block that runs, a page's in the order a reader meets them."""
 
 
-def _page_state(kind: str, page: str, factory: pytest.TempPathFactory) -> _Page:
-    key = (kind, page)
-    if key not in _PAGES:
-        _PAGES[key] = _Page(factory.mktemp(re.sub(r"\W+", "_", page)))
-    return _PAGES[key]
+def _page_state(page: str, factory: pytest.TempPathFactory) -> _Page:
+    if page not in _PAGES:
+        _PAGES[page] = _Page(factory.mktemp(re.sub(r"\W+", "_", page)))
+    return _PAGES[page]
 
 
-def _in_order(block: Block, blocks: list[Block], state: _Page, run: Any) -> None:
-    """Run ``block`` after the earlier blocks of its page (each once, opted-out ones skipped)."""
-    for earlier in blocks:
+def _run(block: Block, state: _Page) -> None:
+    """One block: Python executed in the page's namespace, or each of its commands through the CLI's
+    ``main`` (exit 0 required)."""
+    if block in PYTHON_BLOCKS:
+        exec(compile(block.source, block.id, "exec"), state.namespace)  # noqa: S102 (the docs' own examples)
+        return
+    from lab import cli
+
+    for argv in cli_commands(block.source):
+        out, err = io.StringIO(), io.StringIO()
+        code = cli.main(argv, out, err)
+        assert code == 0, f"{block.id}: python -m observers {shlex.join(argv)} exited {code}: {err.getvalue()}"
+
+
+def _run_in_order(block: Block, factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ``block`` after the earlier blocks of its page (each once, opted-out ones skipped), in the
+    page's working directory, offline."""
+    state = _page_state(block.page, factory)
+    monkeypatch.chdir(state.cwd)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(ROOT))
+    for earlier in RUNNABLE:
         if earlier.page == block.page and earlier.line <= block.line and earlier.line not in state.ran:
-            if earlier.not_run is None:
-                run(earlier)
             state.ran.add(earlier.line)
+            if earlier.not_run is None:
+                _run(earlier, state)
 
 
 def _opted_out(block: Block) -> None:
@@ -316,40 +337,20 @@ def _opted_out(block: Block) -> None:
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
 def test_python_block_runs(block: Block, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
     _opted_out(block)
-    state = _page_state("python", block.page, tmp_path_factory)
-    monkeypatch.chdir(state.cwd)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.syspath_prepend(str(ROOT))
-
-    def run(b: Block) -> None:
-        exec(compile(b.source, b.id, "exec"), state.namespace)  # noqa: S102 (the docs' own examples)
-
-    _in_order(block, PYTHON_BLOCKS, state, run)
+    _run_in_order(block, tmp_path_factory, monkeypatch)
 
 
 @pytest.mark.parametrize("block", CLI_BLOCKS, ids=[b.id for b in CLI_BLOCKS])
-def test_cli_block_parses_and_reference_examples_run(
+def test_cli_block_parses_and_runs(
     block: Block, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ):
-    """Every command a page shows parses with the real parser; the Reference's also run (exit 0)."""
+    """Every command a page shows parses with the real parser, then runs after the page's earlier blocks."""
     from lab import cli
 
-    _opted_out(block)
     for argv in cli_commands(block.source):
         try:
             cli.command_parser().parse_args(argv)
         except (ValueError, SystemExit) as exc:
             pytest.fail(f"{block.id}: python -m observers {shlex.join(argv)}: {exc}")
-    if not block.page.startswith(RUN_COMMANDS_UNDER):
-        return
-    state = _page_state("cli", block.page, tmp_path_factory)
-    monkeypatch.chdir(state.cwd)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def run(b: Block) -> None:
-        for argv in cli_commands(b.source):
-            out, err = io.StringIO(), io.StringIO()
-            code = cli.main(argv, out, err)
-            assert code == 0, f"{b.id}: python -m observers {shlex.join(argv)} exited {code}: {err.getvalue()}"
-
-    _in_order(block, CLI_BLOCKS, state, run)
+    _opted_out(block)  # a block that cannot run here (a path on the reader's machine) still parses
+    _run_in_order(block, tmp_path_factory, monkeypatch)
