@@ -122,6 +122,17 @@ class QParams:
             self.kind,
         )
 
+    def same_grid(self, other: QParams) -> bool:
+        """Whether ``other`` sets the same grid: scale, zero point, range and global scale equal
+        tensor for tensor (``extras``, derived from them or from the run, are not compared)."""
+        if (self.global_scale is None) != (other.global_scale is None):
+            return False
+        pairs = [(self.scale, other.scale), (self.zero_point, other.zero_point)]
+        pairs += [(self.min_val, other.min_val), (self.max_val, other.max_val)]
+        if self.global_scale is not None:
+            pairs.append((self.global_scale, other.global_scale))
+        return all(torch.equal(x, y) for x, y in pairs)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; ``from_dict`` restores bit-identical tensors."""
         return {

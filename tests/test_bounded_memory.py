@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,13 @@ def test_observers_with_equal_qparams_are_swept_once_and_get_the_rows_each_would
     swept.clear()
     gptq_rows(results, weight, hessian, spec, ob.GPTQSpec(actorder="group"), {}, lambda: held_out)
     assert sum(swept) == len(names)  # each observer runs again on the reordered columns: no twins
+
+
+def test_same_grid_compares_every_tensor_that_sets_the_grid():
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    one, other = (ob.run_suite(w, spec, [name], kind="weight")[0].qparams for name in ("minmax", "memoryless_minmax"))
+    assert one.same_grid(other) and other.same_grid(one)
+    shifted = replace(other, max_val=other.max_val + 1e-3)
+    assert not one.same_grid(shifted)
+    assert not one.same_grid(replace(other, global_scale=torch.ones(1)))

@@ -81,7 +81,7 @@ def _measured(
 ) -> SuiteResult:
     """``result`` with the group's ``qparams`` and their error metrics on ``tensor``; bit for bit
     ``result`` when the shared qparams are its own."""
-    if _same(qparams, result.qparams):
+    if qparams.same_grid(result.qparams):
         return result
     metrics = ob.quantization_metrics(tensor, qparams, spec) if tensor.numel() else {}
     return replace(result, qparams=qparams, metrics=metrics, seconds=result.seconds + seconds)
@@ -98,15 +98,6 @@ def _searched(result: SuiteResult, entry: TensorAnalysis, tensor: torch.Tensor, 
         return replace(result, qparams=None, metrics={}, error=f"under the group's global scale: {again.error}")
     knobs.pop("group_global_scale")
     return replace(again, knobs=knobs, seconds=result.seconds + again.seconds)
-
-
-def _same(a: ob.QParams, b: ob.QParams) -> bool:
-    pairs = [(a.scale, b.scale), (a.zero_point, b.zero_point), (a.min_val, b.min_val), (a.max_val, b.max_val)]
-    if (a.global_scale is None) != (b.global_scale is None):
-        return False
-    if a.global_scale is not None:
-        pairs.append((a.global_scale, b.global_scale))
-    return all(torch.equal(x, y) for x, y in pairs)
 
 
 @dataclass(frozen=True)

@@ -81,32 +81,20 @@ def gptq_rows(
     hold their sizes' leftovers beside the next ones."""
     return_freed_memory()
     with large_blocks_mapped():
-        return _rows_of(results, weight, hessian, spec, gptq, knobs, held_out)
-
-
-def _rows_of(
-    results: list[SuiteResult],
-    weight: torch.Tensor,
-    hessian: torch.Tensor | None,
-    spec: ob.QuantSpec,
-    gptq: ob.GPTQSpec,
-    knobs: dict[str, dict[str, Any]],
-    held_out: HeldOutRead | None,
-) -> list[GPTQRow]:
-    layer = _Layer(weight, hessian, held_out) if hessian is not None else None
-    usable = [result for result in results if result.qparams is not None] if layer is not None else []
-    fixed = _fixed_rows(usable, layer, spec, gptq, knobs) if gptq.scales == "fixed" and layer is not None else {}
-    rows = []
-    for result in results:
-        if result.qparams is None:
-            rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
-        elif layer is None:
-            rows.append(GPTQRow(result.name, error=NO_HESSIAN))
-        elif result.name in fixed:
-            rows.append(fixed[result.name])
-        else:
-            rows.append(_own_row(result, layer, spec, gptq, knobs.get(result.name, {})))
-    return rows
+        layer = _Layer(weight, hessian, held_out) if hessian is not None else None
+        usable = [result for result in results if result.qparams is not None] if layer is not None else []
+        fixed = _fixed_rows(usable, layer, spec, gptq, knobs) if gptq.scales == "fixed" and layer is not None else {}
+        rows = []
+        for result in results:
+            if result.qparams is None:
+                rows.append(GPTQRow(result.name, error=result.error or "no qparams"))
+            elif layer is None:
+                rows.append(GPTQRow(result.name, error=NO_HESSIAN))
+            elif result.name in fixed:
+                rows.append(fixed[result.name])
+            else:
+                rows.append(_own_row(result, layer, spec, gptq, knobs.get(result.name, {})))
+        return rows
 
 
 STACKED_ELEMENTS = 32 << 20
@@ -144,25 +132,17 @@ def _fixed_rows(
 
 
 def _twins(usable: list[SuiteResult]) -> dict[str, str]:
-    """Each observer whose qparams equal, tensor for tensor, an earlier one's, and that one's name:
+    """Each observer whose qparams set an earlier one's grid (``QParams.same_grid``), and that one's name:
     fixed-scale GPTQ of the one is the other's (the min-max family on a weight observed once, the
     MSE grid with and without its moving average), so it is swept and measured once. Not under
     ``group`` activation order, where each observer runs again on the reordered columns."""
     twins: dict[str, str] = {}
     for index, result in enumerate(usable):
         for first in usable[:index]:
-            if first.name not in twins and _same_qparams(first.qparams, result.qparams):
+            if first.name not in twins and first.qparams.same_grid(result.qparams):
                 twins[result.name] = first.name
                 break
     return twins
-
-
-def _same_qparams(a: ob.QParams, b: ob.QParams) -> bool:
-    tensors = lambda qp: [qp.scale, qp.zero_point, qp.min_val, qp.max_val, qp.global_scale]  # noqa: E731
-    if a.kind != b.kind or a.extras.keys() != b.extras.keys():
-        return False
-    pairs = [*zip(tensors(a), tensors(b), strict=True), *((a.extras[k], b.extras[k]) for k in a.extras)]
-    return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in pairs)
 
 
 def _own_row(result: SuiteResult, layer: _Layer, spec: ob.QuantSpec, gptq: ob.GPTQSpec, knobs) -> GPTQRow:
