@@ -52,7 +52,7 @@ with ui.guard("Drawing the histogram"):
 st.dataframe(ranges.range_table(chosen, entry.spec), hide_index=True)
 
 gptq = analysis.config.gptq
-if entry.tensor == "weight" and gptq is not None and entry.hessian is not None:
+if entry.tensor == "weight" and gptq is not None and entry.hessian_source is not None:
     st.subheader("Under GPTQ")
     usable = [r.name for r in chosen if r.qparams is not None]
     if not usable:

@@ -638,18 +638,19 @@ def test_a_clip_search_keeps_the_ratio_whose_output_error_is_least() -> None:
 
 
 def test_a_linear_parents_loss_is_its_mean_squared_output_difference_raced_by_row_blocks() -> None:
-    from lab.awq.parent import ROW_BLOCK, LinearCalls, ParentCalls
+    from lab.awq.parent import ROW_BLOCK, ROW_BLOCK_COST, LinearCalls, ParentCalls
     from lab.awq.race import Entrant, Heat, Race
 
     torch.manual_seed(2)
     layer = nn.Linear(16, 2 * ROW_BLOCK + 8, bias=False)  # three row blocks, the last one short
-    x = torch.randn(1, 40, 16)
-    parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, 40, dtype=torch.bool)])
+    tokens = ROW_BLOCK_COST * 16 + 1
+    x = torch.randn(1, tokens, 16)
+    parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, tokens, dtype=torch.bool)])
     spreads = (0.05, 0.01, 0.3, 0.012, 0.2, 0.5)
     replaced = [layer.weight.detach() + spread * torch.randn(layer.out_features, 16) for spread in spreads]
     moment = InputMoment.of(x[0])
     reference = parent.outputs()
-    assert isinstance(parent.judged({"w": layer}, moment), LinearCalls)  # 40 tokens outnumber 16 columns
+    assert isinstance(parent.judged({"w": layer}, moment), LinearCalls)  # 65 tokens: more than 4 x 16 columns
     linear = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
     forward = torch.tensor([F.mse_loss(F.linear(x, w), reference[0]).item() for w in replaced], dtype=torch.float64)
     assert torch.allclose(linear, forward, rtol=1e-5)
@@ -659,6 +660,24 @@ def test_a_linear_parents_loss_is_its_mean_squared_output_difference_raced_by_ro
     race.run([Entrant(i, f"w{i}", {"w": w}, heat) for i, w in enumerate(replaced)])
     assert race.calls == 3 and heat.leader == (float(linear.min()), int(linear.argmin())) == (float(linear[1]), 1)
     assert {"w2", "w4", "w5"} <= race.bounds.keys()
+
+
+def test_a_linear_parent_with_few_tokens_a_column_is_judged_by_running_them() -> None:
+    # float64 row blocks cost about four float32 token products a multiply-add: with no more than
+    # ROW_BLOCK_COST tokens a column the calls themselves are cheaper, and judge the same losses
+    from lab.awq.parent import ROW_BLOCK_COST, ParentCalls
+
+    torch.manual_seed(3)
+    layer = nn.Linear(16, 8, bias=False)
+    x = torch.randn(1, ROW_BLOCK_COST * 16, 16)
+    parent = ParentCalls(layer, [((x,), {})], [torch.ones(1, x.shape[1], dtype=torch.bool)])
+    moment = InputMoment.of(x[0])
+    assert parent.judged({"w": layer}, moment) is parent
+    replaced = [layer.weight.detach() + 0.1 * torch.randn(8, 16) for _ in range(3)]
+    reference = parent.outputs()
+    losses = parent.losses({"w": layer}, [{"w": w} for w in replaced], reference, 16, moment)
+    forward = torch.tensor([F.mse_loss(F.linear(x, w), reference[0]).item() for w in replaced], dtype=torch.float64)
+    assert torch.allclose(losses, forward, rtol=1e-5)
 
 
 def test_a_checkpoint_is_walked_one_block_at_a_time_never_loaded_whole(tmp_path) -> None:

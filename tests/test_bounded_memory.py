@@ -5,6 +5,7 @@ for themselves inside a GPTQ sweep."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 import lab.allocator
 import observers as ob
 from lab.calibrate import stream
-from lab.gptq.held_out import HeldOutHessians
+from lab.gptq.hessians import SpilledHessians
 from lab.gptq.layer import gptq_rows
 from observers import hist_search
 from observers.metrics import clip_ratio, error_metrics
@@ -142,22 +143,35 @@ def test_clip_ratio_of_a_plain_cast_or_an_empty_tensor_is_a_one_line_error():
         clip_ratio(torch.ones(0), qp, spec)
 
 
-def test_held_out_hessians_wait_on_disk_shared_by_the_layers_fed_one_input():
+def test_spilled_hessians_wait_on_disk_shared_by_the_layers_fed_one_input():
     h = torch.randn(6, 6, dtype=torch.float64)
     h = h @ h.T
-    with HeldOutHessians() as kept:
+    with SpilledHessians() as kept:
         assert kept.get("q") is None
         assert kept._folder is None  # nothing written: no folder made
-        kept.put(["q", "k", "v"], h)
+        read_q = kept.put(["q", "k", "v"], h)
         kept.put(["o"], torch.eye(6))
         folder = Path(kept._folder.name)
         assert len(list(folder.iterdir())) == 2  # q, k and v share one file
         for layer in ("q", "k", "v"):
             assert torch.equal(kept.get(layer), h.float())
+        assert torch.equal(read_q(), h.float())
         assert torch.equal(kept.get("o"), torch.eye(6))
         assert kept.get("down") is None
     assert not folder.exists()
     assert kept.get("q") is None
+
+
+def test_a_spilled_hessians_folder_goes_with_the_last_reader():
+    kept = SpilledHessians()
+    read = kept.put(["o"], torch.eye(3))
+    folder = Path(kept._folder.name)
+    del kept
+    gc.collect()
+    assert folder.exists() and torch.equal(read(), torch.eye(3))  # the reader keeps it
+    del read
+    gc.collect()
+    assert not folder.exists()
 
 
 def test_gptq_rows_read_the_held_out_hessian_when_their_figures_are_made():

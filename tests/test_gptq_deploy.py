@@ -6,6 +6,7 @@ weights; bad input is one line."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import threading
@@ -208,7 +209,8 @@ def test_the_hessians_beside_the_json_are_those_of_the_analysis(llama, tmp_path)
     read = hessians.read(tmp_path / "h")
     assert torch.equal(read("model.layers.0.mlp.up_proj"), analysis.entries[0].hessian)
     assert read("model.layers.0.mlp.down_proj") is None
-    assert hessians.of_analysis(analysis.entries)("model.layers.0.mlp.up_proj") is analysis.entries[0].hessian
+    of_analysis = hessians.of_analysis(analysis.entries)
+    assert torch.equal(of_analysis("model.layers.0.mlp.up_proj"), analysis.entries[0].hessian)
     with pytest.raises(ValueError, match="not a layer name"):
         read("../escape")
     assert json.loads(json.dumps(config.to_dict()))["gptq"]["scales"] == "fixed"
@@ -316,3 +318,34 @@ def test_the_recipe_asks_llm_compressor_for_what_the_checkpoint_holds(tmp_path):
     assert asked == {name: QuantizationScheme(**group) for name, group in without_format.items()}
     assert {scheme.weights.observer for scheme in asked.values()} == {CT_OBSERVER_NAMES["minmax"]}
     assert (modifier["block_size"], modifier["dampening_frac"], modifier["actorder"]) == (128, 0.01, "static")
+
+
+def test_a_gptq_run_keeps_each_layers_hessian_on_disk_not_in_memory(llama):
+    # every layer's (in, in) Hessian in memory would be 0.9 GB a 7B-wide block for the whole run:
+    # once a layer's rows are made its Hessian waits in a file (q, k and v share one), and the
+    # calibration's statistics let theirs go
+    config = RunConfig(
+        specs={"weight": ob.QuantSpec(dtype="int4", strategy="group", group_size=16)},
+        observers=("minmax",),
+        samples=4,
+        seq_len=32,
+        gptq=ob.GPTQSpec(),
+    )
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"]
+    analysis = analyse(llama, layers, config)
+    sources = [entry.hessian_source for entry in analysis.entries]
+    assert all(callable(source) and not isinstance(source, torch.Tensor) for source in sources)
+    q, k, up = (entry.hessian for entry in analysis.entries)
+    assert q.shape == (q.shape[0], q.shape[0]) and torch.equal(q, k) and not torch.equal(q, up)
+    assert bool((torch.diagonal(up) >= 0).all()) and torch.allclose(up, up.T)
+    files = {Path(source.func.__self__._files[source.args[0]]) for source in sources}
+    assert len(files) == 2  # q and k read one input: one file
+    # the GPTQ weight a choice deploys is made from the read Hessian as from the one in memory
+    entry = analysis.entries[2]
+    qparams = entry.results[0].qparams
+    in_memory = ob.gptq_quantize(entry.data, up, entry.spec, lambda _: qparams, **config.gptq.kwargs())
+    assert torch.equal(entry_gptq(entry, "minmax", config.gptq).weight, in_memory.weight)
+    folder = next(iter(files)).parent
+    del analysis, entry, sources
+    gc.collect()
+    assert not folder.exists()

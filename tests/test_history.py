@@ -269,6 +269,49 @@ def test_a_version_1_run_reads_as_it_did(int8, tmp_path):
     assert all(entry.kept_values is None for entry in opened.entries)
 
 
+def test_a_kept_run_writes_each_hessian_to_a_file_of_its_own_read_when_asked(nvfp4, tmp_path):
+    # a 7B model's Hessians are 28 GB: neither saving nor opening a run holds them all at once
+    run_file.save(KeptRun(nvfp4.analysis), tmp_path / "run")
+    files = sorted(p.name for p in (tmp_path / "run").glob("hessian-*.safetensors"))
+    with_hessian = [e for e in nvfp4.analysis.entries if e.hessian_source is not None]
+    distinct = {id(e.hessian_source) for e in with_hessian}
+    assert files and len(files) == len(distinct) < len(with_hessian)  # q, k and v share one input: one file
+    opened = run_file.load(tmp_path / "run", _weight_of).analysis
+    kept = [e for e in opened.entries if e.hessian_source is not None]
+    assert [e.layer for e in kept] == [e.layer for e in with_hessian]
+    assert all(callable(e.hessian_source) for e in kept)  # read when a page or the checkpoint asks
+    assert all(torch.equal(a.hessian, b.hessian) for a, b in zip(kept, with_hessian, strict=True))
+    document = json.loads((tmp_path / "run" / run_file.DOCUMENT).read_text())
+    document["analysis"]["entries"][0]["hessian"] = "../../etc/passwd"
+    (tmp_path / "run" / run_file.DOCUMENT).write_text(json.dumps(document))
+    with pytest.raises(RunFileError, match="not a Hessian file a run names"):
+        run_file.load(tmp_path / "run", _weight_of)
+    (tmp_path / "run" / files[0]).unlink()
+    with pytest.raises(RunFileError, match="holds no Hessian"):
+        kept[0].hessian_source()
+
+
+def test_a_version_2_run_reads_its_hessians_from_its_tensors(nvfp4, tmp_path):
+    """Version 2 kept each Hessian among the tensors, under the key its document named."""
+    from safetensors.torch import load_file, save_file
+
+    run_file.save(KeptRun(nvfp4.analysis), tmp_path / "run")
+    folder = tmp_path / "run"
+    document = json.loads((folder / run_file.DOCUMENT).read_text())
+    tensors = load_file(str(folder / run_file.TENSORS))
+    for entry in document["analysis"]["entries"]:
+        if entry["hessian"] is not None:
+            tensors[f"v2.{entry['hessian']}"] = load_file(str(folder / entry["hessian"]))["hessian"]
+            entry["hessian"] = f"v2.{entry['hessian']}"
+    for path in folder.glob("hessian-*.safetensors"):
+        path.unlink()
+    save_file(tensors, str(folder / run_file.TENSORS))
+    (folder / run_file.DOCUMENT).write_text(json.dumps(document | {"version": 2}))
+    opened = run_file.load(folder, _weight_of).analysis
+    assert_same_analysis(opened, nvfp4.analysis)
+    assert any(isinstance(e.hessian_source, torch.Tensor) for e in opened.entries)
+
+
 def test_the_kept_lab_json_names_the_run_and_who_asked(int8, tmp_path):
     history = History(tmp_path, 10)
     record = history.record(KeptRun(int8.analysis, request={"source": "minilm"}), "bob@example.com")
@@ -414,7 +457,7 @@ def test_a_directory_that_is_not_a_run_is_refused_in_one_line(int8, tmp_path):
     run_file.save(KeptRun(int8.analysis), tmp_path / "good")
     document = json.loads((tmp_path / "good" / run_file.DOCUMENT).read_text())
     (tmp_path / "good" / run_file.DOCUMENT).write_text(json.dumps(document | {"version": 99}))
-    with pytest.raises(RunFileError, match="not an Observer Lab run of version 1 or 2"):
+    with pytest.raises(RunFileError, match="not an Observer Lab run of version 1 or 2 or 3"):
         run_file.load(tmp_path / "good", _weight_of)
     (tmp_path / "good" / run_file.DOCUMENT).write_text(json.dumps(document | {"analysis": {"facts": {}}}))
     with pytest.raises(RunFileError, match="holds a broken run: KeyError"):

@@ -77,11 +77,12 @@ class TensorAnalysis:
     gptq: list[GPTQRow] = field(default_factory=list)
     """Of a weight, with ``RunConfig.gptq``: each observer's qparams under GPTQ beside round-to-nearest
     (``lab.gptq.layer``)."""
-    hessian: torch.Tensor | None = None
+    hessian_source: torch.Tensor | Callable[[], torch.Tensor] | None = None
     """Of a weight, with ``RunConfig.gptq``: GPTQ's Hessian of the layer's inputs ``(in, in)``, fp32,
     kept so a chosen observer's GPTQ weight can be made again (propagation, the model-level effect,
-    the updated weights' histogram, the checkpoint); never written into the lab JSON (the CLI keeps
-    it beside it, ``lab.gptq.hessians``)."""
+    the updated weights' histogram, the checkpoint), or how to read it from the file it waits in
+    (``lab.gptq.hessians.SpilledHessians``: a run keeps every layer's, 0.9 GB a 7B-wide block);
+    never written into the lab JSON (the CLI keeps it beside it, ``lab.gptq.hessians``)."""
     metrics_tokens: int | None = None
     """Of an activation: the calibration tokens its error metrics were computed on (the kept
     sample, ``data``, on every rank); its qparams come from all ``num_tokens``."""
@@ -104,6 +105,12 @@ class TensorAnalysis:
     def data(self) -> torch.Tensor:
         """The tensor: an activation's sample, or the weight read again (as the run's transform shows it)."""
         return self.source() if callable(self.source) else self.source
+
+    @property
+    def hessian(self) -> torch.Tensor | None:
+        """GPTQ's Hessian (``hessian_source``), read from its file when it waits in one."""
+        source = self.hessian_source
+        return source() if callable(source) else source
 
     @property
     def values(self) -> torch.Tensor | ValueHistogram:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -31,7 +32,8 @@ from lab.analyse.tools import profile
 from lab.calibrate import observed
 from lab.calibrate.activations import Calibrated, activation_keys, calibrate
 from lab.calibrate.activations import tensor_id as activations_tensor_id
-from lab.gptq.held_out import HeldOutHessians, held_out_hessians
+from lab.gptq.held_out import held_out_hessians
+from lab.gptq.hessians import SpilledHessians
 from lab.gptq.layer import gptq_rows, weight_quant
 from lab.results import Choices, choose
 from lab.runtime.fusion import fused_groups, unit
@@ -171,7 +173,7 @@ def analyse(
             smoothing = [calibrated.smoothing.get(layer) for layer in members]
             reads = [partial(_read_weight, model, name, config, s) for name, s in zip(members, smoothing, strict=True)]
             given = [calibrated.statistics.get(layer, {}) for layer in members]
-            group = _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank, held_out)
+            group = _weight_group(model, members, reads, given, config, cache, extra, tick, ranks.rank, hessians)
             for entry, scales in zip(group, smoothing, strict=True):
                 entry.smoothing = scales
             found += group
@@ -190,10 +192,11 @@ def analyse(
         return _propagation(model, part, choices) if config.propagate else None
 
     failed = None
-    held_out = HeldOutHessians()
+    held_out = SpilledHessians()
+    hessians = _RunHessians(held_out, SpilledHessians())
     try:
         weights = [layer for layer in mine if "weight" in config.specs]
-        held_out = held_out_hessians(model, weights, config, ranks) if gptq else held_out
+        held_out = hessians.held_out = held_out_hessians(model, weights, config, ranks) if gptq else held_out
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish, tap) if streams else None
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
         if rest:
@@ -288,11 +291,12 @@ def _weight_group(
     extra: str,
     tick: Callable[[str], None],
     rank: int,
-    held_out: HeldOutHessians,
+    hessians: _RunHessians,
 ) -> list[TensorAnalysis]:
     """The weight entries of one fused group (or one layer): each observed alone (``_weight_entry``),
     then served together when the run's weight scales are shared (``lab.analyse.served``), then
-    put through GPTQ with the served qparams and the layer's held-out Hessian (read when its rows need it).
+    put through GPTQ with the served qparams and the layer's held-out Hessian (read when its rows need it),
+    its own Hessian then moved from the calibration's statistics to a file (``_RunHessians.kept``).
     The weights are read once and dropped afterwards."""
     data = [read() for read in reads]
     entries = [
@@ -304,17 +308,40 @@ def _weight_group(
         serve(entries, data, how, unit(layers[0], level("weight")))
     if config.gptq is not None:
         for entry, tensor, statistics in zip(entries, data, given, strict=True):
-            entry.hessian = statistics.get("gptq_hessian")
+            hessian = statistics.pop("gptq_hessian", None)
             entry.gptq = gptq_rows(
                 entry.results,
                 tensor,
-                entry.hessian,
+                hessian,
                 entry.spec,
                 config.gptq,
                 config.knobs,
-                partial(held_out.get, entry.layer, tensor.device),
+                partial(hessians.held_out.get, entry.layer, tensor.device),
             )
+            entry.hessian_source = None if hessian is None else hessians.keep(entry.layer, hessian)
+            del hessian
     return entries
+
+
+@dataclass
+class _RunHessians:
+    """A GPTQ run's Hessians on disk: the held-out ones (``lab.gptq.held_out``, read when a layer's
+    rows are made, removed with the run) and each layer's own once its rows are made (``kept``,
+    read when propagation, the checkpoint or a page makes a GPTQ weight again, removed when the
+    last entry reading them goes), so the run holds one layer's Hessian at a time, not every
+    layer's of the model. Layers fed one input (q, k and v) keep one file."""
+
+    held_out: SpilledHessians
+    kept: SpilledHessians
+    _readers: dict[int, tuple[weakref.ref, Callable[[], torch.Tensor | None]]] = field(default_factory=dict)
+
+    def keep(self, layer: str, hessian: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+        """What reads ``layer``'s Hessian back; the same file for a tensor already kept and still
+        alive (remembered by a weak reference, which keeps no Hessian in memory)."""
+        found = self._readers.get(id(hessian))
+        if found is None or found[0]() is not hessian:
+            found = self._readers[id(hessian)] = (weakref.ref(hessian), self.kept.put([layer], hessian))
+        return found[1]
 
 
 def _weight_entry(

@@ -19,6 +19,7 @@ INPUT_STATISTICS = ("importance", "hessian")
 
 PER_WEIGHT_STATISTICS = ("importance",)
 
+
 def scaled_blocks(blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Diagonal blocks ``(groups, size, size)`` of the inputs' second moment as the smoothed inputs
     ``x/s`` have them."""

@@ -60,7 +60,12 @@ class GPTQDeploy:
             inverse = 1.0 / input_scales.to(hessian.device, torch.float64)
             hessian = (hessian.double() * inverse.unsqueeze(0) * inverse.unsqueeze(1)).to(hessian.dtype)
         done = gptq_weight(
-            weight.float(), hessian.to(weight.device), chosen.spec, self.gptq, chosen.observer, chosen.qparams,
+            weight.float(),
+            hessian.to(weight.device),
+            chosen.spec,
+            self.gptq,
+            chosen.observer,
+            chosen.qparams,
             dict(chosen.knobs),
         )
         return done.weight, done.qparams

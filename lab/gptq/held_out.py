@@ -10,75 +10,31 @@ not of what propagation did before it). One pass for every layer, its Hessian st
 calibration statistics; no token is kept.
 
 The pass comes before the calibration pass, and a layer's held-out Hessian is read only once its
-GPTQ rows are made, so the Hessians wait on disk (``HeldOutHessians``, a temporary folder the run
-removes), not in memory: every layer's at once would be ``(in, in)`` floats each for the whole run
-(a 4096-wide decoder block's seven layers, 870 MB), beside the Hessian and factor GPTQ works with.
+GPTQ rows are made, so the Hessians wait on disk (``lab.gptq.hessians.SpilledHessians``, a
+temporary folder the run removes), not in memory: every layer's at once would be ``(in, in)``
+floats each for the whole run (a 4096-wide decoder block's seven layers, 870 MB), beside the
+Hessian and factor GPTQ works with.
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-import torch
 
 import observers as ob
 from lab.analyse.run_config import RunConfig
 from lab.calibrate.activations import input_statistics
 from lab.calibrate.stream import MeanStatistic
+from lab.gptq.hessians import SpilledHessians
 from lab.scale.distributed import Ranks
 from sample_models.effect import held_out_texts
 from sample_models.sequential import return_freed_memory
 
-KEY = "hessian"
 
-
-class HeldOutHessians:
-    """Each layer's held-out Hessian, written to a temporary folder as the pass gives it (one file
-    per tensor: q, k and v, fed one input, share theirs) and read back when asked. ``close`` (or
-    leaving its ``with``) removes the folder; one never written to is never made."""
-
-    def __init__(self) -> None:
-        self._folder: tempfile.TemporaryDirectory | None = None
-        self._files: dict[str, Path] = {}
-
-    def put(self, layers: Sequence[str], hessian: torch.Tensor) -> None:
-        """Keep ``hessian`` as the held-out Hessian of every one of ``layers``."""
-        from safetensors.torch import save_file
-
-        if self._folder is None:
-            self._folder = tempfile.TemporaryDirectory(prefix="gptq-held-out-")
-        path = Path(self._folder.name) / f"{len(self._files)}.safetensors"
-        save_file({KEY: hessian.detach().float().cpu().contiguous()}, str(path))
-        self._files |= dict.fromkeys(layers, path)
-
-    def get(self, layer: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """``layer``'s held-out Hessian on ``device``, read from its file; None when no held-out
-        token reached the layer (or it was not asked for)."""
-        from safetensors.torch import load_file
-
-        path = self._files.get(layer)
-        return None if path is None else load_file(str(path), device=str(device))[KEY]
-
-    def close(self) -> None:
-        if self._folder is not None:
-            self._folder.cleanup()
-            self._folder = None
-        self._files = {}
-
-    def __enter__(self) -> HeldOutHessians:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def held_out_hessians(model: Any, layers: Sequence[str], config: RunConfig, ranks: Ranks) -> HeldOutHessians:
+def held_out_hessians(model: Any, layers: Sequence[str], config: RunConfig, ranks: Ranks) -> SpilledHessians:
     """``2/n Σ xxᵀ`` of each layer's inputs over the held-out windows, each written out as soon as
     it is made (a layer no held-out token reached is left out)."""
-    kept = HeldOutHessians()
+    kept = SpilledHessians("gptq-held-out-")
     if not layers:
         return kept
     statistic = lambda: MeanStatistic(ob.hessian_of_rows)  # noqa: E731

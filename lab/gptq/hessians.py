@@ -11,7 +11,9 @@ gave (``observers.HessianAccumulator``): no token is kept.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,52 @@ import torch
 
 SUFFIX = ".gptq-hessians"
 KEY = "hessian"
+
+
+class SpilledHessians:
+    """Hessians waiting on disk until a layer needs its own: written to a temporary folder as they
+    are made (one file per tensor: q, k and v, fed one input, share theirs) and read back whole
+    when asked. A run's every layer's Hessian in memory at once would be ``(in, in)`` floats each
+    for the whole model (a 4096-wide decoder block's seven layers: 0.9 GB, 28 GB for 32 blocks).
+    ``close`` (or leaving its ``with``) removes the folder, as does the last reader (``put``'s)
+    going; a store never written to makes none."""
+
+    def __init__(self, prefix: str = "gptq-hessians-") -> None:
+        self._prefix = prefix
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._files: dict[str, Path] = {}
+
+    def put(self, layers: Sequence[str], hessian: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+        """Keep ``hessian`` as the Hessian of every one of ``layers``; returns what reads it back
+        (on the CPU), which keeps the folder alive while it lives."""
+        from safetensors.torch import save_file
+
+        if self._folder is None:
+            self._folder = tempfile.TemporaryDirectory(prefix=self._prefix)
+        path = Path(self._folder.name) / f"{len(set(self._files.values()))}.safetensors"
+        save_file({KEY: hessian.detach().float().cpu().contiguous()}, str(path))
+        self._files |= dict.fromkeys(layers, path)
+        return partial(self.get, layers[0])
+
+    def get(self, layer: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """``layer``'s Hessian on ``device``, read from its file; None when none was put for it."""
+        from safetensors.torch import load_file
+
+        path = self._files.get(layer)
+        return None if path is None else load_file(str(path), device=str(device))[KEY]
+
+    def close(self) -> None:
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+        self._files = {}
+
+    def __enter__(self) -> SpilledHessians:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 HessianOf = Callable[[str], torch.Tensor | None]
 """A layer's Hessian by name, or None when none was kept for it; an empty tensor (``unreached``)
@@ -37,7 +85,7 @@ def _kept(entry: Any) -> torch.Tensor | None:
     because no token reached it (``lab.gptq.layer.NO_HESSIAN``), else None."""
     from lab.gptq.layer import NO_HESSIAN
 
-    if getattr(entry, "hessian", None) is not None:
+    if getattr(entry, "hessian_source", None) is not None:
         return entry.hessian
     rows = getattr(entry, "gptq", None) or []
     return unreached() if any(row.error == NO_HESSIAN for row in rows) else None
@@ -77,9 +125,15 @@ def save(directory: str | os.PathLike, entries: Iterable[Any]) -> int:
 
 
 def of_analysis(entries: Iterable[Any]) -> HessianOf:
-    """The Hessians an analysis holds in memory (the app's session, a run before it is saved)."""
-    kept = {e.layer: found for e in entries if (found := _kept(e)) is not None}
-    return kept.get
+    """The Hessians an analysis holds (the app's session, a run before it is saved), each read
+    from where it waits when asked for."""
+    kept = {e.layer: e for e in entries if getattr(e, "hessian_source", None) is not None or _kept(e) is not None}
+
+    def hessian(layer: str) -> torch.Tensor | None:
+        entry = kept.get(layer)
+        return None if entry is None else _kept(entry)
+
+    return hessian
 
 
 def read(directory: str | os.PathLike) -> HessianOf:

@@ -273,7 +273,7 @@ def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec, result: SuiteResult
     """``gptq_weight`` of an analysed weight (a ``TensorAnalysis`` with its kept ``hessian``) with one
     of its observers: the weight read again, the observer's qparams and knobs as the run had them
     (``result``: as a choice serves them, when a fused group's members chose different observers)."""
-    if entry.hessian is None:
+    if entry.hessian_source is None:
         raise ValueError(f"{entry.layer}: {NO_HESSIAN}: no GPTQ weight")
     result = entry.result(observer) if result is None else result
     if result.qparams is None:
@@ -285,6 +285,6 @@ def weight_quant(entry: Any, result: SuiteResult, gptq: ob.GPTQSpec | None) -> T
     """How a chosen weight runs in the model (propagation, the model-level effect): its chosen
     ``result``'s qparams (as served), and under GPTQ (``gptq`` given, a Hessian kept) its GPTQ
     weight, which is what the checkpoint deploys."""
-    if gptq is None or entry.hessian is None:
+    if gptq is None or entry.hessian_source is None:
         return TensorQuant(entry.spec, result.qparams)
     return TensorQuant(entry.spec, result.qparams, entry_gptq(entry, result.name, gptq, result).weight)

@@ -4,8 +4,9 @@ A run directory holds ``run.json`` (how to open the model again, and per analysi
 model's facts, the run's config, and per analysed tensor its spec and every observer's result:
 metrics, knobs, errors, as served and each layer's own, the GPTQ rows and each tool's default) and
 ``tensors.safetensors`` (every tensor those name: qparams, what the pages draw of an activation,
-activation order's group index, GPTQ's Hessian, SmoothQuant's scales, the tensors a weight
-observer took as knobs). Nothing is pickled: a run directory is read as data.
+activation order's group index, SmoothQuant's scales, the tensors a weight observer took as knobs),
+and ``hessian-N.safetensors``, one per distinct GPTQ Hessian. Nothing is pickled: a run directory
+is read as data.
 
 Its bytes do not grow with the calibration data: of an activation's sample (up to ``SAMPLE_BYTES``
 of tokens, what its metrics were computed on) a run keeps what the pages draw
@@ -14,9 +15,12 @@ subset of at most ``KEPT_VALUES`` values of tokens), and no weight: ``load(direc
 reads one with ``weight_of(layer)`` when a page asks, through the run's transform (a Hadamard
 rotation from its seed, SmoothQuant's kept scales). A GPTQ Hessian (``in²`` floats a layer, once
 per distinct input) is kept whole: it is what makes a GPTQ weight again (the Ranges page, the
-checkpoint), short of calibrating again; the history's byte bound counts it.
+checkpoint), short of calibrating again; the history's byte bound counts it. Each is a file of its
+own, written one at a time and read when asked for, so neither saving nor opening a run holds
+more than one (a 7B model's are 28 GB).
 
-Version 2; a version 1 directory (whole samples, transformed weights kept) reads as it did.
+Version 3; a version 2 directory (its Hessians among the tensors) and a version 1 directory (whole
+samples, transformed weights kept too) read as they did.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -46,9 +51,12 @@ from lab.gptq.layer import GPTQRow
 from observers.suite import SuiteResult
 
 FORMAT = "observer-lab-run"
-VERSION = 2
-READS = (1, VERSION)
-"""The versions ``load`` reads: 1 kept whole samples and transformed weights, read as they are."""
+VERSION = 3
+READS = (1, 2, VERSION)
+"""The versions ``load`` reads: 1 kept whole samples and transformed weights, 1 and 2 their
+Hessians among the tensors; each is read as it is."""
+HESSIAN_FILE = re.compile(r"hessian-\d+\.safetensors")
+"""How a version 3 run names a Hessian's file (anything else a document names is refused)."""
 DOCUMENT, TENSORS = "run.json", "tensors.safetensors"
 SUFFIX = ".run"
 _QPARAM_FIELDS = ("scale", "zero_point", "min_val", "max_val", "global_scale")
@@ -87,10 +95,27 @@ class _Tensors:
     copied, a tensor owning its memory (a Hessian) is not. ``kept`` memoizes what is kept of an
     activation's sample, by the sample (q, k and v read one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
         self.found: dict[str, torch.Tensor] = {}
         self.keys: dict[tuple, str] = {}
         self.kept: dict[int, tuple[torch.Tensor, KeptValues]] = {}
+        self.hessians: dict[int, tuple[object, str]] = {}
+
+    def hessian(self, entry: TensorAnalysis) -> str | None:
+        """``entry``'s Hessian written into a file of its own in ``folder`` (read from where it
+        waits, one at a time; a source already written, q's for k and v, is named again)."""
+        source = entry.hessian_source
+        if source is None:
+            return None
+        found = self.hessians.get(id(source))
+        if found is None or found[0] is not source:
+            from safetensors.torch import save_file
+
+            name = f"hessian-{len(self.hessians)}.safetensors"
+            save_file({"hessian": entry.hessian.detach().float().cpu().contiguous()}, str(self.folder / name))
+            found = self.hessians[id(source)] = (source, name)
+        return found[1]
 
     def put(self, key: str, tensor: torch.Tensor | None) -> str | None:
         if tensor is None:
@@ -114,15 +139,15 @@ def save(run: KeptRun, directory: Path, beside: Mapping[str, bytes] | None = Non
 
     if directory.exists() and not is_run(directory):
         raise RunFileError(f"{directory} exists and is not a run this lab wrote: it is left alone")
-    tensors = _Tensors()
-    analyses = {
-        part: None if analysis is None else _analysis(analysis, part[0], tensors)
-        for part, analysis in zip(_PARTS, (run.analysis, run.transformed, run.unpropagated), strict=True)
-    }
-    document = {"format": FORMAT, "version": VERSION, "request": json_safe(run.request), **analyses}
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
+        tensors = _Tensors(staging)
+        analyses = {
+            part: None if analysis is None else _analysis(analysis, part[0], tensors)
+            for part, analysis in zip(_PARTS, (run.analysis, run.transformed, run.unpropagated), strict=True)
+        }
+        document = {"format": FORMAT, "version": VERSION, "request": json_safe(run.request), **analyses}
         (staging / DOCUMENT).write_text(json.dumps(document, allow_nan=False), encoding="utf-8")
         save_file(tensors.found, str(staging / TENSORS))
         for name, data in (beside or {}).items():
@@ -161,7 +186,7 @@ def _entry(entry: TensorAnalysis, key: str, tensors: _Tensors) -> dict[str, Any]
         "rank": entry.rank,
         "metrics_tokens": entry.metrics_tokens,
         "g_idx": tensors.put(f"{key}.g_idx", entry.g_idx),
-        "hessian": tensors.put(f"{key}.hessian", entry.hessian),
+        "hessian": tensors.hessian(entry),
         "smoothing": tensors.put(f"{key}.smoothing", entry.smoothing),
         "results": [_result(r, f"{key}.r{j}", tensors) for j, r in enumerate(entry.results)],
         "per_layer": [_result(r, f"{key}.own{j}", tensors) for j, r in enumerate(entry.per_layer)],
@@ -234,8 +259,11 @@ def load(directory: Path, weight_of: WeightOf) -> KeptRun:
         raise RunFileError(f"{directory} is not a readable run: {err}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") not in READS:
         raise RunFileError(f"{directory} is not an Observer Lab run of version {' or '.join(map(str, READS))}")
+    hessian_of = partial(_hessian_reader, directory) if document.get("version") == VERSION else partial(_get, tensors)
     try:
-        found = [None if document[part] is None else _read(document[part], tensors, weight_of) for part in _PARTS]
+        found = [
+            None if document[part] is None else _read(document[part], tensors, weight_of, hessian_of) for part in _PARTS
+        ]
         request = dict(document["request"])
     except (KeyError, TypeError, ValueError) as err:
         raise RunFileError(f"{directory} holds a broken run: {type(err).__name__}: {err}") from None
@@ -252,20 +280,47 @@ def read_request(directory: Path) -> dict[str, Any]:
         raise RunFileError(f"{directory} is not a readable run: {err}") from None
 
 
-def _read(document: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf) -> Analysis:
+def _hessian_reader(directory: Path, name: str | None) -> Callable[[], torch.Tensor] | None:
+    """What reads a version 3 run's Hessian file ``name`` (None: the entry has none) when asked."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not HESSIAN_FILE.fullmatch(name):
+        raise ValueError(f"{name!r} is not a Hessian file a run names")
+    return partial(_read_hessian, directory / name)
+
+
+def _read_hessian(path: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))["hessian"]
+    except (OSError, KeyError) as err:
+        raise RunFileError(f"{path} holds no Hessian ({err}): the run was changed since it was opened") from None
+
+
+def _read(
+    document: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    weight_of: WeightOf,
+    hessian_of: Callable[[str | None], torch.Tensor | Callable[[], torch.Tensor] | None],
+) -> Analysis:
     facts = document["facts"]
     shapes = {name: tuple(shape) for name, shape in facts["layer_shapes"].items()}
     blocks = facts.get("attention_blocks")
     kv = {name: tuple(shape) for name, shape in facts.get("kv_shapes", {}).items()}
     model_facts = ModelFacts(facts["source"], facts["layer_types"], shapes, tuple(blocks) if blocks else None, kv)
     config = RunConfig.from_dict(document["config"])
-    entries = [_read_entry(record, tensors, weight_of, config) for record in document["entries"]]
+    entries = [_read_entry(record, tensors, weight_of, config, hessian_of) for record in document["entries"]]
     warnings, calibration = list(document["warnings"]), document["calibration"]
     return Analysis(model_facts, config, entries, document["seconds"], warnings, calibration)
 
 
 def _read_entry(
-    record: dict[str, Any], tensors: dict[str, torch.Tensor], weight_of: WeightOf, config: RunConfig
+    record: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    weight_of: WeightOf,
+    config: RunConfig,
+    hessian_of: Callable[[str | None], torch.Tensor | Callable[[], torch.Tensor] | None],
 ) -> TensorAnalysis:
     sample, smoothing = record["sample"], _get(tensors, record.get("smoothing"))
     source = tensors[sample] if sample is not None else partial(_weight, weight_of, record["layer"], config, smoothing)
@@ -282,7 +337,7 @@ def _read_entry(
     )
     entry.tool_results = [_read_tool(t, tensors) for t in record["tools"]]
     entry.gptq = [GPTQRow(**{**row, "notes": tuple(row["notes"])}) for row in record["gptq"]]
-    entry.hessian = _get(tensors, record["hessian"])
+    entry.hessian_source = hessian_of(record["hessian"])
     entry.metrics_tokens = record["metrics_tokens"]
     entry.served = (
         None
