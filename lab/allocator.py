@@ -14,7 +14,10 @@ size, ``posix_memalign``'s padding). The app, a long-lived server, keeps glibc's
 A stage whose few large blocks of several sizes come and go asks for glibc's own rule back while it
 runs (``large_blocks_mapped``): a GPTQ sweep's layer-sized copies and ``(in, in)`` matrices split
 and strand one another's freed blocks in a heap that keeps them (2.3 GB resident for 1.5 GB live at
-a 4096 × 11008 ``down_proj``), for a few page faults a block against seconds of sweep.
+a 4096 × 11008 ``down_proj``; every GPTQ sweep, the analysis's and the one propagation or the
+checkpoint makes again, 1.8 GB above the live peak when one was left out), for a few page faults
+a block against seconds of sweep. Such stages nest (a sweep inside a layer's rows): the threshold
+goes back when the outermost ends.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _kept_by: ctypes.CDLL | None = None
 """The C library ``keep_freed_memory`` changed (None: nothing was changed in this process)."""
+_mapped_depth = 0
+"""How many ``large_blocks_mapped`` are open (the process's threshold is LARGE_BYTES while any is)."""
 
 
 def keep_freed_memory() -> bool:
@@ -55,13 +60,18 @@ def keep_freed_memory() -> bool:
 @contextmanager
 def large_blocks_mapped() -> Iterator[None]:
     """Inside, blocks of ``LARGE_BYTES`` and more come from mappings of their own and go back to the
-    system when freed; after, ``keep_freed_memory``'s threshold again. Nothing changes in a process
+    system when freed; after the outermost, ``keep_freed_memory``'s threshold again. Nothing changes in a process
     that did not keep freed memory (the app keeps glibc's own adaptive threshold)."""
+    global _mapped_depth
     if _kept_by is None:
         yield
         return
-    _kept_by.mallopt(_M_MMAP_THRESHOLD, LARGE_BYTES)
+    if _mapped_depth == 0:
+        _kept_by.mallopt(_M_MMAP_THRESHOLD, LARGE_BYTES)
+    _mapped_depth += 1
     try:
         yield
     finally:
-        _kept_by.mallopt(_M_MMAP_THRESHOLD, KEPT_BYTES)
+        _mapped_depth -= 1
+        if _mapped_depth == 0:
+            _kept_by.mallopt(_M_MMAP_THRESHOLD, KEPT_BYTES)

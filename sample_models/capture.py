@@ -448,8 +448,10 @@ def capture_sequential(
     each block's batches in turn, and ``done`` each block's layers once they have had them all:
     one pass over the model, whatever the number of layers. When ``done`` answers with a
     ``Propagation``, the block runs its batches again with its chosen tensors fake-quantized
-    and the next block calibrates on those outputs. A ``tap`` rides the same pass (its hooks on
-    each block, told when the block is done); both it and ``done`` changing what the next block
+    and the next block calibrates on those outputs (unless no later block and no layer after the
+    blocks is asked for: then nothing reads them, and the block does not run again). A ``tap``
+    rides the same pass (its hooks on each block, told when the block is done; it says itself
+    when it has nothing more to change); both it and ``done`` changing what the next block
     receives is a ``ValueError``."""
     recorder = _Recorder(outputs, _kept(batches), stream)
     device = runner.device
@@ -459,6 +461,8 @@ def capture_sequential(
         runner.head(forward_kwargs, recorder.start)
         recorder.pad(rounds - len(batches))
     recorder.report([name for name in outer if name in recorder.counts], done, refs, device)
+    tail = [name for name in outer if name not in recorder.counts]
+    last = max((runner.block_of(name) for name in refs if runner.block_of(name) is not None), default=-1)
     for index in runner.blocks():
         inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
         recorder.group(list(inside))
@@ -474,8 +478,10 @@ def capture_sequential(
         tapped = None if tap is None else tap.finished(index, block)
         if propagation is not None and tapped is not None:
             raise ValueError("two stages change what the next block receives: propagation and a block tap")
-        if propagation is not None or tapped is not None:
-            runner.propagate(index, propagation or tapped)
+        if tapped is not None:
+            runner.propagate(index, tapped)
+        elif propagation is not None and (index < last or tail):
+            runner.propagate(index, propagation)  # what a later block asked for, or the head, reads
     after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))

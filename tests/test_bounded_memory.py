@@ -21,7 +21,7 @@ import lab.allocator
 import observers as ob
 from lab.calibrate import stream
 from lab.gptq.hessians import SpilledHessians
-from lab.gptq.layer import gptq_rows
+from lab.gptq.layer import gptq_rows, gptq_weight
 from observers import hist_search
 from observers.metrics import clip_ratio, error_metrics
 
@@ -233,6 +233,33 @@ def test_large_blocks_are_mapped_for_themselves_inside_and_kept_again_after(monk
         assert libc.calls == [(lab.allocator._M_MMAP_THRESHOLD, lab.allocator.LARGE_BYTES)]
         raise RuntimeError("a sweep that fails")
     assert libc.calls[-1] == (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.KEPT_BYTES)
+    libc.calls.clear()
+    with lab.allocator.large_blocks_mapped():  # a layer's rows, a sweep of its own inside them
+        with lab.allocator.large_blocks_mapped():
+            pass
+        assert libc.calls == [(lab.allocator._M_MMAP_THRESHOLD, lab.allocator.LARGE_BYTES)]  # still mapped
+    assert libc.calls == [
+        (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.LARGE_BYTES),
+        (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.KEPT_BYTES),
+    ]
+
+
+def test_a_gptq_weight_made_again_maps_its_large_blocks_for_themselves(monkeypatch):
+    # propagation and the checkpoint sweep a chosen observer again: its (in, in) matrices must not
+    # strand heap blocks any more than the analysis's sweeps
+    libc = _RecordingLibc()
+    monkeypatch.setattr(lab.allocator, "_kept_by", libc)
+    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    hessian = ob.hessian_of_rows(torch.randn(64, 32, generator=torch.Generator().manual_seed(2)))
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    qparams = ob.run_one("minmax", weight, spec, "weight").qparams
+    seen = []
+    sweep = ob.gptq_quantize
+    monkeypatch.setattr(ob, "gptq_quantize", lambda *a, **k: seen.append(list(libc.calls)) or sweep(*a, **k))
+    done = gptq_weight(weight, hessian, spec, ob.GPTQSpec(), "minmax", qparams, {})
+    assert seen == [[(lab.allocator._M_MMAP_THRESHOLD, lab.allocator.LARGE_BYTES)]]
+    assert libc.calls[-1] == (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.KEPT_BYTES)
+    assert done.weight.shape == weight.shape
 
 
 def test_observers_with_equal_qparams_are_swept_once_and_get_the_rows_each_would_alone(monkeypatch):

@@ -190,6 +190,31 @@ def test_propagation_calibrates_the_next_block_behind_the_gptq_weights(llama):
     assert not torch.allclose(seen, ob.hessian_of_rows(behind_rtn.float()), rtol=1e-4, atol=1e-6)
 
 
+def test_propagation_makes_the_widest_gptq_weight_first_and_none_for_the_last_block(llama, monkeypatch):
+    # the hooks hold every GPTQ weight of the block: the widest sweep (its (in, in) matrices) runs
+    # before any is held, and the hooks still get each layer's own; the last block asked for is
+    # not run again, so it makes none
+    import lab.analyse.pipeline as pipeline
+
+    block = ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+    spec = ob.QuantSpec(dtype="int4", strategy="group", group_size=16)
+    config = RunConfig(
+        specs={"weight": spec}, observers=("minmax",), samples=4, seq_len=32, gptq=ob.GPTQSpec(), propagate=True
+    )
+    made, hooked = [], []
+    weight_quant = pipeline.weight_quant
+    monkeypatch.setattr(pipeline, "weight_quant", lambda e, *a: made.append(e.layer) or weight_quant(e, *a))
+    hooks = pipeline.quantizing_hooks
+    monkeypatch.setattr(pipeline, "quantizing_hooks", lambda m, q, *a: hooked.append(dict(q)) or hooks(m, q, *a))
+    analysis = analyse(llama, [*block, "model.layers.1.mlp.up_proj"], config)
+    assert made[0] == "model.layers.0.mlp.down_proj" and sorted(made) == sorted(block)  # 688 columns before 256
+    (quant,) = hooked  # block 1 is the last one asked for: nothing reads its outputs, it makes no GPTQ weight
+    assert list(quant) == [(layer, "weight") for layer in block]  # the block's order, each its own
+    for layer in block:
+        entry = analysis.entry(layer, "weight")
+        assert quant[(layer, "weight")].weight.shape == entry.shape
+
+
 def test_a_quantized_weight_of_another_shape_is_refused():
     quant = TensorQuant(ob.QuantSpec("int8"), None, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="quantized weight of shape"):

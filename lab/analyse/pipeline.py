@@ -17,10 +17,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
+from torch import nn
 
 import observers as ob
 from lab.analyse.analysis import Analysis, TensorAnalysis, ToolResult
@@ -51,6 +53,7 @@ from observers.suite import SuiteResult
 from sample_models.calibration_sets import CalibrationSamples
 from sample_models.capture import BlockTap, Propagation
 from sample_models.effect import TensorQuant, quantizing_hooks
+from sample_models.sequential import return_freed_memory
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -215,21 +218,35 @@ def analyse(
 def _propagation(model, part: Analysis, choices: Callable[[Analysis], Choices] | None) -> Propagation | None:
     """What the next block calibrates behind: ``part``'s layers fake-quantized with the observer
     each would be exported with (``choices``, else ``lab.results.choose`` by the default metric);
-    under GPTQ a chosen weight
-    is its GPTQ weight, as llm-compressor's sequential pipeline calibrates the next block behind
-    the already GPTQ-quantized one."""
+    under GPTQ a chosen weight is its GPTQ weight, as llm-compressor's sequential pipeline
+    calibrates the next block behind the already GPTQ-quantized one. Those are made widest input
+    first, after the analysis's freed memory is handed back: the hooks hold every one of them, and
+    the widest's sweep (a 7B ``down_proj``'s ``(11008, 11008)`` matrices) then runs beside none.
+    They are made when the pass installs the hooks, and let go with them: a block whose outputs
+    nothing reads (the last, with no layer after it) makes none."""
     chosen = choose(part, DEFAULT_METRIC) if choices is None else choices(part)
     served = as_chosen(part, chosen)
-    quantization = {
-        (e.layer, e.tensor): _quantized(e, served[key].result, part.config)
-        for e in part.entries
-        if e.tensor in LAYER_TENSORS and (key := (e.layer, e.tensor)) in served
-    }
-    if not quantization:
+    entries = [e for e in part.entries if e.tensor in LAYER_TENSORS and (e.layer, e.tensor) in served]
+    if not entries:
         return None
     heads = getattr(getattr(model, "config", None), "num_attention_heads", 1)
     owner = threading.get_ident()
-    return lambda module: quantizing_hooks(module, quantization, heads, owner)
+
+    def hooks(module: nn.Module) -> AbstractContextManager:
+        return_freed_memory()
+        made = {
+            (e.layer, e.tensor): _quantized(e, served[(e.layer, e.tensor)].result, part.config)
+            for e in sorted(entries, key=_sweep_width, reverse=True)
+        }
+        quantization = {(e.layer, e.tensor): made[(e.layer, e.tensor)] for e in entries}
+        return quantizing_hooks(module, quantization, heads, owner)
+
+    return hooks
+
+
+def _sweep_width(entry: TensorAnalysis) -> int:
+    """A GPTQ weight's input columns (its Hessian is their square); 0 for what no sweep makes."""
+    return entry.shape[-1] if entry.tensor == "weight" and entry.hessian_source is not None else 0
 
 
 def _quantized(entry: TensorAnalysis, result: SuiteResult, config: RunConfig) -> TensorQuant:

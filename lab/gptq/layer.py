@@ -264,9 +264,11 @@ def gptq_weight(
     """One observer's GPTQ of ``weight``: what a choice made under GPTQ deploys (the checkpoint's
     codes and scales), what propagation and the model-level effect run, and whose updated weights
     the Ranges page draws. Made again from the kept Hessian whenever asked, as deterministic as the
-    analysis's own (same inputs, same device)."""
+    analysis's own (same inputs, same device). Its large blocks are mapped for themselves, as the
+    analysis's sweeps' are (``lab.allocator.large_blocks_mapped``)."""
     observe = observer_qparams(observer, weight.float(), qparams, spec, _person_knobs(knobs))
-    return ob.gptq_quantize(weight, hessian, spec, observe, factors=factors, **gptq.kwargs())
+    with large_blocks_mapped():
+        return ob.gptq_quantize(weight, hessian, spec, observe, factors=factors, **gptq.kwargs())
 
 
 def entry_gptq(entry: Any, observer: str, gptq: ob.GPTQSpec, result: SuiteResult | None = None) -> ob.GPTQResult:
