@@ -902,6 +902,28 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
     assert minmax.loc["llm-compressor", "kl"] == minmax.loc["observer-in-search", "kl"]
 
 
+def test_the_model_level_effect_holds_no_more_deployed_weights_than_its_byte_bound(
+    tiny_llama, suite_run, evaluator, monkeypatch
+) -> None:
+    # each quantization holds every balance layer of the run (0.8 GB for one 7B-wide block): a
+    # byte bound below two of them runs them one at a time, with the same figures
+    from lab.awq import effect as awq_effect
+
+    together = awq_effect.model_effect(tiny_llama, suite_run, evaluator)
+    one = awq_effect.variant_weights(tiny_llama, suite_run, Variant.RTN, SEARCH_OBSERVER)
+    held = sum(w.numel() * w.element_size() for w in one.values())
+    sizes, run_stacked = [], evaluator.runner.run_stacked
+    monkeypatch.setattr(
+        evaluator.runner, "run_stacked", lambda asked, **how: sizes.append(len(asked)) or run_stacked(asked, **how)
+    )
+    monkeypatch.setattr(awq_effect, "STACKED_BYTES", 2 * held - 1)
+    apart = awq_effect.model_effect(tiny_llama, suite_run, evaluator)
+    assert sizes and set(sizes) == {1}
+    assert apart[["observer", "variant"]].equals(together[["observer", "variant"]])
+    for metric in evaluator.metric_names:
+        assert torch.allclose(torch.tensor(apart[metric].values), torch.tensor(together[metric].values), rtol=1e-4)
+
+
 def test_twin_observers_fold_once_and_share_their_model_level_figures(
     tiny_llama, suite_run, evaluator, monkeypatch
 ) -> None:

@@ -31,7 +31,11 @@ from sample_models import Model
 from sample_models.effect import TensorQuant
 
 STACKED_VARIANTS = 8
-"""Quantizations run in one stacked pass over the held-out batches."""
+"""The most quantizations run in one stacked pass over the held-out batches."""
+
+STACKED_BYTES = 1 << 30
+"""The most bytes of deployed weights those quantizations hold together: each holds every balance
+layer of the run (0.8 GB for one 7B-wide block), so a wide model runs fewer at a time."""
 
 
 def variant_weights(model: Model, run: AWQRun, variant: Variant, observer: str) -> dict[str, torch.Tensor] | None:
@@ -52,7 +56,8 @@ def model_effect(
     """One row per (observer, variant) with the evaluator's metrics; a pair without a row on some
     mapping is left out. Balance layers the effect runner cannot quantize are one ``ValueError``
     (a fused MoE's experts run inside their fused module, ``EffectRunner``). The pairs' weights are
-    made as they are run, ``STACKED_VARIANTS`` distinct ones held at a time."""
+    made as they are run, ``STACKED_VARIANTS`` distinct ones held at a time, fewer where they would
+    hold more than ``STACKED_BYTES`` (one at least)."""
     keys: list[tuple[str, Variant, str]] = []
     waiting: dict[str, dict] = {}
     metrics: dict[str, dict[str, float]] = {}
@@ -79,12 +84,19 @@ def model_effect(
             keys.append((observer, variant, key))
             if key not in metrics and key not in waiting:
                 waiting[key] = quantization
-            if len(waiting) == STACKED_VARIANTS:
+            if len(waiting) >= _stacked(quantization):
                 measure()
     if waiting:
         measure()
     rows = [{"observer": observer, "variant": str(variant), **metrics[key]} for observer, variant, key in keys]
     return pd.DataFrame(rows, columns=["observer", "variant", *evaluator.metric_names])
+
+
+def _stacked(quantization: dict[tuple[str, str], TensorQuant]) -> int:
+    """How many quantizations like this one a stacked pass holds: ``STACKED_VARIANTS``, fewer where
+    their weights would pass ``STACKED_BYTES``."""
+    held = sum(q.weight.numel() * q.weight.element_size() for q in quantization.values())
+    return max(1, min(STACKED_VARIANTS, STACKED_BYTES // max(held, 1)))
 
 
 def _deployment(run: AWQRun, variant: Variant, observer: str) -> tuple:
