@@ -34,6 +34,13 @@ from sample_models.effect import TensorQuant, quantizing_hooks
 LAYERS = "model.layers.0.mlp.*"
 RUN = ("--kinds", "weight", "--format", "int4", "--strategy", "group", "--group-size", "16")
 CALIBRATION = ("--samples", "4", "--seq-len", "32")
+GPTQ_MINMAX = RunConfig(
+    specs={"weight": ob.QuantSpec(dtype="int4", strategy="group", group_size=16)},
+    observers=("minmax",),
+    samples=4,
+    seq_len=32,
+    gptq=ob.GPTQSpec(),
+)
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +229,7 @@ def test_a_quantized_weight_of_another_shape_is_refused():
 
 
 def test_the_hessians_beside_the_json_are_those_of_the_analysis(llama, tmp_path):
-    config = RunConfig(
-        specs={"weight": ob.QuantSpec(dtype="int4", strategy="group", group_size=16)},
-        observers=("minmax",),
-        samples=4,
-        seq_len=32,
-        gptq=ob.GPTQSpec(),
-    )
+    config = GPTQ_MINMAX
     analysis = analyse(llama, ["model.layers.0.mlp.up_proj"], config)
     assert hessians.save(tmp_path / "h", analysis.entries) == 1
     read = hessians.read(tmp_path / "h")
@@ -349,13 +350,7 @@ def test_a_gptq_run_keeps_each_layers_hessian_on_disk_not_in_memory(llama):
     # every layer's (in, in) Hessian in memory would be 0.9 GB a 7B-wide block for the whole run:
     # once a layer's rows are made its Hessian waits in a file (q, k and v share one), and the
     # calibration's statistics let theirs go
-    config = RunConfig(
-        specs={"weight": ob.QuantSpec(dtype="int4", strategy="group", group_size=16)},
-        observers=("minmax",),
-        samples=4,
-        seq_len=32,
-        gptq=ob.GPTQSpec(),
-    )
+    config = GPTQ_MINMAX
     layers = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"]
     analysis = analyse(llama, layers, config)
     sources = [entry.hessian_source for entry in analysis.entries]
