@@ -461,7 +461,7 @@ def capture_sequential(
         runner.head(forward_kwargs, recorder.start)
         recorder.pad(rounds - len(batches))
     recorder.report([name for name in outer if name in recorder.counts], done, refs, device)
-    tail = [name for name in outer if name not in recorder.counts]
+    after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     last = max((runner.block_of(name) for name in refs if runner.block_of(name) is not None), default=-1)
     for index in runner.blocks():
         inside = {name: ref for name, ref in refs.items() if runner.block_of(name) == index}
@@ -480,9 +480,8 @@ def capture_sequential(
             raise ValueError("two stages change what the next block receives: propagation and a block tap")
         if tapped is not None:
             runner.propagate(index, tapped)
-        elif propagation is not None and (index < last or tail):
+        elif propagation is not None and (index < last or after):
             runner.propagate(index, propagation)  # what a later block asked for, or the head, reads
-    after = {name: ref for name, ref in outer.items() if name not in recorder.counts}
     if after:
         recorder.group(list(after))
         inputs_only = not outputs and all(ref.expert is None for ref in after.values())

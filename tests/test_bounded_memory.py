@@ -156,6 +156,8 @@ def test_spilled_hessians_wait_on_disk_shared_by_the_layers_fed_one_input():
         for layer in ("q", "k", "v"):
             assert torch.equal(kept.get(layer), h.float())
         assert torch.equal(read_q(), h.float())
+        assert kept.put(["q2"], h) is read_q  # the same tensor put again: its file and reader
+        assert len(list(folder.iterdir())) == 2 and torch.equal(kept.get("q2"), h.float())
         assert torch.equal(kept.get("o"), torch.eye(6))
         assert kept.get("down") is None
     assert not folder.exists()

@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -195,11 +194,11 @@ def analyse(
         return _propagation(model, part, choices) if config.propagate else None
 
     failed = None
-    held_out = SpilledHessians()
-    hessians = _RunHessians(held_out, SpilledHessians())
+    hessians = _RunHessians(SpilledHessians(), SpilledHessians())
     try:
         weights = [layer for layer in mine if "weight" in config.specs]
-        held_out = hessians.held_out = held_out_hessians(model, weights, config, ranks) if gptq else held_out
+        if gptq:
+            hessians.held_out = held_out_hessians(model, weights, config, ranks)
         calibrated = calibrate(model, layers, attention, config, cache, ranks, extra, finish, tap) if streams else None
         rest = [unit for unit in dict.fromkeys(job[0] for job in jobs) if unit not in finished]
         if rest:
@@ -207,7 +206,7 @@ def analyse(
     except (ValueError, OSError, RuntimeError) as err:  # one rank's reads failing stops every rank
         failed = err
     finally:
-        held_out.close()
+        hessians.held_out.close()
     ranks.agree(failed)
     entries.sort(key=lambda e: order[(e.layer, e.tensor)])
     if progress is not None:
@@ -335,7 +334,7 @@ def _weight_group(
                 config.knobs,
                 partial(hessians.held_out.get, entry.layer, tensor.device),
             )
-            entry.hessian_source = None if hessian is None else hessians.keep(entry.layer, hessian)
+            entry.hessian_source = None if hessian is None else hessians.kept.put([entry.layer], hessian)
             del hessian
     return entries
 
@@ -346,19 +345,10 @@ class _RunHessians:
     rows are made, removed with the run) and each layer's own once its rows are made (``kept``,
     read when propagation, the checkpoint or a page makes a GPTQ weight again, removed when the
     last entry reading them goes), so the run holds one layer's Hessian at a time, not every
-    layer's of the model. Layers fed one input (q, k and v) keep one file."""
+    layer's of the model. Layers fed one input (q, k and v) share one file."""
 
     held_out: SpilledHessians
     kept: SpilledHessians
-    _readers: dict[int, tuple[weakref.ref, Callable[[], torch.Tensor | None]]] = field(default_factory=dict)
-
-    def keep(self, layer: str, hessian: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-        """What reads ``layer``'s Hessian back; the same file for a tensor already kept and still
-        alive (remembered by a weak reference, which keeps no Hessian in memory)."""
-        found = self._readers.get(id(hessian))
-        if found is None or found[0]() is not hessian:
-            found = self._readers[id(hessian)] = (weakref.ref(hessian), self.kept.put([layer], hessian))
-        return found[1]
 
 
 def _weight_entry(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
@@ -21,6 +22,25 @@ import torch
 
 SUFFIX = ".gptq-hessians"
 KEY = "hessian"
+
+
+def write_file(path: str | os.PathLike, hessian: torch.Tensor) -> None:
+    """One Hessian as a safetensors file (the tensor ``hessian``, fp32 on the CPU): the one form
+    every Hessian file of the lab has (beside a run's JSON, in a kept run, waiting on disk)."""
+    from safetensors.torch import save_file
+
+    save_file({KEY: hessian.detach().float().cpu().contiguous()}, str(path))
+
+
+def read_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The Hessian ``write_file`` wrote at ``path``, on ``device``; a file without one is one
+    ``ValueError`` naming it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        if KEY not in handle.keys():
+            raise ValueError(f"{path} holds no {KEY!r} tensor")
+        return handle.get_tensor(KEY).float()
 
 
 class SpilledHessians:
@@ -35,31 +55,41 @@ class SpilledHessians:
         self._prefix = prefix
         self._folder: tempfile.TemporaryDirectory | None = None
         self._files: dict[str, Path] = {}
+        self._first: dict[int, tuple[weakref.ref, str]] = {}
+        """By the tensor put (while it lives: a weak reference keeps no Hessian in memory), the first
+        layer whose file holds it: layers fed one input share the tensor, and so its file."""
+        self._readers: weakref.WeakValueDictionary[str, partial] = weakref.WeakValueDictionary()
+        """Each file's reader by its first layer, while an entry holds it (the reader keeps this
+        store alive, so the store keeps it weakly)."""
 
     def put(self, layers: Sequence[str], hessian: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-        """Keep ``hessian`` as the Hessian of every one of ``layers``; returns what reads it back
-        (on the CPU), which keeps the folder alive while it lives."""
-        from safetensors.torch import save_file
-
-        if self._folder is None:
-            self._folder = tempfile.TemporaryDirectory(prefix=self._prefix)
-        path = Path(self._folder.name) / f"{len(set(self._files.values()))}.safetensors"
-        save_file({KEY: hessian.detach().float().cpu().contiguous()}, str(path))
-        self._files |= dict.fromkeys(layers, path)
-        return partial(self.get, layers[0])
+        """Keep ``hessian`` as the Hessian of every one of ``layers``, written once (a tensor put
+        before and still alive is named again); returns what reads it back (on the CPU), the same
+        reader for the same file, which keeps the folder alive while it lives."""
+        found = self._first.get(id(hessian))
+        if found is None or found[0]() is not hessian:
+            if self._folder is None:
+                self._folder = tempfile.TemporaryDirectory(prefix=self._prefix)
+            path = Path(self._folder.name) / f"{len(set(self._files.values()))}.safetensors"
+            write_file(path, hessian)
+            self._files[layers[0]] = path
+            found = self._first[id(hessian)] = (weakref.ref(hessian), layers[0])
+        first = found[1]
+        self._files |= dict.fromkeys(layers, self._files[first])
+        reader = self._readers.get(first) or partial(self.get, first)
+        self._readers[first] = reader
+        return reader
 
     def get(self, layer: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """``layer``'s Hessian on ``device``, read from its file; None when none was put for it."""
-        from safetensors.torch import load_file
-
         path = self._files.get(layer)
-        return None if path is None else load_file(str(path), device=str(device))[KEY]
+        return None if path is None else read_file(path, device)
 
     def close(self) -> None:
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
-        self._files = {}
+        self._files, self._first = {}, {}
 
     def __enter__(self) -> SpilledHessians:
         return self
@@ -107,8 +137,6 @@ def save(directory: str | os.PathLike, entries: Iterable[Any]) -> int:
     """Write what is kept of every entry (``_kept``: its ``TensorAnalysis.hessian``, or that no
     token reached it) into ``directory``; returns how many. Each file goes in whole (written beside
     it, then renamed)."""
-    from safetensors.torch import save_file
-
     folder = Path(directory)
     count = 0
     for entry in entries:
@@ -118,7 +146,7 @@ def save(directory: str | os.PathLike, entries: Iterable[Any]) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         target = _file(folder, entry.layer)
         staging = target.with_name(f".{target.name}.{os.getpid()}")
-        save_file({KEY: kept.detach().float().cpu().contiguous()}, str(staging))
+        write_file(staging, kept)
         staging.replace(target)
         count += 1
     return count
@@ -147,14 +175,7 @@ def read(directory: str | os.PathLike) -> HessianOf:
         )
 
     def hessian(layer: str) -> torch.Tensor | None:
-        from safetensors import safe_open
-
         path = _file(folder, layer)
-        if not path.is_file():
-            return None
-        with safe_open(str(path), framework="pt") as handle:
-            if KEY not in handle.keys():
-                raise ValueError(f"{path} holds no {KEY!r} tensor")
-            return handle.get_tensor(KEY).float()
+        return read_file(path) if path.is_file() else None
 
     return hessian

@@ -47,6 +47,7 @@ from lab.analyse.run_config import RunConfig
 from lab.analyse.tools import ToolProfile
 from lab.calibrate.observed import weight_view
 from lab.export.json_values import json_safe, metrics_from_json, metrics_to_json
+from lab.gptq import hessians
 from lab.gptq.layer import GPTQRow
 from observers.suite import SuiteResult
 
@@ -110,10 +111,8 @@ class _Tensors:
             return None
         found = self.hessians.get(id(source))
         if found is None or found[0] is not source:
-            from safetensors.torch import save_file
-
             name = f"hessian-{len(self.hessians)}.safetensors"
-            save_file({"hessian": entry.hessian.detach().float().cpu().contiguous()}, str(self.folder / name))
+            hessians.write_file(self.folder / name, entry.hessian)
             found = self.hessians[id(source)] = (source, name)
         return found[1]
 
@@ -290,11 +289,9 @@ def _hessian_reader(directory: Path, name: str | None) -> Callable[[], torch.Ten
 
 
 def _read_hessian(path: Path) -> torch.Tensor:
-    from safetensors.torch import load_file
-
     try:
-        return load_file(str(path))["hessian"]
-    except (OSError, KeyError) as err:
+        return hessians.read_file(path)
+    except (OSError, ValueError) as err:
         raise RunFileError(f"{path} holds no Hessian ({err}): the run was changed since it was opened") from None
 
 
