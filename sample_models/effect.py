@@ -49,6 +49,10 @@ HELD_OUT_FILE = Path(__file__).with_name("held_out_texts.json")
 HELD_OUT_SAMPLES = 64
 HELD_OUT_SEQ_LEN = 128
 BATCH_SIZE = 16
+LOGIT_WINDOWS = 4
+"""Held-out windows whose logits a decoder's reduced stacked run makes at once (``run_stacked``):
+512 tokens over a 32k vocabulary are 64 MB a tensor, where a batch of 16 windows is 256 MB and the
+metrics hold four such tensors (128k vocabularies are four times as large)."""
 POSITIONS_PER_ROW = 16
 """An encoder batch holds at most ``batch_size * POSITIONS_PER_ROW`` token positions, padding included."""
 LINEAR_MODULES = ("Linear", "Conv1D")
@@ -110,14 +114,18 @@ class TensorQuant:
     weight: torch.Tensor | None = None
     """A weight's quantized values as they are to be used, when its qparams alone do not give them
     (GPTQ's error-updated weight, rounded with those qparams): taken as is."""
+    made: Callable[[], torch.Tensor] | None = None
+    """Or such a weight made when its layer runs (an AWQ deployment's, folded and quantized): a run
+    holds it while the layer's block runs, not every layer's at once (26 GB for a 7B model)."""
 
     def __call__(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """``x`` (an activation ``(..., hidden)``, a weight ``(out, in)`` or attention states
         ``(batch, heads, seq, head_dim)``) quantized and dequantized, same shape and dtype."""
-        if kind == "weight" and self.weight is not None:
-            if self.weight.shape != x.shape:
-                raise ValueError(f"a quantized weight of shape {tuple(self.weight.shape)} for a {tuple(x.shape)} layer")
-            return self.weight.to(device=x.device, dtype=x.dtype)
+        if kind == "weight" and (self.weight is not None or self.made is not None):
+            weight = self.weight if self.weight is not None else self.made()
+            if weight.shape != x.shape:
+                raise ValueError(f"a quantized weight of shape {tuple(weight.shape)} for a {tuple(x.shape)} layer")
+            return weight.to(device=x.device, dtype=x.dtype)
         if self.qparams is None:
             return ob.dynamic_fake_quantize(x, self.spec)
         if kind == "activation":
@@ -129,8 +137,14 @@ Quantization = Mapping[Key, TensorQuant]
 """``{(layer, "weight"|"input"|"output"): ...}`` and ``{(attention block, "k"|"v"): ...}``."""
 
 
-Reduce = Callable[[int, torch.Tensor], Any]
-"""``reduce(batch index, output)``: what a stacked run keeps of one variant's output on one batch."""
+Reduce = Callable[[int, slice, torch.Tensor, torch.Tensor], Any]
+"""``reduce(batch index, windows, float logits, logits)``: what a decoder's stacked run keeps of one
+variant's logits on some windows of one batch, given the float model's logits on the same windows."""
+
+
+def logit_windows(count: int) -> list[slice]:
+    """A batch of ``count`` windows in the parts whose logits are made at once (``LOGIT_WINDOWS``)."""
+    return [slice(start, min(start + LOGIT_WINDOWS, count)) for start in range(0, count, LOGIT_WINDOWS)]
 
 
 @dataclass
@@ -198,6 +212,7 @@ class _Streamed:
         self.module = self.seq.module
         self.blocks_name, self.blocks = self.seq.blocks_name, self.seq.blocks
         self.loader = _Loader(self.seq, model._store, model.device, budget)
+        self._outer_depth = 0
 
     @contextmanager
     def block(self, index: int) -> Iterator[nn.Module]:
@@ -210,13 +225,20 @@ class _Streamed:
 
     @contextmanager
     def outer(self) -> Iterator[None]:
-        handles = [m.register_forward_pre_hook(lambda m, args: self.loader.ensure_outer(m)) for m in self.seq.outer]
+        """The modules outside the blocks loaded as they are called and freed when the outermost
+        ``with`` ends (float logits made inside a run's own ``outer`` keep the head it loaded)."""
+        self._outer_depth += 1
+        handles = []
+        if self._outer_depth == 1:
+            handles = [m.register_forward_pre_hook(lambda m, args: self.loader.ensure_outer(m)) for m in self.seq.outer]
         try:
             yield
         finally:
+            self._outer_depth -= 1
             for handle in handles:
                 handle.remove()
-            self.loader.free_all()
+            if not self._outer_depth:
+                self.loader.free_all()
 
     def record(self, batches: list[Batch], owner: int) -> tuple[list[list[_Call]], list[torch.Tensor], list]:
         """Each block's calls and the first block's inputs, the blocks replaced by stand-ins (the
@@ -296,7 +318,9 @@ class EffectRunner:
             self.tokens = int(sum(int(b.valid.sum()) for b in self.batches))
             self._calls, first, module_outputs = self._backend.record(self.batches, threading.get_ident())
             self._boundaries: list[list[torch.Tensor]] = [first]
-            self.float_outputs = self._run_blocks({}, 0, keep=True).outputs
+            decoder = self.kind == "decoder"
+            float_run = self._run_blocks({}, 0, keep=True, tail=not decoder)
+            self.float_outputs: Sequence[torch.Tensor] = _FloatLogits(self) if decoder else float_run.outputs
             self._check_replay(module_outputs)
 
     @property
@@ -416,11 +440,14 @@ class EffectRunner:
         layers, in one pass: each held-out batch's hidden states repeated once per variant along the
         batch, each variant's tensors applied to its own share. The matrix products are larger (a
         CPU runs them faster) and the Python around them runs once; the outputs are each variant's
-        own up to the last bits that a larger product sums in another order. With ``reduce``, each
-        batch's outputs are made variant by variant and handed to ``reduce(batch index, output)``,
-        and what it returns is kept in their place: a decoder's logits over its whole vocabulary
-        (170 MB a variant on the built-in held-out text) are held for one batch and variant at a
-        time."""
+        own up to the last bits that a larger product sums in another order. With ``reduce`` (a
+        decoder's), each batch's logits are made ``LOGIT_WINDOWS`` windows and one variant at a time
+        and handed to ``reduce`` beside the float model's on the same windows; what it returns is
+        kept in their place, a list per batch: logits over the whole vocabulary (256 MB a batch of
+        the built-in held-out text over a 32k vocabulary, float or quantized) are never held for a
+        batch."""
+        if reduce is not None and self.kind != "decoder":
+            raise ValueError("a reduced stacked run reduces a decoder's logits; an encoder's outputs are kept whole")
         if len(variants) == 1 and reduce is None:
             return [self.run(variants[0], start, sqnr=False)]
         keys = list(variants[0])
@@ -444,17 +471,39 @@ class EffectRunner:
                     ]
                     hidden = [call.invoke(block, h, {}) for call, h in zip(calls, hidden, strict=True)]
             after = [{k: q for k, q in v.items() if self.block_of(k[0]) == self.num_blocks} for v in variants]
-            with self._backend.outer(), _stacked_hooks(self._backend.module, after, owner):
-                outputs = []
-                for index, (h, batch) in enumerate(zip(hidden, self.batches, strict=True)):
-                    if reduce is None:
-                        outputs.append(list(self._tail(h, _repeated(batch, len(batch.input_ids), n)).chunk(n)))
-                    else:
-                        outputs.append([reduce(index, self._tail(share, batch)) for share in h.chunk(n)])
+            with self._backend.outer():
+                if reduce is None:
+                    with _stacked_hooks(self._backend.module, after, owner):
+                        outputs = [
+                            list(self._tail(h, _repeated(batch, len(batch.input_ids), n)).chunk(n))
+                            for h, batch in zip(hidden, self.batches, strict=True)
+                        ]
+                else:
+                    outputs = [self._reduced(index, h.chunk(n), after, reduce) for index, h in enumerate(hidden)]
         nan = [math.nan] * self.num_blocks
         return [RunResult([o[i] for o in outputs], nan, start) for i in range(n)]
 
-    def _run_blocks(self, quantization: Quantization, start: int, keep: bool, sqnr: bool = True) -> RunResult:
+    def _reduced(self, index: int, shares: Sequence[torch.Tensor], after: list[Quantization], reduce: Reduce) -> list:
+        """Each variant's reductions of batch ``index``'s logits (its share of the last hidden
+        states, its quantization of the modules after the blocks), ``logit_windows`` at a time,
+        the float logits of those windows made once for every variant, before any variant's hooks
+        go in."""
+        owner, batch = threading.get_ident(), self.batches[index]
+        final = self._boundaries[self.num_blocks][index]
+        found: list[list] = [[] for _ in shares]
+        for rows in logit_windows(len(final)):
+            float_logits = self._tail(final[rows], batch)
+            for kept, share, quantization in zip(found, shares, after, strict=True):
+                with self._hooks(quantization, owner):
+                    kept.append(reduce(index, rows, float_logits, self._tail(share[rows], batch)))
+        return found
+
+    def _run_blocks(
+        self, quantization: Quantization, start: int, keep: bool, sqnr: bool = True, tail: bool = True
+    ) -> RunResult:
+        """The blocks from ``start`` with ``quantization``, the hidden states after each kept as
+        boundaries (``keep``: the float run) or compared with them (``sqnr``); the outputs made
+        from the last (``tail``; none without it)."""
         hidden = self._boundaries[start]
         owner = threading.get_ident()
         sqnr_db = [math.inf if i < start or sqnr else math.nan for i in range(self.num_blocks)]
@@ -470,6 +519,8 @@ class EffectRunner:
                 self._boundaries.append(hidden)
             elif sqnr:
                 sqnr_db[index] = self._sqnr(hidden, self._boundaries[index + 1])
+        if not tail:
+            return RunResult([], sqnr_db, start)
         after = {k: q for k, q in quantization.items() if self.block_of(k[0]) == self.num_blocks}
         with self._backend.outer(), self._hooks(after, owner), torch.inference_mode():
             outputs = [self._tail(h, batch) for h, batch in zip(hidden, self.batches, strict=True)]
@@ -577,6 +628,26 @@ def quantizing_hooks(root: nn.Module, quantization: Quantization, heads: int, ow
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _FloatLogits(Sequence[torch.Tensor]):
+    """A decoder's float logits per held-out batch, made from the float run's last hidden states
+    when asked (the head's product again: the same numbers): held for every batch they took 0.5 GB
+    over a 32k vocabulary, more than the rest of a run's activations together."""
+
+    def __init__(self, runner: EffectRunner) -> None:
+        self._runner = runner
+
+    def __len__(self) -> int:
+        return len(self._runner.batches)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        runner = self._runner
+        final = runner._boundaries[runner.num_blocks][index]
+        with runner.model._capture_lock, runner._backend.outer(), torch.inference_mode():
+            return runner._tail(final, runner.batches[index])
 
 
 @contextmanager

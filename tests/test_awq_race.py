@@ -255,7 +255,9 @@ def test_the_live_runners_stay_in_front_of_one_stack() -> None:
     live, weights = stack.front([b, d, e])
     # the two slots left in front (a's and c's) are taken by d and e, b stays: two weights copied
     assert live == [d, b, e]
-    assert weights["w"].data_ptr() == buffer.data_ptr() and weights["w"].shape == (3, 3, 2)
-    assert torch.equal(weights["w"], torch.stack([r.weights["w"].t() for r in live]))
+    assert weights["w"].data_ptr() == buffer.data_ptr() and weights["w"].shape == (3, 2, 3)
+    assert torch.equal(weights["w"], torch.stack([r.weights["w"] for r in live]))
     live, weights = stack.front([e, b])
     assert live == [e, b] and torch.equal(weights["w"][:, 0, 0], torch.tensor([4.0, 1.0]))
+    alone = _Stack([a])  # one runner's weights are read where they are, never copied
+    assert alone.weights["w"].data_ptr() == a.weights["w"].data_ptr() and alone.weights["w"].shape == (1, 2, 3)

@@ -905,13 +905,19 @@ def test_every_observer_and_variant_has_its_model_level_figures(tiny_llama, suit
 def test_the_model_level_effect_holds_no_more_deployed_weights_than_its_byte_bound(
     tiny_llama, suite_run, evaluator, monkeypatch
 ) -> None:
-    # each quantization holds every balance layer of the run (0.8 GB for one 7B-wide block): a
-    # byte bound below two of them runs them one at a time, with the same figures
+    # each quantization holds a block's balance layers while the block runs (0.8 GB for a 7B-wide
+    # block): a byte bound below two blocks' runs them one at a time, with the same figures; the
+    # weights are made as their layers run, not when the deployment is made
     from lab.awq import effect as awq_effect
 
     together = awq_effect.model_effect(tiny_llama, suite_run, evaluator)
     one = awq_effect.variant_weights(tiny_llama, suite_run, Variant.RTN, SEARCH_OBSERVER)
-    held = sum(w.numel() * w.element_size() for w in one.values())
+    by_block: dict[int, int] = {}
+    for name, weight in one.items():
+        block = evaluator.runner.block_of(name)
+        by_block[block] = by_block.get(block, 0) + weight.numel() * weight.element_size()
+    assert len(by_block) > 1  # the run's balance layers are in several blocks: one block's are less
+    held = max(by_block.values())
     sizes, run_stacked = [], evaluator.runner.run_stacked
     monkeypatch.setattr(
         evaluator.runner, "run_stacked", lambda asked, **how: sizes.append(len(asked)) or run_stacked(asked, **how)
@@ -919,6 +925,9 @@ def test_the_model_level_effect_holds_no_more_deployed_weights_than_its_byte_bou
     monkeypatch.setattr(awq_effect, "STACKED_BYTES", 2 * held - 1)
     apart = awq_effect.model_effect(tiny_llama, suite_run, evaluator)
     assert sizes and set(sizes) == {1}
+    deployed = awq_effect.variant_deployment(tiny_llama, suite_run, Variant.RTN, SEARCH_OBSERVER)
+    quantization = awq_effect._made_when_run(tiny_llama, suite_run, deployed)
+    assert all(q.weight is None and torch.equal(q.made(), one[name]) for (name, _), q in quantization.items())
     assert apart[["observer", "variant"]].equals(together[["observer", "variant"]])
     for metric in evaluator.metric_names:
         assert torch.allclose(torch.tensor(apart[metric].values), torch.tensor(together[metric].values), rtol=1e-4)
@@ -938,8 +947,8 @@ def test_twin_observers_fold_once_and_share_their_model_level_figures(
 
     results = [replace(r, scales=with_twin(r.scales), qparams=with_twin(r.qparams)) for r in suite_run.results]
     run = replace(suite_run, observers={SEARCH_OBSERVER: {}, "minmax": {}}, results=results)
-    folded, real = [], awq_effect.variant_weights
-    monkeypatch.setattr(awq_effect, "variant_weights", lambda m, r, v, o: folded.append(o) or real(m, r, v, o))
+    folded, real = [], awq_effect.variant_deployment
+    monkeypatch.setattr(awq_effect, "variant_deployment", lambda m, r, v, o: folded.append(o) or real(m, r, v, o))
     effect = awq_effect.model_effect(tiny_llama, run, evaluator)
     assert folded == [SEARCH_OBSERVER] * len(Variant)
     figures = effect.drop(columns="observer").reset_index(drop=True)

@@ -12,7 +12,7 @@ import torch
 import observers as ob
 from sample_models import open_model
 from sample_models.capture import forward_kwargs
-from sample_models.effect import EffectRunner, TensorQuant
+from sample_models.effect import LOGIT_WINDOWS, EffectRunner, TensorQuant, logit_windows
 from sample_models.layers import resolve_layer
 
 LLAMA_UP = "model.layers.1.mlp.up_proj"
@@ -65,11 +65,28 @@ def test_stacked_metrics_are_each_variants_own_without_holding_the_logits(source
         assert all(mine[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-9) for k in mine)
         assert all(mine[k] == pytest.approx(alone[k], rel=1e-4, abs=1e-8) for k in mine)
     assert len({repr(metrics) for metrics in found}) == 3  # three quantizations, three sets of figures
-    if source == "tiny-llama":  # each variant's logits went into its sums batch by batch, none kept
-        held = evaluator.runner.run_stacked(variants, reduce=lambda index, logits: (index, logits.shape))
-        vocabulary = evaluator.runner.float_outputs[0].shape[-1]
-        shapes = [(i, (*batch.input_ids.shape, vocabulary)) for i, batch in enumerate(evaluator.runner.batches)]
-        assert all(run.outputs == shapes for run in held) and len(held) == 3
+    if source == "tiny-llama":  # each variant's logits went into its sums a few windows at a time, none kept
+        runner = evaluator.runner
+
+        def seen(index, rows, float_logits, logits):
+            torch.testing.assert_close(float_logits, runner.float_outputs[index][rows], rtol=1e-5, atol=1e-5)
+            return rows, tuple(logits.shape)
+
+        held = runner.run_stacked(variants, reduce=seen)
+        vocabulary = runner.float_outputs[0].shape[-1]
+        expected = [
+            [
+                (rows, (rows.stop - rows.start, batch.input_ids.shape[1], vocabulary))
+                for rows in logit_windows(len(batch.input_ids))
+            ]
+            for batch in runner.batches
+        ]
+        assert all(run.outputs == expected for run in held) and len(held) == 3
+        assert (
+            max(shape[0] for parts in expected for _, shape in parts)
+            == LOGIT_WINDOWS
+            < len(runner.batches[0].input_ids)
+        )
 
 
 def test_stacked_variants_must_quantize_the_same_tensors():
@@ -166,3 +183,22 @@ def test_one_quantization_runs_a_fused_experts_module_once_and_puts_its_weights_
     with pytest.raises(RuntimeError, match="the experts failed"):
         runner.run(experts_quant, sqnr=False)
     assert all(torch.equal(p, before[name]) for name, p in experts.named_parameters())
+
+
+def test_a_reduced_stacked_run_quantizes_each_variants_head_in_its_own_share_and_streams_the_head():
+    """Variants that quantize the LM head, reduced a few windows at a time on a model streamed block
+    by block: each variant's figures are its own run's (the float logits beside them made with no
+    variant's head), and the head loaded for the run is freed once it is over."""
+    from lab.effect.evaluate import Evaluator
+
+    evaluator = Evaluator(open_model("tiny-llama"), samples=8, seq_len=32, sequential=True, max_memory=64 << 20)
+    assert evaluator.runner.sequential
+    variants = [
+        {**v, **_variants(evaluator.model, "lm_head")[i]} for i, v in enumerate(_variants(evaluator.model, LLAMA_UP))
+    ]
+    found, _ = evaluator.stacked_metrics(variants)
+    for mine, variant in zip(found, variants, strict=True):
+        alone = evaluator.metrics(evaluator.runner.run(variant, sqnr=False))
+        assert all(mine[k] == pytest.approx(alone[k], rel=1e-4, abs=1e-8) for k in mine)
+    assert len({round(f["kl"], 9) for f in found}) == 3
+    assert evaluator.runner._backend.loader.resident == 0

@@ -170,26 +170,35 @@ class AWQDeploy:
             lines.append(f"{m.mapping.name}: {m.observer} ({how})")
         return lines
 
-    def model_weights(
-        self, model: Model, folded: MappingType[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def model_weights(self, model: Model, folded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Every balance layer's weight as the deployed model computes it, in the model's own
         coordinates: ``diag(s_out)·Q(F)·diag(1/s_in)``, which on the unsmoothed inputs computes what
         ``Q(F)`` computes on the smoothed ones (what the model-level effect runs). ``folded``: each
-        balance layer's ``F`` by name, where the caller has them (``weights_of_run``)."""
-        stored, found = StoredByLayer(model), {}
-        for m in self.mappings:
-            for name in m.mapping.balance:
-                if folded is not None and name in folded:
-                    weight = folded[name]
-                else:
-                    weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
-                wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
-                s_out = self.output_scales(name)
-                if s_out is not None:
-                    wide[-s_out.numel() :] *= s_out.view(-1, 1)
-                found[name] = (wide if m.scales is None else wide / m.scales.view(1, -1)).to(weight.dtype)
-        return found
+        balance layer's ``F`` by name, where the caller has them (``weights_of_run``), taken out of
+        it as each is used, so that a layer's ``F`` and its deployed weight are not both held for
+        every layer."""
+        stored = StoredByLayer(model)
+        return {name: self.model_weight(stored, name, folded) for name in self.balance_layers()}
+
+    def balance_layers(self) -> list[str]:
+        """Every balance layer the deployment quantizes, mapping by mapping."""
+        return [name for m in self.mappings for name in m.mapping.balance]
+
+    def model_weight(
+        self, stored: StoredByLayer, name: str, folded: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """One balance layer's weight as ``model_weights`` gives it, read from ``stored`` (or its
+        ``F`` taken out of ``folded``): what the model-level effect makes as the layer's block runs."""
+        scales = next(m.scales for m in self.mappings if name in m.mapping.balance)
+        if folded is not None and name in folded:
+            weight = folded.pop(name)
+        else:
+            weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
+        wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
+        s_out = self.output_scales(name)
+        if s_out is not None:
+            wide[-s_out.numel() :] *= s_out.view(-1, 1)
+        return (wide if scales is None else wide / scales.view(1, -1)).to(weight.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -349,12 +358,13 @@ def of_run(
         raise ValueError(f"AWQ folds into tensors the model's files do not hold by these names: {', '.join(missing)}")
     qparams: dict[str, ob.QParams] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    folded = {} if folded is None else folded
     for result, deployed in zip(run.results, mappings, strict=True):
         found = {}
         for name in result.mapping.balance:
             raw = stored(f"{name}.weight")
-            weight = folded[name] = skeleton.fold(f"{name}.weight", raw)
+            weight = skeleton.fold(f"{name}.weight", raw)
+            if folded is not None:
+                folded[name] = weight
             s_out = skeleton.output_scales(name)
             if s_out is None and result.weights.get(name) == candidates.tensor_digest(raw):
                 found[name] = result.qparams[(variant, deployed.observer)][name]  # found on this very F

@@ -10,14 +10,18 @@ it runs here in the model as loaded, each balance layer's weight replaced by
 the smoothed ones (a test checks the outputs against the folded, quantized model). Pairs that deploy
 the same weights (observers that agree, a variant that keeps llm-compressor's pick) run once, and
 twin observers with the same picks (``_deployment``) are folded once; the distinct ones run stacked
-along the batch, a few at a time (``EffectRunner.run_stacked``), made as they are run so that only
-those few are held.
+along the batch, a few at a time (``EffectRunner.run_stacked``). A deployment holds its qparams,
+not its weights: each balance layer's weight is made when its block runs and let go after it
+(``TensorQuant.made``), so a stacked pass holds a block's deployed weights, not a model's (26 GB
+for a 7B model's).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
+from functools import partial
 
 import pandas as pd
 import torch
@@ -29,19 +33,32 @@ from lab.awq.search import Variant
 from lab.effect.evaluate import Evaluator
 from sample_models import Model
 from sample_models.effect import TensorQuant
+from sample_models.sequential import return_freed_memory
 
 STACKED_VARIANTS = 8
 """The most quantizations run in one stacked pass over the held-out batches."""
 
 STACKED_BYTES = 1 << 30
-"""The most bytes of deployed weights those quantizations hold together: each holds every balance
-layer of the run (0.8 GB for one 7B-wide block), so a wide model runs fewer at a time."""
+"""The most bytes of deployed weights those quantizations hold together: each holds its balance
+layers of the block being run (0.8 GB for a 7B-wide block), so a wide model runs fewer at a time."""
+
+
+def variant_deployment(model: Model, run: AWQRun, variant: Variant, observer: str) -> deploy.AWQDeploy | None:
+    """The deployment of ``observer`` on every mapping under ``variant`` (``deploy.of_run``: its
+    qparams on the folded weights, no weight held). None when the observer has no row there on some
+    mapping, or gives no qparams on a folded weight."""
+    if any((variant, observer) not in result.qparams for result in run.results):
+        return None
+    try:
+        return deploy.of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
+    except ValueError:
+        return None
 
 
 def variant_weights(model: Model, run: AWQRun, variant: Variant, observer: str) -> dict[str, torch.Tensor] | None:
-    """Every balance layer's weight as the deployed model computes it with ``observer`` on every
-    mapping under ``variant``, in the model's own coordinates (``AWQDeploy.model_weights``). None
-    when the observer has no row there on some mapping, or gives no qparams on a folded weight."""
+    """Every balance layer's weight as ``variant_deployment``'s model computes it, in the model's
+    own coordinates (``deploy.weights_of_run``), all at once: what a comparison reads, where the
+    effect makes one block's at a time. None where there is no deployment."""
     if any((variant, observer) not in result.qparams for result in run.results):
         return None
     try:
@@ -66,6 +83,7 @@ def model_effect(
         found, _ = evaluator.stacked_metrics(list(waiting.values()))
         metrics.update(zip(waiting, found, strict=True))
         waiting.clear()
+        return_freed_memory()  # a 7B-wide block's deployment is 0.8 GB: the next is made in the memory this one held
 
     made: dict[tuple, str] = {}
     for observer in run.observers:
@@ -74,17 +92,17 @@ def model_effect(
             if deployment in made:
                 keys.append((observer, variant, made[deployment]))
                 continue
-            weights = variant_weights(model, run, variant, observer)
-            if weights is None:
+            deployed = variant_deployment(model, run, variant, observer)
+            if deployed is None:
                 continue
-            quantization = {(name, "weight"): TensorQuant(run.spec, None, weight) for name, weight in weights.items()}
+            quantization = _made_when_run(model, run, deployed)
             if not keys:
                 _check(evaluator, quantization)
             key = made[deployment] = _digest(quantization)
             keys.append((observer, variant, key))
             if key not in metrics and key not in waiting:
                 waiting[key] = quantization
-            if len(waiting) >= _stacked(quantization):
+            if len(waiting) >= _stacked(model, deployed, evaluator):
                 measure()
     if waiting:
         measure()
@@ -92,10 +110,25 @@ def model_effect(
     return pd.DataFrame(rows, columns=["observer", "variant", *evaluator.metric_names])
 
 
-def _stacked(quantization: dict[tuple[str, str], TensorQuant]) -> int:
-    """How many quantizations like this one a stacked pass holds: ``STACKED_VARIANTS``, fewer where
-    their weights would pass ``STACKED_BYTES``."""
-    held = sum(q.weight.numel() * q.weight.element_size() for q in quantization.values())
+def _made_when_run(model: Model, run: AWQRun, deployed: deploy.AWQDeploy) -> dict[tuple[str, str], TensorQuant]:
+    """Each balance layer's deployed weight as a quantization of the runner, made when its layer
+    runs (``AWQDeploy.model_weight``)."""
+    stored = deploy.StoredByLayer(model)
+    return {
+        (name, "weight"): TensorQuant(run.spec, None, made=partial(deployed.model_weight, stored, name))
+        for name in deployed.balance_layers()
+    }
+
+
+def _stacked(model: Model, deployed: deploy.AWQDeploy, evaluator: Evaluator) -> int:
+    """How many deployments like this one a stacked pass holds: ``STACKED_VARIANTS``, fewer where
+    the deployed weights of one block would pass ``STACKED_BYTES`` (a block's are made as it runs)."""
+    size = torch.empty((), dtype=model.dtype).element_size()
+    blocks: dict[int | None, int] = {}
+    for name, shape in deployed.shapes.items():
+        block = evaluator.runner.block_of(name)
+        blocks[block] = blocks.get(block, 0) + math.prod(shape) * size
+    held = max(blocks.values(), default=0)
     return max(1, min(STACKED_VARIANTS, STACKED_BYTES // max(held, 1)))
 
 
@@ -122,10 +155,11 @@ def _check(evaluator: Evaluator, quantization: dict) -> None:
 
 
 def _digest(quantization: dict[tuple[str, str], TensorQuant]) -> str:
-    """The weights a quantization replaces (each given as a weight, ``variant_weights``), in a few
-    bytes: equal digests run the same model."""
+    """The weights a quantization replaces (each made in turn and let go, ``_made_when_run``), in a
+    few bytes: equal digests run the same model."""
     found = hashlib.sha1()
     for (name, _), quant in sorted(quantization.items()):
         found.update(name.encode())
-        found.update(quant.weight.detach().float().cpu().contiguous().numpy().tobytes())
+        weight = quant.weight if quant.weight is not None else quant.made()
+        found.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
     return found.hexdigest()

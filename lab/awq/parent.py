@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lab.awq.budget import ACTIVATION_BYTES
@@ -108,7 +109,7 @@ class ParentCalls:
         """Per call (the calls at ``order``'s indices, in its order; None: every call in turn),
         each replacement's squared difference to the float output summed over the call's real
         tokens (float64, ``(n,)``): ``weights`` give each balance layer's ``n`` replacements laid
-        out ``(n, in, out)`` (``stacked``), the calls run one by one, so a caller may stop after
+        out ``(n, out, in)`` (``stacked``), the calls run one by one, so a caller may stop after
         any (close the iterator: the balance layers' own forwards come back then)."""
         n = next(iter(weights.values())).shape[0]
         with _swapped(balance, weights), torch.no_grad():
@@ -174,11 +175,11 @@ class LinearCalls:
     ) -> Iterator[torch.Tensor]:
         """Per row block (those at ``order``'s indices, in its order; None: every block in turn),
         each replacement's part ``Σ_rows δ M δᵀ`` (float64, ``(n,)``); ``weights``: the one
-        layer's ``n`` replacements laid out ``(n, in, out)``."""
-        (transposed,) = weights.values()
-        m = self.moment.to(transposed.device, torch.float64)
+        layer's ``n`` replacements laid out ``(n, out, in)``."""
+        (replaced,) = weights.values()
+        m = self.moment.to(replaced.device, torch.float64)
         for rows in self.calls if order is None else [self.calls[index] for index in order]:
-            delta = transposed[:, :, rows].transpose(1, 2).double() - self.weight[rows].double()
+            delta = replaced[:, rows].double() - self.weight[rows].double()
             yield ((delta @ m) * delta).flatten(1).sum(1).clamp_min(0).cpu()
 
 
@@ -207,28 +208,32 @@ def _repeat(value, batch: int, n: int, repeat: Callable[[torch.Tensor, int], tor
 
 
 def stacked(replacements: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each layer's replacement weights ``(out, in)`` laid out ``(n, in, out)`` in one copy, what a
-    replay reads: a batched product reads a contiguous right-hand side about a fifth faster than a
-    transposed view."""
-    return {name: torch.stack([r[name].t() for r in replacements]) for name in replacements[0]}
+    """Each layer's replacement weights ``(out, in)`` laid out ``(n, out, in)``, what a replay
+    reads: one copy in their own layout, or a view of the one replacement (a 7B-wide gate/up
+    candidate is 360 MB, raced alone; a transposed copy of it cost more than its replay's products)."""
+    if len(replacements) == 1:
+        return {name: weight.unsqueeze(0) for name, weight in replacements[0].items()}
+    return {name: torch.stack([r[name] for r in replacements]) for name in replacements[0]}
 
 
 @contextmanager
-def _swapped(balance: dict[str, nn.Linear], transposed: dict[str, torch.Tensor]):
+def _swapped(balance: dict[str, nn.Linear], weights: dict[str, torch.Tensor]):
     """Each balance layer's forward swapped for one that gives each input share its own weight: the
     input ``(n·b, …, in)`` cut into ``n`` shares along the first dimension, share ``i`` multiplied
-    by ``transposed[name][i]`` ``(in, out)``. The layer's own product is never computed (a
-    forward hook would replace its output only after computing it, a third of an MLP parent's
-    work thrown away)."""
+    by ``weights[name][i]`` ``(out, in)`` (one share: the layer's own linear map with that weight).
+    The layer's own product is never computed (a forward hook would replace its output only after
+    computing it, a third of an MLP parent's work thrown away)."""
 
     def forward_for(module: nn.Linear, name: str):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            w = transposed[name].to(x.dtype)
+            w = weights[name].to(x.dtype)
             n = w.shape[0]
-            y = torch.bmm(x.reshape(n, -1, x.shape[-1]), w)
+            if n == 1:
+                return F.linear(x, w[0], module.bias)
+            y = torch.bmm(x.reshape(n, -1, x.shape[-1]), w.transpose(1, 2))
             if module.bias is not None:
                 y = y + module.bias
-            return y.reshape(*x.shape[:-1], w.shape[2])
+            return y.reshape(*x.shape[:-1], w.shape[1])
 
         return forward
 

@@ -47,6 +47,7 @@ from sample_models.replay import (
     replay_of,
     structure,
 )
+from sample_models.sequential import return_freed_memory
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,8 @@ class AWQWalk:
         self.checking.advance(index, changed)
         self._inputs = BlockInputs()
         if index == self.last and self.searched is not None:
+            del seen, checked  # the block's calls and moments go before the deployment folds every balance layer
+            return_freed_memory()
             self.searched(self.result())
         return lambda module: forward_swapped(block, changed.forward)
 

@@ -254,13 +254,13 @@ class Evaluator:
 
     def stacked_metrics(self, variants: Sequence[Quantization]) -> tuple[list[dict[str, float]], int]:
         """``metrics_of`` the stacked run of ``variants`` (``EffectRunner.run_stacked``) and the block
-        it started at, a decoder's logits made a batch and a variant at a time and reduced to their
-        sums as they come (each variant's own figures, up to the last bits of its head's product):
-        the logits over the vocabulary are never held for every batch and variant at once."""
+        it started at, a decoder's logits (and the float model's) made a few windows and a variant
+        at a time and reduced to their sums as they come (each variant's own figures, up to the last
+        bits of its head's product): no logits over the vocabulary are held for a whole batch."""
         if self.kind != "decoder":
             runs = self.runner.run_stacked(variants)
             return self.metrics_of(runs), runs[0].start
-        sides = FloatSides(self.runner.float_outputs, self.runner.batches)
+        sides = FloatSides(self.runner.batches)
         runs = self.runner.run_stacked(variants, reduce=sides.against)
         return [sides.metrics(run.outputs) for run in runs], runs[0].start
 

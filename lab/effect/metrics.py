@@ -1,7 +1,7 @@
 """The model-level metrics of quantized outputs against the float model's on held-out text: a
 decoder LM's KL(float || quantized) of next-token distributions, top-1 agreement and perplexity
 (``decoder_metrics``; several models at once with the float side of each batch made once,
-``decoder_metrics_of``, or batch by batch as a stacked run's logits come, ``FloatSides``), an
+``decoder_metrics_of``, or a few windows at a time as a stacked run's logits come, ``FloatSides``), an
 encoder's mean cosine of sentence embeddings and the Spearman correlation of the held-out
 sentences' pairwise similarities (``encoder_metrics``)."""
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sample_models.effect import logit_windows
 
 
 @dataclass(frozen=True)
@@ -65,41 +67,51 @@ def decoder_metrics_of(
     float_logits: Sequence[torch.Tensor], runs: Sequence[Sequence[torch.Tensor]], batches
 ) -> list[dict[str, float]]:
     """``decoder_metrics`` of several quantized models' logits (``runs``, each per batch), the
-    float side of each batch computed once for all of them: each model's figures are the ones
-    ``decoder_metrics`` gives it alone, bit for bit."""
-    sides = FloatSides(float_logits, batches)
-    sums: list[list] = [[] for _ in runs]
-    for index in range(len(batches)):
-        for per_batch, run in zip(sums, runs, strict=True):
-            per_batch.append(sides.against(index, run[index]))
+    float side of each batch's windows computed once for all of them: each model's figures are the
+    ones ``decoder_metrics`` gives it alone, bit for bit, and the ones a reduced stacked run gives
+    it from the same logits (the same windows, ``logit_windows``, summed in the same order)."""
+    sides = FloatSides(batches)
+    sums: list[list[list]] = [[[] for _ in batches] for _ in runs]
+    for index, batch in enumerate(batches):
+        float_batch = float_logits[index]
+        for rows in logit_windows(len(batch.input_ids)):
+            for per_batch, run in zip(sums, runs, strict=True):
+                per_batch[index].append(sides.against(index, rows, float_batch[rows], run[index][rows]))
     return [sides.metrics(per_batch) for per_batch in sums]
 
 
 class FloatSides:
-    """The float side of each held-out batch (``_FloatSide``), made when a batch is first asked
-    for and kept until another is (a stacked run asks for one batch's variants in turn), and the
-    sums that make the decoder metrics, added batch by batch in order."""
+    """The float side of some windows of a held-out batch (``_FloatSide``), made when those windows
+    are first asked for and kept until others are (a stacked run asks for one part's variants in
+    turn, ``EffectRunner.run_stacked``), and the sums that make the decoder metrics, added part by
+    part in order."""
 
-    def __init__(self, float_logits: Sequence[torch.Tensor], batches) -> None:
-        self.float_logits, self.batches = float_logits, batches
-        self._current: tuple[int, _FloatSide] | None = None
-        self._nll: dict[int, float] = {}
+    def __init__(self, batches) -> None:
+        self.batches = batches
+        self._current: tuple[tuple[int, int], _FloatSide] | None = None
+        self._nll: dict[tuple[int, int], float] = {}
 
-    def against(self, index: int, logits: torch.Tensor) -> tuple[float, float, float, float]:
-        """``_FloatSide.against`` for batch ``index``."""
-        if self._current is None or self._current[0] != index:
+    def against(
+        self, index: int, rows: slice, float_logits: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[float, float, float, float]:
+        """``_FloatSide.against`` for windows ``rows`` of batch ``index`` (a ``Reduce``: the float
+        and quantized logits of those windows)."""
+        key = (index, rows.start or 0)
+        if self._current is None or self._current[0] != key:
             batch = self.batches[index]
-            self._current = (index, _FloatSide.of(self.float_logits[index], batch.input_ids, batch.valid))
-            self._nll[index] = self._current[1].nll
+            self._current = (key, _FloatSide.of(float_logits, batch.input_ids[rows], batch.valid[rows]))
+            self._nll[key] = self._current[1].nll
         return self._current[1].against(logits)
 
-    def metrics(self, per_batch: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
-        """One model's metrics from its sums per batch (every batch's, in order, each batch's float
-        side made by ``against`` first)."""
+    def metrics(self, per_batch: Sequence[Sequence[tuple[float, float, float, float]]]) -> dict[str, float]:
+        """One model's metrics from its sums per batch (a list per batch, one per ``logit_windows``
+        part, every part's float side made by ``against`` first)."""
         kl = agree = nll_q = predicted = nll_p = count = 0.0
-        for index, (sums, batch) in enumerate(zip(per_batch, self.batches, strict=True)):
-            kl, agree, nll_q, predicted = kl + sums[0], agree + sums[1], nll_q + sums[2], predicted + sums[3]
-            nll_p += self._nll[index]
+        for index, (parts, batch) in enumerate(zip(per_batch, self.batches, strict=True)):
+            windows = logit_windows(len(batch.input_ids))
+            for rows, sums in zip(windows, parts, strict=True):
+                kl, agree, nll_q, predicted = kl + sums[0], agree + sums[1], nll_q + sums[2], predicted + sums[3]
+                nll_p += self._nll[(index, rows.start)]
             count += float(batch.valid.sum())
         return {
             "kl": max(kl / count, 0.0),
