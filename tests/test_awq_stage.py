@@ -933,6 +933,43 @@ def test_the_model_level_effect_holds_no_more_deployed_weights_than_its_byte_bou
         assert torch.allclose(torch.tensor(apart[metric].values), torch.tensor(together[metric].values), rtol=1e-4)
 
 
+def test_the_deployment_and_the_model_level_effect_map_their_large_blocks_for_themselves(
+    tiny_llama, suite_run, evaluator, monkeypatch
+) -> None:
+    # their folded and quantized weights (some in float64), left in the CLI's heap that keeps freed
+    # blocks, held 8 GB resident for 1.5 GB live at a 7B-wide block: every fold and every deployed
+    # weight is made with large blocks mapped for themselves, and the heap's rule is back after
+    import lab.allocator
+    from lab.awq import deploy as awq_deploy
+    from lab.awq import effect as awq_effect
+
+    class Libc:
+        calls: list[tuple[int, int]] = []
+
+        def mallopt(self, option: int, value: int) -> int:
+            self.calls.append((option, value))
+            return 1
+
+    monkeypatch.setattr(lab.allocator, "_kept_by", Libc())
+    depths: dict[str, list[int]] = {"fold": [], "model_weight": []}
+    for method in depths:
+        real = getattr(awq_deploy.AWQDeploy, method)
+
+        def recorded(self, *args, _real=real, _seen=depths[method], **kwargs):
+            _seen.append(lab.allocator._mapped_depth)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(awq_deploy.AWQDeploy, method, recorded)
+    effect = awq_effect.model_effect(tiny_llama, suite_run, evaluator, [Variant.LLM_COMPRESSOR])
+    assert len(effect) == len(suite_run.observers)
+    assert depths["fold"] and depths["model_weight"] and min(depths["fold"] + depths["model_weight"]) >= 1
+    depths["fold"].clear()
+    of_run(tiny_llama, suite_run, Variant.LLM_COMPRESSOR, {r.mapping.name: "mse_grid" for r in suite_run.results})
+    assert depths["fold"] and min(depths["fold"]) == 1  # the checkpoint's deployment, outside the effect
+    assert lab.allocator._mapped_depth == 0
+    assert Libc.calls[-1] == (lab.allocator._M_MMAP_THRESHOLD, lab.allocator.KEPT_BYTES)
+
+
 def test_twin_observers_fold_once_and_share_their_model_level_figures(
     tiny_llama, suite_run, evaluator, monkeypatch
 ) -> None:

@@ -202,3 +202,7 @@ def test_a_reduced_stacked_run_quantizes_each_variants_head_in_its_own_share_and
         assert all(mine[k] == pytest.approx(alone[k], rel=1e-4, abs=1e-8) for k in mine)
     assert len({round(f["kl"], 9) for f in found}) == 3
     assert evaluator.runner._backend.loader.resident == 0
+    # the float logits are made from the last hidden states when asked, the head loaded for them and let go
+    float_logits = evaluator.runner.float_outputs[0]
+    assert float_logits.shape[-1] == evaluator.model.config.vocab_size
+    assert evaluator.runner._backend.loader.resident == 0

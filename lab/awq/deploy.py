@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 import observers as ob
+from lab.allocator import large_blocks_mapped
 from lab.awq import candidates, observed
 from lab.awq.fold import fold_key, folded_keys, fused_views
 from lab.awq.mappings import Mapping
@@ -328,6 +329,7 @@ def choose_observers(
     return chosen
 
 
+@large_blocks_mapped()
 def of_run(
     model: Model,
     run: AWQRun,
@@ -341,7 +343,9 @@ def of_run(
     """The deployment of ``run`` under ``variant`` with ``observers`` (per mapping name): the scales
     of each mapping's observer and each balance layer's qparams on its folded weight (put in
     ``folded`` by name when given). A stored tensor the scales touch that the model's files do not
-    hold under its module's name, or an observer without qparams there, is one ``ValueError``."""
+    hold under its module's name, or an observer without qparams there, is one ``ValueError``. Its
+    folded weights and the observers' work on them are large blocks of several sizes, mapped for
+    themselves (``lab.allocator.large_blocks_mapped``)."""
     stored = StoredByLayer(model)
     mappings = []
     for result in run.results:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import observers as ob
+from lab.allocator import large_blocks_mapped
 from lab.awq import candidates, observed
 from lab.awq.budget import SearchBudget
 from lab.awq.candidates import Candidate
@@ -323,24 +324,27 @@ def search(
                 failed[(variant, observer)] = error or "no candidate gave a finite loss"
             else:
                 kept[(variant, observer)] = pick
-    checked = None if held_out is None else Side(held_out, spec, judge.budget.activations())
-    figures = PickFigures(judge.side, checked, judge.with_weights, judge.step)
-    figures.measure([candidate for _, candidate, _ in kept.values()])
-    if gptq is not None:
-        with_knobs = {key: (candidate, observers[key[1]]) for key, (_, candidate, _) in kept.items()}
-        figures.measure_gptq(with_knobs, weights, spec, gptq)
-    for observer in observers:
-        for variant in Variant:
-            key = (variant, observer)
-            if key in failed:
-                result.rows.append(VariantRow(observer, variant, error=failed[key]))
-                continue
-            index, candidate, loss = kept[key]
-            ratio, duo = (None, None) if index is None else grid[index]
-            result.rows.append(_row(key, candidate, loss, ratio, duo, figures))
-            if candidate.scales is not None:
-                result.scales[key] = candidate.scales
-            result.qparams[key] = candidate.qparams
+    # the picks' figures make a few large tensors of several sizes (a pick's smoothed weights for its
+    # clipped share): mapped for themselves, so that a heap that keeps freed blocks does not strand them
+    with large_blocks_mapped():
+        checked = None if held_out is None else Side(held_out, spec, judge.budget.activations())
+        figures = PickFigures(judge.side, checked, judge.with_weights, judge.step)
+        figures.measure([candidate for _, candidate, _ in kept.values()])
+        if gptq is not None:
+            with_knobs = {key: (candidate, observers[key[1]]) for key, (_, candidate, _) in kept.items()}
+            figures.measure_gptq(with_knobs, weights, spec, gptq)
+        for observer in observers:
+            for variant in Variant:
+                key = (variant, observer)
+                if key in failed:
+                    result.rows.append(VariantRow(observer, variant, error=failed[key]))
+                    continue
+                index, candidate, loss = kept[key]
+                ratio, duo = (None, None) if index is None else grid[index]
+                result.rows.append(_row(key, candidate, loss, ratio, duo, figures))
+                if candidate.scales is not None:
+                    result.scales[key] = candidate.scales
+                result.qparams[key] = candidate.qparams
     if progress is not None and judge.done < total:
         progress(total, total)
     return result
