@@ -58,14 +58,10 @@ def variant_deployment(model: Model, run: AWQRun, variant: Variant, observer: st
 
 def variant_weights(model: Model, run: AWQRun, variant: Variant, observer: str) -> dict[str, torch.Tensor] | None:
     """Every balance layer's weight as ``variant_deployment``'s model computes it, in the model's
-    own coordinates (``deploy.weights_of_run``), all at once: what a comparison reads, where the
+    own coordinates (``AWQDeploy.model_weights``), all at once: what a comparison reads, where the
     effect makes one block's at a time. None where there is no deployment."""
-    if any((variant, observer) not in result.qparams for result in run.results):
-        return None
-    try:
-        return deploy.weights_of_run(model, run, variant, {r.mapping.name: observer for r in run.results})
-    except ValueError:
-        return None
+    deployed = variant_deployment(model, run, variant, observer)
+    return None if deployed is None else deployed.model_weights(model)
 
 
 @large_blocks_mapped()
