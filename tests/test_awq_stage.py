@@ -5,6 +5,7 @@ blocks, the four variants' guarantees, the folded weights and the one-line refus
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import importlib.util
 
@@ -21,6 +22,7 @@ from lab.awq.deploy import of_run
 from lab.awq.inputs import hooked
 from lab.awq.mappings import NOT_A_DECODER, resolve
 from lab.awq.moment import InputMoment
+from lab.awq.observed import observe
 from lab.awq.run import run_awq
 from lab.awq.search import SEARCH_OBSERVER, Variant
 from lab.awq.table import awq_frame
@@ -1049,3 +1051,65 @@ def test_gptq_after_each_variant_is_judged_and_under_rtn_is_gptq_alone(tiny_llam
         assert row.gptq_held_out_error != pytest.approx(row.gptq_error, rel=1e-3)
     frame = awq_frame(run)
     assert frame["gptq_held_out_error"].notna().all() and frame["gptq_held_out_rank"].min() == 1
+
+
+def test_a_mappings_input_moment_holds_the_parents_recorded_inputs_not_a_copy(tiny_llama, monkeypatch) -> None:
+    # a 7B-wide block's four mappings hold 0.4 GB of recorded parent inputs on each of the calibration
+    # and held-out sides: the moment's token rows (fewer tokens than columns) are views of them, and
+    # the figures they give are the ones a moment of copied rows gives
+    import lab.awq.run as awq_run
+
+    seen = []
+
+    def recorded(mapping, inputs, *args, **kwargs):
+        seen.append(inputs)
+        return real(mapping, inputs, *args, **kwargs)
+
+    real = awq_run.search
+    monkeypatch.setattr(awq_run, "search", recorded)
+    run = run_awq(tiny_llama, INT4_G16, {SEARCH_OBSERVER: {}}, ob.AWQSpec(n_grid=3), samples=2, seq_len=16)
+    assert len(seen) == len(run.results) >= 3
+    for inputs in seen:
+        moment = inputs.moment
+        assert moment.held_as_tokens and moment.count == 32
+        recorded_inputs = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs.parent.calls]
+        assert [r.untyped_storage().data_ptr() for r in moment._rows] == [
+            x.untyped_storage().data_ptr() for x in recorded_inputs
+        ]
+        copied = InputMoment(moment.columns)
+        for x in recorded_inputs:
+            copied.add(x.reshape(-1, moment.columns).clone())
+        weight = next(iter(inputs.balance.values())).weight.detach()
+        assert moment.energy(weight) == copied.energy(weight)
+        assert torch.equal(moment.diagonal(), copied.diagonal())
+
+
+def test_a_padded_batchs_moment_takes_only_its_real_tokens() -> None:
+    from lab.awq.inputs import _Statistics
+
+    x = torch.randn(2, 5, 16)  # fewer tokens than columns: the moment holds its rows
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    stats = _Statistics()
+    stats.add(x, valid)
+    assert stats.count == 7 and stats.moment.count == 7
+    assert torch.allclose(stats.moment.full(), (x[valid].double().T @ x[valid].double()) / 7)
+    assert torch.equal(stats.abs_sum, x[valid].abs().sum(0))
+    full = _Statistics()
+    full.add(x, torch.ones(2, 5, dtype=torch.bool))
+    assert full.moment._rows[0].data_ptr() == x.data_ptr()  # every token real: a view, no copy
+
+
+def test_a_picks_clipped_share_is_its_metrics_clip_ratio() -> None:
+    # the figure reads one mask (``clip_ratio``), not every metric over a 7B-wide layer: the same share
+    torch.manual_seed(3)
+    weights = {"a": torch.randn(24, 64), "b": torch.randn(8, 64) * 3}
+    scales = torch.rand(64, dtype=torch.float64) + 0.5
+    qparams = {}
+    for name, w in weights.items():
+        qp = observe("memoryless_minmax", candidates.smoothed(w, scales), INT4_G16, {})
+        qparams[name] = dataclasses.replace(qp, scale=qp.scale * 0.7)
+    candidate = candidates.Candidate(scales, qparams, {})
+    shares = candidate.clipped(weights, INT4_G16)
+    for name, w in weights.items():
+        metrics = ob.quantization_metrics(candidates.smoothed(w, scales), qparams[name], INT4_G16)
+        assert shares[name] == metrics["clip_ratio"] > 0

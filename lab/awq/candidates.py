@@ -35,6 +35,7 @@ from lab.awq.observed import (
 )
 from lab.runtime import fusion
 from lab.runtime import scales as scales_rule
+from observers.metrics import clip_ratio
 from observers.smoothed_quant_kernel import smoothed_fake_quantize
 
 _SMOOTHED = "smoothed:"
@@ -57,11 +58,16 @@ class Candidate:
     """Its ``digest``, kept by ``make`` once the qparams are final (None: computed when asked)."""
 
     def clipped(self, weights: dict[str, torch.Tensor], spec: ob.QuantSpec) -> dict[str, float]:
-        """Per layer, the share of its smoothed weight outside the range its qparams represent."""
-        return {
-            name: float(ob.quantization_metrics(smoothed(weights[name], self.scales), qp, spec).get("clip_ratio", 0.0))
-            for name, qp in self.qparams.items()
-        }
+        """Per layer, the share of its smoothed weight outside the range its qparams represent
+        (``clip_ratio``: one mask, none of the other metrics' passes over a 7B-wide layer; a plain
+        cast, which has no scale, counts the values beyond its largest as its metrics do)."""
+        return {name: _clip_share(smoothed(weights[name], self.scales), qp, spec) for name, qp in self.qparams.items()}
+
+
+def _clip_share(weight: torch.Tensor, qp: ob.QParams, spec: ob.QuantSpec) -> float:
+    if spec.format.kind == "cast":
+        return float(ob.quantization_metrics(weight, qp, spec)["clip_ratio"])
+    return clip_ratio(weight, qp, spec)
 
 
 def scales_key(scales: torch.Tensor | None) -> str:

@@ -195,11 +195,17 @@ class AWQDeploy:
             weight = folded.pop(name)
         else:
             weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
-        wide = ob.fake_quantize(weight, self.qparams[name], self.spec).double()
+        dtype = weight.dtype
+        quantized = ob.fake_quantize(weight, self.qparams[name], self.spec)
+        del weight  # the folded copy goes before the float64 arithmetic (in place, one 7B-wide layer's 360 MB)
+        wide = quantized.double()
+        del quantized
         s_out = self.output_scales(name)
         if s_out is not None:
             wide[-s_out.numel() :] *= s_out.view(-1, 1)
-        return (wide if scales is None else wide / scales.view(1, -1)).to(weight.dtype)
+        if scales is not None:
+            wide /= scales.view(1, -1)
+        return wide.to(dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {

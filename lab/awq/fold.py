@@ -18,21 +18,24 @@ from lab.awq.mappings import Mapping
 
 def fold_mapping(tensor: Callable[[str], torch.Tensor | None], mapping: Mapping, scales: torch.Tensor) -> None:
     """Fold one mapping's ``scales`` in place into the tensors ``tensor(key)`` gives (None: a tensor
-    left as it is here, a smooth layer without a bias, or a key another call folds)."""
+    left as it is here, a smooth layer without a bias, or a key another call folds). Each product
+    is taken in float64 with the tensor promoted inside it (no float64 copy of a 7B-wide layer
+    beside the product's), then cast back."""
+    wide = scales.double()
     with torch.no_grad():
         for name in mapping.balance + mapping.scaled:
             weight = tensor(f"{name}.weight")
             if weight is not None:
-                weight.copy_((weight.double() * scales.view(1, -1)).to(weight.dtype))
+                weight.copy_((weight * wide.view(1, -1)).to(weight.dtype))
         weight = tensor(f"{mapping.smooth}.weight")
         if weight is not None and weight.dim() == 1:
-            weight.copy_((weight.double() / scales).to(weight.dtype))
+            weight.copy_((weight / wide).to(weight.dtype))
         elif weight is not None:
-            rows = weight[-scales.numel() :]
-            rows.copy_((rows.double() / scales.view(-1, 1)).to(rows.dtype))
+            rows = weight[-wide.numel() :]
+            rows.copy_((rows / wide.view(-1, 1)).to(rows.dtype))
         bias = tensor(f"{mapping.smooth}.bias")
         if bias is not None:
-            bias.copy_((bias.double() / scales).to(bias.dtype))
+            bias.copy_((bias / wide).to(bias.dtype))
 
 
 def folded_keys(mapping: Mapping) -> list[str]:

@@ -39,8 +39,10 @@ class _Statistics:
         self.count = 0
 
     def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
-        rows = x[valid] if x.dim() == 3 and tuple(x.shape[:2]) == tuple(valid.shape) else x.reshape(-1, x.shape[-1])
-        rows = rows.detach()
+        """One batch's input ``x``: its real tokens' rows, a view of ``x`` itself where every token is
+        real (the parent's recorded call holds the same tensor, so the moment holds no second copy)."""
+        padded = x.dim() == 3 and tuple(x.shape[:2]) == tuple(valid.shape) and not bool(valid.all())
+        rows = (x[valid] if padded else x.reshape(-1, x.shape[-1])).detach()
         batch_sum = rows.abs().float().sum(dim=0)
         self.abs_sum = batch_sum if self.abs_sum is None else self.abs_sum + batch_sum
         if self.moment is None:

@@ -52,14 +52,16 @@ class InputMoment:
         return self._sum is None
 
     def add(self, rows: torch.Tensor) -> None:
-        """One batch's rows ``(tokens, columns)``: kept while the tokens are fewer than the columns,
-        else summed into ``Σ x xᵀ`` (float64, in the order the batches came)."""
+        """One batch's rows ``(tokens, columns)``: kept while the tokens are fewer than the columns
+        (as given, not copied: a caller hands rows nothing writes to again, such as a view of a
+        parent's recorded input), else summed into ``Σ x xᵀ`` (float64, in the order the batches
+        came)."""
         if self._divided:
             raise ValueError("an input moment takes no rows once it has been read")
         rows = rows.detach().reshape(-1, self.columns)
         self.count += rows.shape[0]
         if self._sum is None and self.count <= self.columns:
-            self._rows.append(rows.clone())
+            self._rows.append(rows)
             return
         if self._sum is None:
             self._sum = self._summed()

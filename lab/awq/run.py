@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import observers as ob
+from lab.allocator import large_blocks_mapped
 from lab.awq.budget import walk_budget
 from lab.awq.experts import linearize
 from lab.awq.fold import fold_mapping
@@ -190,11 +191,13 @@ class AWQWalk:
             )
             self.results.append(found)
             _smooth(changed, mapping, prefix, found.searched)
-        self.checking.advance(index, changed)
+        # the block's recorded calls and moments go before the held-out batches run through the copy
+        # (and, after the last block, before the deployment folds every balance layer)
+        del seen, checked
         self._inputs = BlockInputs()
+        return_freed_memory()
+        self.checking.advance(index, changed)
         if index == self.last and self.searched is not None:
-            del seen, checked  # the block's calls and moments go before the deployment folds every balance layer
-            return_freed_memory()
             self.searched(self.result())
         return lambda module: forward_swapped(block, changed.forward)
 
@@ -360,7 +363,9 @@ def _check_shapes(model: Model, mappings: list[Mapping], spec: ob.QuantSpec, lis
                 )
 
 
+@large_blocks_mapped()
 def _smooth(block: nn.Module, mapping: Mapping, prefix: str, scales: torch.Tensor) -> None:
-    """Fold ``scales`` into the block's copy (``fold.fold_mapping`` on its parameters)."""
+    """Fold ``scales`` into the block's copy (``fold.fold_mapping`` on its parameters); its float64
+    products, a 7B-wide layer's 360 MB each, are mapped for themselves (``lab.allocator``)."""
     parameters = dict(block.named_parameters())
     fold_mapping(lambda key: parameters.get(key[len(prefix) :]), mapping, scales)
