@@ -197,8 +197,8 @@ class AWQDeploy:
             weight = self.fold(f"{name}.weight", stored(f"{name}.weight"))
         dtype = weight.dtype
         quantized = ob.fake_quantize(weight, self.qparams[name], self.spec)
-        del weight  # the folded copy goes before the float64 arithmetic (in place, one 7B-wide layer's 360 MB)
-        wide = quantized.double()
+        del weight  # the folded copy goes before the float64 arithmetic, done in place on a copy of its own
+        wide = quantized.to(torch.float64, copy=True)
         del quantized
         s_out = self.output_scales(name)
         if s_out is not None:
